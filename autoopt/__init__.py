@@ -1,0 +1,35 @@
+"""autoopt: make JAX programs move less data and hold less device memory, automatically.
+
+``@autoopt.optimize`` is a drop-in for ``@jax.jit``: it traces the function to a jaxpr, applies
+what an expert would do by hand (buffer donation, in-place updates, rematerialization,
+placement), and returns a jitted callable that computes the same numbers.
+"""
+
+from autoopt._api import AutooptWarning, OptimizedFunction, explain, optimize
+from autoopt.explain import Finding, Report
+
+__all__ = [
+    "optimize",
+    "explain",
+    "OptimizedFunction",
+    "Report",
+    "Finding",
+    "AutooptWarning",
+    "testing",
+]
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # Lazy: autoopt.testing imports hypothesis only when its strategies are used, and the
+    # placement helpers load only when asked for.
+    if name == "testing":
+        import importlib
+
+        return importlib.import_module("autoopt.testing")
+    if name in ("prefetch", "constant"):
+        import importlib
+
+        return getattr(importlib.import_module("autoopt._placement"), name)
+    raise AttributeError(f"module 'autoopt' has no attribute {name!r}")

@@ -1,0 +1,402 @@
+"""``optimize`` and ``OptimizedFunction``: the signature cache and the call path.
+
+How a call runs. ``jax.jit`` wraps a small function (``_wrapper``) that, while jit traces it,
+traces the user's function once to a jaxpr, runs the passes, and evaluates the optimized jaxpr
+into jit's trace. So JAX's own C++ dispatch keeps the signature cache: a cached call costs what
+``jax.jit`` costs plus one Python method call (and, under ``donate="safe"``, one dict lookup on
+the caller's code position). A naive ``make_jaxpr`` + ``jit`` per call costs ~26 ms; this path
+costs microseconds.
+
+Donation varies per call (the ``"safe"`` proof depends on the caller's statement), so there is
+one ``jax.jit`` object per donated-argument set. Each traces the wrapper separately, but the
+wrapper caches the traced and optimized program per signature, so the user's function is
+traced once per signature whatever the variant.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import sys
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax import tree_util
+
+from autoopt import _callsite, _compat, _jaxpr, _trace
+from autoopt._options import Options, make_options
+from autoopt.passes import PassContext, PassError, PipelineResult, jit_options_for, run_pipeline
+
+log = logging.getLogger("autoopt")
+
+__all__ = ["optimize", "explain", "OptimizedFunction", "AutooptWarning"]
+
+
+class AutooptWarning(UserWarning):
+    """autoopt fell back to plain ``jax.jit``, or could not apply something it found."""
+
+
+def _fn_location(fn: Callable) -> str | None:
+    try:
+        code = fn.__code__
+        return f"{code.co_filename}:{code.co_firstlineno}"
+    except AttributeError:
+        return None
+
+
+def _unwrap_jit(fn: Callable) -> Callable:
+    """A ``jax.jit``-wrapped function is unwrapped; the options given to ``optimize`` apply."""
+    while isinstance(fn, jax.stages.Wrapped) or type(fn).__name__ in ("PjitFunction", "JitWrapped"):
+        inner = getattr(fn, "__wrapped__", None)
+        if inner is None:
+            break
+        fn = inner
+    if isinstance(fn, OptimizedFunction):
+        fn = fn.__wrapped__
+    return fn
+
+
+def _check_callable(fn: Any) -> None:
+    if not callable(fn):
+        raise TypeError(
+            f"optimize() needs a function, got {type(fn).__name__} ({fn!r:.60}). "
+            "Use it as a decorator (@autoopt.optimize) or call autoopt.optimize(my_function)."
+        )
+    target = getattr(fn, "__func__", fn)
+    if inspect.isgeneratorfunction(target) or inspect.isasyncgenfunction(target):
+        raise TypeError(
+            f"optimize() cannot compile the generator function {getattr(fn, '__name__', fn)!r}: "
+            "a jitted function must return arrays. Optimize the per-step function it calls instead."
+        )
+    if inspect.iscoroutinefunction(target):
+        raise TypeError(
+            f"optimize() cannot compile the coroutine function {getattr(fn, '__name__', fn)!r}: "
+            "make it a plain function returning arrays."
+        )
+
+
+def _framework_check(args: tuple, kwargs: dict) -> None:
+    """Refuse framework objects whose mutations plain jax.jit would drop without a word."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return
+    base = getattr(nnx, "Pytree", None) or getattr(nnx, "Object", None)
+    if base is None:
+        return
+    for i, a in enumerate(list(args) + list(kwargs.values())):
+        if isinstance(a, base):
+            raise TypeError(
+                f"Argument {i} is a flax.nnx {type(a).__name__}. Functions that mutate nnx objects "
+                "lose those updates under jax.jit and under autoopt.optimize. Split it and pass "
+                "the state: `graphdef, state = nnx.split(model)`, inside the function "
+                "`model = nnx.merge(graphdef, state)` ... `return nnx.state(model), ...`, or use "
+                "nnx.jit for functions that mutate modules in place."
+            )
+
+
+class _Program:
+    """One signature's traced program and everything decided about it. Immutable after build,
+    except for the small memo of donatable sets (a dict; writes are atomic)."""
+
+    __slots__ = ("traced", "pipeline", "final", "fallback_reason", "_donatable", "verified")
+
+    def __init__(self, traced: _trace.TracedProgram, pipeline: PipelineResult | None,
+                 fallback_reason: str | None):
+        self.traced = traced
+        self.pipeline = pipeline
+        self.final = pipeline.jaxpr if pipeline is not None else traced.closed
+        self.fallback_reason = fallback_reason
+        self._donatable: dict = {}
+        self.verified = False
+
+    def donatable(self, positions: tuple, names: tuple) -> tuple[tuple, tuple]:
+        """The subset of candidate arguments whose every leaf an output aliases."""
+        key = (positions, names)
+        hit = self._donatable.get(key)
+        if hit is not None:
+            return hit
+        from autoopt.passes.donation import donatable_args
+
+        t = self.traced
+        chosen, _ = donatable_args(self.final.in_avals, self.final.out_avals, t.in_arg_of_leaf,
+                                   list(positions) + list(names))
+        hit = (tuple(p for p in positions if p in chosen), tuple(n for n in names if n in chosen))
+        self._donatable[key] = hit
+        return hit
+
+
+class OptimizedFunction:
+    """What ``optimize`` returns: call it like the ``jax.jit`` of the original function."""
+
+    def __init__(self, fn: Callable, options: Options):
+        self.__wrapped__ = fn
+        functools.update_wrapper(self, fn, updated=())
+        self._options = options
+        self._static_argnums = options.static_argnums
+        self._static_argnames = options.static_argnames
+        backend = options.jit_kwargs.get("backend") or jax.default_backend()
+        self._backend = backend
+        jit_kwargs = dict(options.jit_kwargs)
+        for k, v in jit_options_for(options, backend).items():
+            if k == "compiler_options":
+                jit_kwargs["compiler_options"] = {**v, **(jit_kwargs.get("compiler_options") or {})}
+            else:
+                jit_kwargs.setdefault(k, v)
+        self._explicit_donation = options.explicit_donation
+        self._jit_kwargs = jit_kwargs
+        self._policy = "explicit" if options.explicit_donation else options.donate
+        self._programs: dict[tuple, _Program] = {}
+        self._key_locks: dict[tuple, threading.RLock] = {}
+        self._lock = threading.Lock()
+        self._warned = False
+        self._sites: dict[tuple, _callsite.CallSiteProof] = {}
+        self._site_reasons: dict[str, _callsite.CallSiteProof] = {}
+        self._wrapper = self._make_wrapper()
+        self._jits: dict[tuple, Any] = {}
+        self._plain = self._jit_for((), ())
+        self._fn_location = _fn_location(fn)
+
+    # --- jit objects ---------------------------------------------------------------------------
+
+    def _make_wrapper(self) -> Callable:
+        fn = self.__wrapped__
+
+        def wrapper(*args, **kwargs):
+            if jax.config.jax_disable_jit:
+                # jax.jit calls us eagerly under disable_jit: run the original, as jit would.
+                return fn(*args, **kwargs)
+            program, leaves = self._program_for(args, kwargs)
+            outs = self._evaluate(program, leaves)
+            return tree_util.tree_unflatten(program.traced.out_tree, outs)
+
+        # jax.jit reads the signature (static_argnames, donate_argnames) through __wrapped__.
+        functools.update_wrapper(wrapper, fn, updated=())
+        return wrapper
+
+    def _jit_for(self, positions: tuple, names: tuple):
+        key = (positions, names)
+        j = self._jits.get(key)
+        if j is None:
+            kw = dict(self._jit_kwargs)
+            if not self._explicit_donation:
+                kw["donate_argnums"] = positions
+                kw["donate_argnames"] = names
+            j = jax.jit(self._wrapper, **kw)
+            self._jits[key] = j
+        return j
+
+    # --- tracing and passes (runs inside jax.jit's trace) -------------------------------------
+
+    def _program_for(self, args: tuple, kwargs: dict) -> tuple[_Program, list]:
+        dyn_tree, statics = _trace.split_args(args, kwargs, self._static_argnums, self._static_argnames)
+        leaves, in_tree = tree_util.tree_flatten(dyn_tree)
+        key = _trace.signature_key(leaves, in_tree, statics, len(args))
+        program = self._programs.get(key)
+        if program is not None:
+            return program, leaves
+        with self._lock:
+            lock = self._key_locks.setdefault(key, threading.RLock())
+        with lock:
+            program = self._programs.get(key)
+            if program is None:
+                program = self._build(args, kwargs)
+                if not program.traced.captures_tracers:
+                    self._programs[key] = program
+        return program, leaves
+
+    def _build(self, args: tuple, kwargs: dict) -> _Program:
+        _framework_check(args, kwargs)
+        # The user's own errors (shape mismatches, non-array outputs) propagate unchanged, as
+        # from jax.jit: they are not autoopt's to swallow.
+        traced = _trace.trace_program(self.__wrapped__, args, kwargs,
+                                      self._static_argnums, self._static_argnames)
+        ctx = PassContext(
+            options=self._options,
+            in_leaf_names=traced.in_leaf_names,
+            in_arg_of_leaf=traced.in_arg_of_leaf,
+            out_leaf_names=traced.out_leaf_names,
+            backend=self._backend,
+            fn_name=getattr(self.__wrapped__, "__name__", "fn"),
+            fn_location=self._fn_location,
+        )
+        try:
+            pipeline = run_pipeline(traced.closed, ctx)
+        except PassError as e:
+            self._fall_back(e, e.pass_name)
+            return _Program(traced, None, str(e))
+        program = _Program(traced, pipeline, None)
+        if self._options.explain:
+            from autoopt.explain import Report
+
+            log.info("%s", Report.from_program(self, program))
+        return program
+
+    def _evaluate(self, program: _Program, leaves: list) -> list:
+        try:
+            return _jaxpr.eval_closed(program.final, *leaves)
+        except Exception as e:  # noqa: BLE001
+            if program.final is program.traced.closed:
+                raise  # the original program itself failed: the user's error
+            self._fall_back(e, "evaluate")
+            return _jaxpr.eval_closed(program.traced.closed, *leaves)
+
+    def _fall_back(self, error: BaseException, where: str) -> None:
+        if self._options.fallback == "raise":
+            raise error
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"autoopt fell back to plain jax.jit for {getattr(self.__wrapped__, '__name__', 'fn')} "
+                f"({where}): {error}. Results are unaffected; pass fallback='raise' to debug.",
+                AutooptWarning,
+                stacklevel=4,
+            )
+
+    # --- the call path -------------------------------------------------------------------------
+
+    def __call__(self, *args, **kwargs):
+        policy = self._policy
+        if policy == "safe":
+            frame = sys._getframe(1)
+            proof = self._sites.get((frame.f_code, frame.f_lasti))
+            if proof is None:
+                proof = self._prove(frame)
+            del frame
+            if proof.any:
+                return self._call_donating(proof.positions, proof.names, args, kwargs, True)
+        elif policy == "auto":
+            return self._call_donating(tuple(range(len(args))), tuple(kwargs), args, kwargs, False)
+        if self._options.verify:
+            self._verify(args, kwargs)
+        return self._plain(*args, **kwargs)
+
+    def _prove(self, frame) -> _callsite.CallSiteProof:
+        proof = _callsite.prove_call_site(frame)
+        static = set(self._static_argnums)
+        if static or self._static_argnames:
+            proof = _callsite.CallSiteProof(
+                tuple(p for p in proof.positions if p not in static),
+                tuple(n for n in proof.names if n not in self._static_argnames),
+                proof.reasons, proof.location, proof.statement)
+        self._sites[(frame.f_code, frame.f_lasti)] = proof
+        if proof.location:
+            self._site_reasons[proof.location] = proof
+        return proof
+
+    def _call_donating(self, positions: tuple, names: tuple, args: tuple, kwargs: dict, check_refs: bool):
+        jitted = self._plain
+        try:
+            if not _compat.debug_nans_enabled() and not jax.config.jax_disable_jit:
+                static = _trace.normalize_static(self._static_argnums, len(args))
+                positions = tuple(p for p in positions if p not in static)
+                names = tuple(n for n in names if n not in self._static_argnames)
+                pos, nms, _reasons = _callsite.donation_checks(args, kwargs, positions, names,
+                                                               check_refs=check_refs)
+                if pos or nms:
+                    program = self._program_concrete(args, kwargs)
+                    if program is not None:
+                        pos, nms = program.donatable(pos, nms)
+                        if pos or nms:
+                            jitted = self._jit_for(pos, nms)
+        except Exception as e:  # noqa: BLE001 - donation is an optimization; never break the call
+            self._fall_back(e, "donation")
+            jitted = self._plain
+        if self._options.verify:
+            self._verify(args, kwargs)
+        return jitted(*args, **kwargs)
+
+    def _program_concrete(self, args: tuple, kwargs: dict) -> _Program | None:
+        """The cached program for concrete arguments, tracing (not compiling) on a miss."""
+        dyn_tree, statics = _trace.split_args(args, kwargs, self._static_argnums, self._static_argnames)
+        leaves, in_tree = tree_util.tree_flatten(dyn_tree)
+        key = _trace.signature_key(leaves, in_tree, statics, len(args))
+        program = self._programs.get(key)
+        if program is None:
+            self._plain.trace(*args, **kwargs)
+            program = self._programs.get(key)
+        return program
+
+    def _verify(self, args: tuple, kwargs: dict) -> None:
+        from autoopt.testing import assert_trees_equivalent
+
+        program = self._program_concrete(args, kwargs)
+        if program is None or program.verified:
+            return
+        static = dict(static_argnums=self._static_argnums or None,
+                      static_argnames=self._static_argnames or None)
+        expected = jax.jit(self.__wrapped__, **static)(*args, **kwargs)
+        got = self._plain(*args, **kwargs)
+        assert_trees_equivalent(expected, got, what=f"optimize(verify=True) of "
+                                f"{getattr(self.__wrapped__, '__name__', 'fn')}")
+        program.verified = True
+
+    def __get__(self, instance, owner=None):
+        # Decorating a method: bind like a function does (as jax.jit's wrappers do).
+        if instance is None:
+            return self
+        return functools.partial(self, instance)
+
+    # --- AOT and explain -----------------------------------------------------------------------
+
+    def _aot_jit(self, args: tuple, kwargs: dict):
+        """The jit object a call would use when every aliasable argument is donated
+        (``"auto"``), or the plain one otherwise."""
+        if self._policy != "auto":
+            return self._plain
+        program = self._program_concrete(args, kwargs)
+        if program is None:
+            return self._plain
+        pos, nms = program.donatable(tuple(range(len(args))), tuple(kwargs))
+        return self._jit_for(pos, nms)
+
+    def trace(self, *args, **kwargs) -> jax.stages.Traced:
+        """As ``jax.jit(fn).trace``: the optimized program for these arguments."""
+        return self._aot_jit(args, kwargs).trace(*args, **kwargs)
+
+    def lower(self, *args, **kwargs) -> jax.stages.Lowered:
+        """As ``jax.jit(fn).lower``: the optimized program for these arguments."""
+        return self._aot_jit(args, kwargs).lower(*args, **kwargs)
+
+    def explain(self, *args, **kwargs):
+        """The Report for these arguments: findings, program diff, source edits, memory."""
+        from autoopt.explain import Report
+
+        program = self._program_concrete(args, kwargs)
+        if program is None:
+            raise ValueError("explain() cannot run on arguments traced by an enclosing "
+                             "transformation; call it with concrete arrays.")
+        return Report.from_program(self, program, args=args, kwargs=kwargs)
+
+    def __repr__(self) -> str:
+        return f"<autoopt.optimize of {getattr(self.__wrapped__, '__qualname__', self.__wrapped__)!r}>"
+
+
+def optimize(fn: Callable | None = None, /, **options: Any):
+    """As ``jax.jit``, but the program is optimized first (donation, in-place updates, remat,
+    placement), computing the same numbers.
+
+    Three forms: ``@optimize``, ``@optimize(donate="auto", ...)``, ``optimize(fn, ...)``. Every
+    ``jax.jit`` keyword passes through. A function already wrapped by ``jax.jit`` is unwrapped;
+    the options given here apply.
+    """
+    opts = make_options(**options)  # validate before anything is built
+    if fn is None:
+        return lambda f: optimize(f, **options)
+    _check_callable(fn)
+    return OptimizedFunction(_unwrap_jit(fn), opts)
+
+
+def explain(fn: Callable, *args: Any, **kwargs: Any):
+    """``Report`` of what ``optimize`` finds and changes for ``fn(*args, **kwargs)``.
+
+    Options of ``optimize`` may be given as keywords too; a keyword that is both an option and
+    an argument of ``fn`` is taken as an option.
+    """
+    from autoopt._options import _OUR_KEYWORDS, JIT_KEYWORDS
+
+    opts = {k: kwargs.pop(k) for k in list(kwargs) if k in _OUR_KEYWORDS or k in JIT_KEYWORDS}
+    return optimize(fn, **opts).explain(*args, **kwargs)

@@ -1,0 +1,91 @@
+"""The only module in autoopt that imports ``jax._src``.
+
+Everything here is something the public API (``jax.extend``, ``jax.stages``, ``jax.tree_util``)
+does not offer in jax 0.10.x. A JAX upgrade should touch this file and nothing else; each helper
+names what it wraps so the next reader can find it in JAX's source.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax._src import core as _core
+from jax._src import linear_util as _lu
+from jax._src import source_info_util as _siu
+from jax._src import api_util as _api_util
+from jax._src.interpreters import partial_eval as _pe
+
+__all__ = [
+    "user_frame",
+    "trace_closed_jaxpr",
+    "is_tracer",
+    "debug_nans_enabled",
+    "jaxpr_effects",
+]
+
+
+def user_frame(source_info) -> tuple[str, int] | None:
+    """``(file, line)`` of the user's code that produced an equation, or None.
+
+    NB: JAX's own ``source_info_util.user_frame`` skips jax-internal frames; we also skip
+    autoopt's own frames (registered once below) so rewritten equations keep the user's line.
+    """
+    if source_info is None:
+        return None
+    frame = _siu.user_frame(source_info.traceback)
+    if frame is None:
+        return None
+    return frame.file_name, frame.start_line
+
+
+def trace_closed_jaxpr(fn: Callable, in_avals: Sequence[Any], name: str = "autoopt"):
+    """Trace ``fn(*flat_args)`` at abstract values ``in_avals`` to a ClosedJaxpr.
+
+    As ``jax.make_jaxpr``, but takes avals directly, so weak types, tokens and extended dtypes
+    round-trip exactly (``ShapeDtypeStruct`` loses some of them).
+    """
+    dbg = _api_util.debug_info(name, fn, tuple(in_avals), {})
+    wrapped = _lu.wrap_init(fn, debug_info=dbg)
+    jaxpr, _out_avals, consts = _pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
+    return _core.ClosedJaxpr(jaxpr, consts)
+
+
+def is_tracer(x: Any) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def debug_nans_enabled() -> bool:
+    return bool(jax.config.jax_debug_nans) or bool(jax.config.jax_debug_infs)
+
+
+def jaxpr_effects(closed) -> Any:
+    return closed.jaxpr.effects
+
+
+def _register_own_frames() -> None:
+    """autoopt's own frames must never be reported as the user's line.
+
+    JAX excludes by path prefix. We exclude the private modules and subpackages, but not
+    ``autoopt/examples`` (the bundled demos are user code as far as reports go).
+    """
+    import os
+
+    pkg = os.path.dirname(os.path.abspath(__file__))
+    for prefix in ("_", "passes", "explain", "codemod", "testing.py", "cli.py", "__"):
+        _siu.register_exclusion(os.path.join(pkg, prefix))
+
+
+_register_own_frames()
+
+
+def flatten_one_level(tree):
+    """``(children, aux)`` of one pytree node; ValueError for a leaf.
+
+    Wraps ``jax._src.tree_util.flatten_one_level``: the public API flattens whole trees only, and
+    donation's reference checks need each node's direct children.
+    """
+    from jax._src.tree_util import flatten_one_level as _f
+
+    return _f(tree)

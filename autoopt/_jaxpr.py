@@ -1,0 +1,210 @@
+"""One rule-table interpreter over ClosedJaxprs, and the walks every pass shares.
+
+NB: the analogue in JAX is ``jax.core.eval_jaxpr`` (and autodidax's ``eval_jaxpr``): an ``env``,
+``read``/``write``, one loop over equations. A pass supplies a table ``{primitive: rule}``; an
+equation without a rule is re-bound unchanged, so unknown primitives pass through untouched.
+Recursion into sub-jaxprs (jit/pjit, scan, while, cond, custom_jvp/custom_vjp, checkpoint,
+closed_call) lives here and nowhere else; ``shard_map`` bodies are deliberately left alone
+(their per-device shapes and collectives are the user's contract with SPMD).
+
+Rewriting works by re-tracing (as Equinox's ``finalise_jaxpr`` does): the interpreter runs under
+a fresh trace at the original avals, rules emit ordinary ``lax`` calls, and JAX builds and types
+the new equations. Each equation is re-bound inside ``user_context`` of its own source info, so
+what a rule emits keeps the user's file and line. A pass whose rules never fire costs one walk
+over the equations and no re-trace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+from jax.extend import source_info_util
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Primitive
+
+from autoopt import _compat
+
+# A rule gets the equation and its input values (tracers of the re-trace, or Python/NumPy
+# values for literals) and returns the output values, or None to decline (re-bind unchanged).
+Rule = Callable[[JaxprEqn, Sequence[Any]], Sequence[Any] | None]
+
+# Primitives whose bodies we never rewrite. shard_map's body is per-device code whose shapes
+# and collectives are the user's contract with SPMD.
+_OPAQUE_PRIMITIVES = frozenset({"shard_map", "pallas_call", "custom_partitioning"})
+
+
+def user_location(eqn: JaxprEqn) -> str | None:
+    """``"path.py:LINE"`` of the user's source that produced ``eqn``, or None."""
+    frame = _compat.user_frame(eqn.source_info)
+    return None if frame is None else f"{frame[0]}:{frame[1]}"
+
+
+def subjaxprs(eqn: JaxprEqn) -> list[tuple[str, int | None, ClosedJaxpr | Jaxpr]]:
+    """The sub-jaxprs held in ``eqn.params``: ``(param, index or None, jaxpr)``."""
+    out = []
+    for name, value in eqn.params.items():
+        if isinstance(value, ClosedJaxpr | Jaxpr):
+            out.append((name, None, value))
+        elif isinstance(value, tuple) and value and all(isinstance(v, ClosedJaxpr | Jaxpr) for v in value):
+            out.extend((name, i, v) for i, v in enumerate(value))
+    return out
+
+
+def _as_closed(j: ClosedJaxpr | Jaxpr) -> ClosedJaxpr:
+    return j if isinstance(j, ClosedJaxpr) else ClosedJaxpr(j, ())
+
+
+@dataclasses.dataclass(frozen=True)
+class EqnSite:
+    """An equation and where it sits: the chain of (primitive, param) it is nested in."""
+
+    eqn: JaxprEqn
+    path: tuple[tuple[str, str], ...]
+
+    @property
+    def in_loop(self) -> bool:
+        return any(p in ("scan", "while") for p, _ in self.path)
+
+
+def iter_eqns(jaxpr: ClosedJaxpr | Jaxpr, path: tuple = (), *, into_opaque: bool = False) -> Iterator[EqnSite]:
+    """Every equation of ``jaxpr`` and of all its sub-jaxprs, outermost first."""
+    j = jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
+    for eqn in j.eqns:
+        yield EqnSite(eqn, path)
+        if eqn.primitive.name in _OPAQUE_PRIMITIVES and not into_opaque:
+            continue
+        for name, _i, sub in subjaxprs(eqn):
+            yield from iter_eqns(sub, path + ((eqn.primitive.name, name),), into_opaque=into_opaque)
+
+
+def count_primitives(jaxpr: ClosedJaxpr | Jaxpr) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for site in iter_eqns(jaxpr):
+        counts[site.eqn.primitive.name] = counts.get(site.eqn.primitive.name, 0) + 1
+    return counts
+
+
+class _State:
+    __slots__ = ("changed",)
+
+    def __init__(self) -> None:
+        self.changed = False
+
+
+def _bind(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
+    # NB: as jax.core.eval_jaxpr does in jax 0.10 (get_bind_params returns the params only).
+    bind_params = eqn.primitive.get_bind_params(eqn.params)
+    out = eqn.primitive.bind(*invals, **bind_params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _rewritten_params(eqn: JaxprEqn, rules: Mapping[Primitive, Rule]) -> dict[str, Any] | None:
+    """New params with every changed sub-jaxpr rewritten, or None when none changed."""
+    if eqn.primitive.name in _OPAQUE_PRIMITIVES:
+        return None
+    subs = subjaxprs(eqn)
+    if not subs:
+        return None
+    params = dict(eqn.params)
+    any_changed = False
+    for name, idx, sub in subs:
+        new_sub, changed = rewrite(_as_closed(sub), rules)
+        if not changed:
+            continue
+        if isinstance(sub, Jaxpr):
+            if new_sub.consts:
+                # An open sub-jaxpr (checkpoint, shard_map) cannot take new constants without
+                # changing the equation's arity: keep the original body.
+                continue
+            new_sub = new_sub.jaxpr
+        any_changed = True
+        if idx is None:
+            params[name] = new_sub
+        else:
+            seq = list(params[name])
+            seq[idx] = new_sub
+            params[name] = tuple(seq)
+    return params if any_changed else None
+
+
+def interpret(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any],
+              rules: Mapping[Primitive, Rule], state: _State | None = None) -> list[Any]:
+    """Evaluate ``jaxpr`` in the current trace, applying ``rules``.
+
+    As ``jax.core.eval_jaxpr``, but each equation goes through ``rules`` first, and
+    sub-jaxprs are rewritten with the same rules.
+    """
+    state = state or _State()
+    env: dict[Any, Any] = {}
+
+    def read(v):
+        return v.val if isinstance(v, Literal) else env[v]
+
+    def write(v, val):
+        if not isinstance(v, jax.extend.core.DropVar):
+            env[v] = val
+
+    for v, val in zip(jaxpr.constvars, consts):
+        write(v, val)
+    for v, val in zip(jaxpr.invars, args):
+        write(v, val)
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        new_params = _rewritten_params(eqn, rules)
+        if new_params is not None:
+            state.changed = True
+            eqn = eqn.replace(params=new_params)
+        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+        with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), \
+                eqn.ctx.manager:
+            outs = None
+            rule = rules.get(eqn.primitive)
+            if rule is not None:
+                outs = rule(eqn, invals)
+            if outs is None:
+                outs = _bind(eqn, invals)
+            else:
+                outs = list(outs)
+                state.changed = True
+        for v, val in zip(eqn.outvars, outs):
+            write(v, val)
+    return [read(v) for v in jaxpr.outvars]
+
+
+def rewrite(closed: ClosedJaxpr, rules: Mapping[Primitive, Rule]) -> tuple[ClosedJaxpr, bool]:
+    """Apply ``rules`` everywhere in ``closed``; returns ``(new_closed, changed)``.
+
+    When nothing changes the original object is returned, so identity is a cheap "unchanged".
+    """
+    if not rules or not any(site.eqn.primitive in rules for site in iter_eqns(closed)):
+        return closed, False
+    state = _State()
+    in_avals = [v.aval for v in closed.jaxpr.invars]
+
+    def fn(*args):
+        return interpret(closed.jaxpr, closed.consts, args, rules, state)
+
+    new = _compat.trace_closed_jaxpr(fn, in_avals, name="autoopt.rewrite")
+    if not state.changed:
+        return closed, False
+    return new, True
+
+
+def eval_closed(closed: ClosedJaxpr, *args: Any) -> list[Any]:
+    """Evaluate ``closed`` in the current trace (used to stage the optimized program into jit)."""
+    return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
+
+
+def check(closed: ClosedJaxpr) -> None:
+    """Type-check ``closed`` (and its sub-jaxprs); raises ``JaxprTypeError`` on a bad rewrite."""
+    jax.extend.core.check_jaxpr(closed.jaxpr)
+
+
+def same_avals(a: ClosedJaxpr, b: ClosedJaxpr) -> bool:
+    """True when two programs take and return values of the same types (a rewrite's contract)."""
+    def strip(avals):
+        return [(tuple(x.shape), x.dtype, getattr(x, "weak_type", False)) if hasattr(x, "shape") else x
+                for x in avals]
+    return strip(a.in_avals) == strip(b.in_avals) and strip(a.out_avals) == strip(b.out_avals)

@@ -1,0 +1,144 @@
+"""Function + arguments -> ClosedJaxpr, with the pytree structure, static values and user names.
+
+One ``TracedProgram`` per input signature. The signature key is computed the same way from
+concrete arguments (on the call path) and from tracers (inside jax.jit's trace of our wrapper),
+so both sides find the same cached program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax import tree_util
+from jax.extend.core import ClosedJaxpr
+
+from autoopt import _compat
+
+
+def normalize_static(argnums: Sequence[int], nargs: int) -> frozenset[int]:
+    return frozenset(i + nargs if i < 0 else i for i in argnums)
+
+
+def split_args(args: tuple, kwargs: dict, static_argnums: Sequence[int], static_argnames: Sequence[str]):
+    """``(dyn_tree, statics)``: the dynamic part as ``(args, kwargs)`` (the pytree jax.jit flattens)
+    and a hashable description of the static values."""
+    static_pos = normalize_static(static_argnums, len(args))
+    if not static_pos and not static_argnames:
+        return (args, kwargs), ()
+    dyn_args = tuple(a for i, a in enumerate(args) if i not in static_pos)
+    dyn_kwargs = {k: v for k, v in kwargs.items() if k not in static_argnames}
+    statics = (
+        tuple((i, args[i]) for i in sorted(static_pos) if i < len(args)),
+        tuple(sorted((k, v) for k, v in kwargs.items() if k in static_argnames)),
+    )
+    return (dyn_args, dyn_kwargs), statics
+
+
+def merge_args(dyn_tree, statics, nargs: int):
+    """Inverse of ``split_args``."""
+    dyn_args, dyn_kwargs = dyn_tree
+    if not statics:
+        return tuple(dyn_args), dict(dyn_kwargs)
+    pos_statics, kw_statics = statics
+    args: list[Any] = []
+    it = iter(dyn_args)
+    static_at = dict(pos_statics)
+    for i in range(nargs):
+        args.append(static_at[i] if i in static_at else next(it))
+    kwargs = dict(dyn_kwargs)
+    kwargs.update(dict(kw_statics))
+    return tuple(args), kwargs
+
+
+def leaf_type(x: Any):
+    """The abstract value of a leaf, identical for a concrete array and a tracer of it."""
+    return jax.typeof(x)
+
+
+def signature_key(dyn_leaves: Sequence[Any], in_tree, statics, nargs: int) -> tuple:
+    return (in_tree, statics, nargs, tuple(leaf_type(x) for x in dyn_leaves))
+
+
+def _param_names(fn: Callable) -> tuple[list[str], str | None]:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return [], None
+    names, varargs = [], None
+    for p in sig.parameters.values():
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            names.append(p.name)
+        elif p.kind == p.VAR_POSITIONAL:
+            varargs = p.name
+    return names, varargs
+
+
+def leaf_names_and_args(fn: Callable, dyn_tree, statics, nargs: int) -> tuple[tuple[str, ...], tuple]:
+    """Readable name of each dynamic leaf (``"state['w']"``) and its top-level argument
+    (position or keyword)."""
+    names, varargs = _param_names(fn)
+    static_pos = {i for i, _ in statics[0]} if statics else set()
+    dyn_positions = [i for i in range(nargs) if i not in static_pos]
+    paths, _ = tree_util.tree_flatten_with_path(dyn_tree)
+    out_names, out_args = [], []
+    for path, _leaf in paths:
+        first, second, rest = path[0], path[1], path[2:]
+        if first.idx == 0:  # positional
+            pos = dyn_positions[second.idx]
+            if pos < len(names):
+                base = names[pos]
+            else:
+                base = f"{varargs or 'args'}[{pos - len(names)}]"
+            arg: int | str = pos
+        else:
+            base = second.key
+            arg = second.key
+        out_names.append(base + tree_util.keystr(rest))
+        out_args.append(arg)
+    return tuple(out_names), tuple(out_args)
+
+
+@dataclasses.dataclass(frozen=True)
+class TracedProgram:
+    """The user's function traced at one signature."""
+
+    closed: ClosedJaxpr
+    in_tree: Any
+    out_tree: Any
+    statics: tuple
+    nargs: int
+    in_leaf_names: tuple[str, ...]
+    in_arg_of_leaf: tuple
+    out_leaf_names: tuple[str, ...]
+    # True when the program closes over tracers of an enclosing transformation; such a program
+    # belongs to that trace only and must not be cached.
+    captures_tracers: bool
+
+
+def trace_program(fn: Callable, args: tuple, kwargs: dict,
+                  static_argnums: Sequence[int] = (), static_argnames: Sequence[str] = ()) -> TracedProgram:
+    """Trace ``fn(*args, **kwargs)`` once. ``args`` may be concrete or tracers of an outer trace."""
+    dyn_tree, statics = split_args(args, kwargs, static_argnums, static_argnames)
+    leaves, in_tree = tree_util.tree_flatten(dyn_tree)
+    nargs = len(args)
+    out_tree_box: list[Any] = []
+
+    def flat_fn(*flat):
+        a, kw = merge_args(tree_util.tree_unflatten(in_tree, flat), statics, nargs)
+        out = fn(*a, **kw)
+        out_leaves, out_tree = tree_util.tree_flatten(out)
+        out_tree_box.append(out_tree)
+        return out_leaves
+
+    closed = _compat.trace_closed_jaxpr(flat_fn, [leaf_type(x) for x in leaves],
+                                        name=getattr(fn, "__name__", "fn"))
+    out_tree = out_tree_box[-1]
+    names, arg_of = leaf_names_and_args(fn, dyn_tree, statics, nargs)
+    out_paths = tree_util.tree_flatten_with_path(tree_util.tree_unflatten(out_tree, [0] * out_tree.num_leaves))[0]
+    out_names = tuple("out" + tree_util.keystr(p) for p, _ in out_paths)
+    captures = any(_compat.is_tracer(c) for c in closed.consts)
+    return TracedProgram(closed, in_tree, out_tree, statics, nargs, names, arg_of, out_names, captures)

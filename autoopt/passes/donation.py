@@ -1,0 +1,109 @@
+"""Donation analysis: which arguments an output can reuse.
+
+Donation itself is not a rewrite of the program: it is a ``jax.jit`` option chosen per call (the
+``"safe"`` policy needs the caller's statement, see ``_callsite``). This pass computes, per
+signature, which input leaves XLA will alias to an output, using the same matching JAX applies
+(``jax._src.interpreters.mlir._set_up_aliases``: for each output in order, the first still
+unmatched donated input of the same shape and dtype). An argument is donated whole or not at
+all (``jax.jit`` donates per argument), so only arguments whose every leaf finds an output are
+donatable; donating any other would trigger JAX's "Some donated buffers were not usable".
+
+Same-size-different-shape inputs become XLA "buffer donors" with no guarantee of reuse; they
+are never counted as savings here.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from autoopt.explain._finding import Finding
+from autoopt.passes._base import Pass, PassContext, PassResult
+
+
+def _strip(aval):
+    return (tuple(aval.shape), np.dtype(aval.dtype)) if hasattr(aval, "shape") else aval
+
+
+def aval_bytes(aval) -> int:
+    if not hasattr(aval, "shape"):
+        return 0
+    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+
+
+def match_donations(in_avals: Sequence, out_avals: Sequence, donated: Sequence[bool]) -> dict[int, int]:
+    """``{input leaf: output leaf}`` exactly as JAX pairs donated inputs with outputs."""
+    pool: dict = collections.defaultdict(collections.deque)
+    for i, (aval, d) in enumerate(zip(in_avals, donated)):
+        if d:
+            pool[_strip(aval)].append(i)
+    pairs = {}
+    for o, aval in enumerate(out_avals):
+        q = pool.get(_strip(aval))
+        if q:
+            pairs[q.popleft()] = o
+    return pairs
+
+
+def donatable_args(in_avals: Sequence, out_avals: Sequence, arg_of_leaf: Sequence,
+                   candidates: Iterable) -> tuple[frozenset, dict[int, int]]:
+    """The largest set of candidate arguments whose every leaf is aliased to an output.
+
+    Removing an argument frees outputs for the others, so iterate to a fixed point (at most one
+    round per argument). Returns the arguments and the leaf pairing for them.
+    """
+    chosen = {a for a in candidates if any(x == a for x in arg_of_leaf)}
+    while True:
+        donated = [a in chosen for a in arg_of_leaf]
+        pairs = match_donations(in_avals, out_avals, donated)
+        bad = {arg_of_leaf[i] for i, d in enumerate(donated) if d and i not in pairs}
+        if not bad:
+            return frozenset(chosen), pairs
+        chosen -= bad
+
+
+def _arg_label(arg) -> str:
+    return f"argument {arg}" if isinstance(arg, int) else f"keyword argument {arg!r}"
+
+
+def donation(closed, ctx: PassContext) -> PassResult:
+    in_avals = closed.in_avals
+    out_avals = closed.out_avals
+    args = list(dict.fromkeys(ctx.in_arg_of_leaf))
+    chosen, pairs = donatable_args(in_avals, out_avals, ctx.in_arg_of_leaf, args)
+    findings = []
+    names = ctx.in_leaf_names or tuple(f"in[{i}]" for i in range(len(in_avals)))
+    for arg in args:
+        leaves = [i for i, a in enumerate(ctx.in_arg_of_leaf) if a == arg]
+        root = names[leaves[0]].split("[")[0].split(".")[0] if leaves else str(arg)
+        total = sum(aval_bytes(in_avals[i]) for i in leaves)
+        if arg in chosen:
+            outs = sorted({pairs[i] for i in leaves})
+            out_names = [ctx.out_leaf_names[o] if o < len(ctx.out_leaf_names) else f"out[{o}]" for o in outs]
+            findings.append(Finding(
+                kind="donate", applied=False, location=ctx.fn_location, bytes_saved=total,
+                message=(f"`{root}` ({len(leaves)} leaves, {total:,} bytes) can be donated: every leaf "
+                         f"has an output of the same shape and dtype ({', '.join(out_names[:4])}"
+                         f"{', ...' if len(out_names) > 4 else ''}). Donated when the caller rebinds it "
+                         f"(`{root} = f({root}, ...)`) under donate='safe', always under donate='auto'."),
+                details={"arg": arg, "name": root, "leaves": leaves, "aliasable": True},
+            ))
+        else:
+            unmatched = [names[i] for i in leaves
+                         if i not in match_donations(in_avals, out_avals,
+                                                     [a == arg for a in ctx.in_arg_of_leaf])]
+            if not unmatched:
+                continue
+            findings.append(Finding(
+                kind="donate", applied=False, location=ctx.fn_location, bytes_saved=None,
+                message=(f"`{root}` cannot be donated: {', '.join(unmatched[:3])}"
+                         f"{' and others' if len(unmatched) > 3 else ''} "
+                         "has no output of the same shape and dtype to reuse its buffer."),
+                details={"arg": arg, "name": root, "leaves": leaves, "aliasable": False},
+            ))
+    return PassResult.unchanged(closed, findings, info={"donatable": chosen, "pairs": pairs})
+
+
+PASS = Pass(name="donation", run=donation, rewrites=False)

@@ -1,0 +1,140 @@
+"""Testing helpers: equivalence of optimized and original programs, and hypothesis strategies.
+
+``assert_equivalent(fn, *args)`` is the contract every pass is held to: ``jax.jit(fn)`` and
+``autoopt.optimize(fn)`` give the same numbers. Integers and booleans must be bit-identical;
+floating outputs may differ only by XLA's own fusion choices, within a dtype-aware tolerance.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "assert_equivalent",
+    "assert_trees_equivalent",
+    "tolerance",
+    "arrays",
+    "pytrees",
+]
+
+# Relative tolerance per float dtype: a few ulps after fusion reorders a reduction.
+_RTOL = {"bfloat16": 2e-2, "float16": 2e-3, "float32": 2e-5, "float64": 1e-12}
+
+
+def tolerance(dtype) -> float:
+    """0 for integers/booleans (bit-identical); a few ulps, scaled, for floats."""
+    d = np.dtype(dtype)
+    if d.kind in "biu":
+        return 0.0
+    return _RTOL.get(d.name, 2e-5)
+
+
+def assert_trees_equivalent(expected: Any, got: Any, *, what: str = "optimized result",
+                            exact: bool = False) -> None:
+    """Same pytree structure, shapes, dtypes; values equal (exactly for ints/bools, or when
+    ``exact``; within ``tolerance(dtype)`` for floats). NaNs must match NaNs."""
+    e_leaves, e_tree = jax.tree_util.tree_flatten(expected)
+    g_leaves, g_tree = jax.tree_util.tree_flatten(got)
+    if e_tree != g_tree:
+        raise AssertionError(f"{what}: output structure differs:\n  expected {e_tree}\n  got      {g_tree}")
+    for i, (e, g) in enumerate(zip(e_leaves, g_leaves)):
+        e_arr, g_arr = np.asarray(e), np.asarray(g)
+        where = f"{what}: output leaf {i}"
+        if e_arr.shape != g_arr.shape or e_arr.dtype != g_arr.dtype:
+            raise AssertionError(f"{where}: {g_arr.dtype}{list(g_arr.shape)} instead of "
+                                 f"{e_arr.dtype}{list(e_arr.shape)}")
+        rtol = 0.0 if exact else tolerance(e_arr.dtype)
+        if rtol == 0.0:
+            same = (e_arr.view(np.uint8) == g_arr.view(np.uint8)).all() if e_arr.size else True
+            if not same and e_arr.dtype.kind == "f":
+                # -0.0 vs 0.0 and NaN payloads are equal numbers for users.
+                same = np.array_equal(e_arr, g_arr, equal_nan=True)
+            if not same:
+                bad = np.argwhere(e_arr != g_arr)
+                raise AssertionError(f"{where} not bit-identical; first difference at index "
+                                     f"{tuple(bad[0]) if len(bad) else '?'}: expected "
+                                     f"{e_arr[tuple(bad[0])] if len(bad) else e_arr}, got "
+                                     f"{g_arr[tuple(bad[0])] if len(bad) else g_arr}")
+        else:
+            e64 = e_arr.astype(np.float64) if e_arr.dtype.kind == "f" else e_arr.astype(np.complex128)
+            g64 = g_arr.astype(np.float64) if g_arr.dtype.kind == "f" else g_arr.astype(np.complex128)
+            scale = max(1.0, float(np.nanmax(np.abs(e64))) if e64.size and np.isfinite(e64).any() else 1.0)
+            np.testing.assert_allclose(g64, e64, rtol=rtol, atol=rtol * scale, equal_nan=True,
+                                       err_msg=where)
+
+
+def assert_equivalent(fn, *args: Any, exact: bool = False, **kwargs: Any) -> Any:
+    """Run ``jax.jit(fn)`` and ``autoopt.optimize(fn, fallback="raise")`` on the same inputs and
+    assert equal outputs. Options of ``optimize`` may be given as keywords; ``static_argnums``/
+    ``static_argnames`` apply to both. Returns the optimized output.
+
+    Donation is turned off for the comparison (the reference must not see deleted inputs) unless
+    ``donate`` is given explicitly.
+    """
+    from autoopt._api import optimize
+    from autoopt._options import _OUR_KEYWORDS, JIT_KEYWORDS
+
+    opts = {k: kwargs.pop(k) for k in list(kwargs) if k in _OUR_KEYWORDS or k in JIT_KEYWORDS}
+    opts.setdefault("fallback", "raise")
+    opts.setdefault("donate", "off")
+    static = {k: opts[k] for k in ("static_argnums", "static_argnames") if k in opts}
+    expected = jax.jit(fn, **static)(*args, **kwargs)
+    got = optimize(fn, **opts)(*args, **kwargs)
+    assert_trees_equivalent(expected, got, exact=exact,
+                            what=f"optimize({getattr(fn, '__name__', 'fn')})")
+    return got
+
+
+# --- hypothesis strategies ----------------------------------------------------------------------
+
+def _hyp():
+    try:
+        import hypothesis.extra.numpy as hnp
+        import hypothesis.strategies as st
+    except ImportError as e:  # pragma: no cover - hypothesis is in the `test` extra
+        raise ImportError("autoopt.testing strategies need hypothesis: pip install 'autoopt[test]'") from e
+    return st, hnp
+
+
+DTYPES = ("float32", "int32", "bool", "bfloat16")
+
+
+def arrays(dtype: str | None = None, shape=None, max_dims: int = 3, max_side: int = 5):
+    """Strategy for jax arrays of small shapes and finite values (bfloat16 via float32)."""
+    st, hnp = _hyp()
+    dtypes = st.sampled_from(DTYPES) if dtype is None else st.just(dtype)
+    shapes = hnp.array_shapes(min_dims=0, max_dims=max_dims, min_side=1, max_side=max_side) \
+        if shape is None else st.just(tuple(shape))
+
+    @st.composite
+    def build(draw):
+        d = draw(dtypes)
+        s = draw(shapes)
+        if d == "bool":
+            v = draw(hnp.arrays(np.bool_, s))
+        elif d == "int32":
+            v = draw(hnp.arrays(np.int32, s, elements=st.integers(-1000, 1000)))
+        else:
+            v = draw(hnp.arrays(np.float32, s, elements=st.floats(-100, 100, width=32)))
+        return jnp.asarray(v, dtype=d)
+
+    return build()
+
+
+def pytrees(leaves=None, max_leaves: int = 6):
+    """Strategy for nested dict/list/tuple pytrees of arrays."""
+    st, _ = _hyp()
+    leaves = leaves if leaves is not None else arrays()
+    return st.recursive(
+        leaves,
+        lambda children: st.one_of(
+            st.lists(children, min_size=1, max_size=3),
+            st.lists(children, min_size=1, max_size=3).map(tuple),
+            st.dictionaries(st.sampled_from("abcde"), children, min_size=1, max_size=3),
+        ),
+        max_leaves=max_leaves,
+    )

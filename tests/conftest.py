@@ -1,0 +1,18 @@
+"""Test settings: type-check every rewritten program, and keep hypothesis bounded for CI."""
+
+import os
+
+os.environ.setdefault("AUTOOPT_CHECK", "1")
+# Multi-device tests spawn their own subprocess with the flag; the main process keeps 1 device
+# unless the caller set it (tests/test_multidevice.py runs either way).
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile(
+    "ci",
+    max_examples=int(os.environ.get("AUTOOPT_HYPOTHESIS_EXAMPLES", "25")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    derandomize=True,
+)
+settings.load_profile("ci")
