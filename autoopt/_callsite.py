@@ -221,6 +221,12 @@ def _leaf_problem(obj, seen: set[int]) -> str | None:
     return None
 
 
+def _tree_leaves(tree):
+    import jax
+
+    return jax.tree_util.tree_leaves(tree)
+
+
 def donation_checks(args: tuple, kwargs: dict, positions, names, *, check_refs: bool):
     """Filter the candidate arguments down to those safe to donate now.
 
@@ -233,12 +239,10 @@ def donation_checks(args: tuple, kwargs: dict, positions, names, *, check_refs: 
     # Identities of every array in the non-candidate arguments: donating a buffer that is also
     # passed elsewhere would delete an input the program still reads.
     candidates = set(positions) | set(names)
-    others = [a for i, a in enumerate(args) if i not in candidates]
-    others += [v for k, v in kwargs.items() if k not in candidates]
-    import jax
-
-    for leaf in jax.tree_util.tree_leaves(others):
-        seen.add(id(leaf))
+    if len(candidates) < len(args) + len(kwargs):
+        others = [a for i, a in enumerate(args) if i not in candidates]
+        others += [v for k, v in kwargs.items() if k not in candidates]
+        seen.update(map(id, _tree_leaves(others)))
     for key in positions:
         if key >= len(args):
             continue

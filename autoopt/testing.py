@@ -49,7 +49,7 @@ def assert_trees_equivalent(expected: Any, got: Any, *, what: str = "optimized r
                                  f"{e_arr.dtype}{list(e_arr.shape)}")
         rtol = 0.0 if exact else tolerance(e_arr.dtype)
         if rtol == 0.0:
-            same = (e_arr.view(np.uint8) == g_arr.view(np.uint8)).all() if e_arr.size else True
+            same = e_arr.tobytes() == g_arr.tobytes()
             if not same and e_arr.dtype.kind == "f":
                 # -0.0 vs 0.0 and NaN payloads are equal numbers for users.
                 same = np.array_equal(e_arr, g_arr, equal_nan=True)

@@ -1,0 +1,766 @@
+"""Random JAX programs for differential testing: hypothesis strategies that build programs as data.
+
+A ``Program`` is a short list of ``Op``s, each a statement of Python source binding new
+variables; ``Program.source()`` is a complete, readable ``def`` and ``Program.function()``
+compiles it. Hypothesis draws every choice (which op, which operands, which index, which
+dtype), so a failing case shrinks to the fewest, simplest statements that still fail, and the
+failure prints as code you can paste into a regression test.
+
+Programs are valid by construction: the builder tracks the abstract value of every variable
+(``jax.eval_shape`` of each statement), so each op picks operands of shapes and dtypes it
+accepts, and ``fit`` coerces the rest. What the programs exercise: elementwise ops, broadcasts,
+``dot_general``, reductions, reshapes and transposes, ``.at[...]`` updates whose indices are in
+and out of bounds, negative, contiguous windows or strided, static or traced, dynamic slices and
+updates, ``cond``/``switch``, ``scan``, ``fori_loop``, ``while_loop``, ``jax.grad`` and
+``jax.vmap`` of nested blocks, pytree inputs and outputs, and the dtypes f32, bf16, i32 and bool.
+
+NB: the analogue is the "random program" half of Csmith/YARPGen-style compiler fuzzing; the
+reference is always the same source under plain ``jax.jit``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import linecache
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+__all__ = [
+    "Aval",
+    "Op",
+    "Program",
+    "FuzzCase",
+    "fit",
+    "programs",
+    "fuzz_cases",
+    "program_args",
+    "check_program",
+]
+
+FUZZ_DTYPES = ("float32", "int32", "bool", "bfloat16")
+_FLOATS = ("float32", "bfloat16")
+_NUMERIC = ("float32", "bfloat16", "int32")
+_MAX_NDIM = 3
+_MAX_SIDE = 4
+
+
+def fit(x: Any, shape: tuple[int, ...], dtype: str) -> jax.Array:
+    """``x`` cast to ``dtype`` and tiled or cut (row-major) to ``shape``: how a random program
+    makes any variable usable where another shape is needed."""
+    x = jnp.asarray(x)
+    if x.dtype != jnp.dtype(dtype):
+        x = x.astype(dtype)
+    if x.shape == tuple(shape):
+        return x
+    if x.size == 0:
+        return jnp.zeros(shape, dtype)
+    return jnp.resize(x.ravel(), shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Aval:
+    """Shape and dtype of one variable of a random program."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def sds(self) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(self.shape, jnp.dtype(self.dtype))
+
+    @classmethod
+    def of(cls, x: Any) -> Aval:
+        return cls(tuple(x.shape), jnp.dtype(x.dtype).name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One statement of a random program: ``lines`` of source binding ``targets``."""
+
+    kind: str
+    targets: tuple[tuple[str, Aval], ...]
+    lines: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """A random program as data. ``in_avals`` is the pytree of input avals, one per parameter."""
+
+    params: tuple[str, ...]
+    in_avals: tuple[Any, ...]
+    unpack: tuple[str, ...]
+    ops: tuple[Op, ...]
+    result: str
+    name: str = "program"
+
+    def source(self) -> str:
+        lines = [f"def {self.name}({', '.join(self.params)}):"]
+        lines += ["    " + ln for ln in self.unpack]
+        for op in self.ops:
+            lines += ["    " + ln for ln in op.lines]
+        lines.append(f"    return {self.result}")
+        return "\n".join(lines) + "\n"
+
+    def function(self) -> Callable:
+        """The program compiled from its source (registered with ``linecache``, so tracebacks
+        and autoopt's reports show the generated lines)."""
+        return compile_source(self.source(), self.name)
+
+    def __repr__(self) -> str:
+        return "Program:\n" + self.source()
+
+
+_counter = itertools.count()
+
+
+def compile_source(source: str, name: str) -> Callable:
+    """``exec`` the ``def name(...)`` in ``source`` with ``jnp``, ``lax``, ``jax``, ``np`` and
+    ``fit`` in scope; the file name is unique and registered with ``linecache``."""
+    filename = f"<autoopt-fuzz-{next(_counter)}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace = {"jax": jax, "jnp": jnp, "lax": lax, "np": np, "fit": fit}
+    exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - our own generated code
+    return namespace[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class FuzzCase:
+    """A program and arguments to call it with. Its repr is pasteable into a regression test."""
+
+    program: Program
+    args: tuple[Any, ...]
+
+    def __repr__(self) -> str:
+        return f"{self.program.source()}\nargs = {_args_repr(self.args)}\n"
+
+
+def _args_repr(args) -> str:
+    def leaf(x):
+        a = np.asarray(x)
+        dtype = jnp.dtype(x.dtype).name
+        return f"jnp.asarray({a.astype(np.float32 if dtype == 'bfloat16' else a.dtype).tolist()!r}, {dtype!r})"
+
+    def rec(t):
+        if isinstance(t, dict):
+            return "{" + ", ".join(f"{k!r}: {rec(v)}" for k, v in t.items()) + "}"
+        if isinstance(t, tuple):
+            return "(" + ", ".join(rec(v) for v in t) + ("," if len(t) == 1 else "") + ")"
+        if isinstance(t, list):
+            return "[" + ", ".join(rec(v) for v in t) + "]"
+        return leaf(t)
+
+    return rec(tuple(args))
+
+
+# --- the builder --------------------------------------------------------------------------------
+
+
+def _st():
+    try:
+        import hypothesis.extra.numpy as hnp
+        import hypothesis.strategies as st
+    except ImportError as e:  # pragma: no cover - hypothesis is in the `test` extra
+        raise ImportError("autoopt.testing strategies need hypothesis: pip install 'autoopt[test]'") from e
+    return st, hnp
+
+
+def _aval_of(expr: str, env: dict[str, Aval], extra_lines: tuple[str, ...] = ()) -> tuple[Aval, ...]:
+    """Avals of ``expr`` evaluated with ``env``'s variables (after ``extra_lines``, which may
+    define helper functions), via ``jax.eval_shape``. A tuple: one per output."""
+    names = sorted(env)
+    src = "def _shape_of(" + ", ".join(names) + "):\n"
+    src += "".join("    " + ln + "\n" for ln in extra_lines)
+    src += f"    return {expr}\n"
+    ns = {"jax": jax, "jnp": jnp, "lax": lax, "np": np, "fit": fit}
+    exec(compile(src, "<autoopt-fuzz-shape>", "exec"), ns)  # noqa: S102
+    out = jax.eval_shape(ns["_shape_of"], *[env[n].sds() for n in names])
+    return tuple(Aval.of(o) for o in jax.tree_util.tree_leaves(out))
+
+
+class _Names:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def var(self) -> str:
+        self.n += 1
+        return f"v{self.n}"
+
+    def fn(self, kind: str) -> str:
+        self.n += 1
+        return f"{kind}{self.n}"
+
+
+class _Builder:
+    """Draws the statements of one block. ``env`` holds every variable in scope (outer blocks'
+    variables included: nested functions close over them, as user code does)."""
+
+    def __init__(self, draw, names: _Names, env: dict[str, Aval], depth: int, under_grad: bool,
+                 max_ops: int):
+        self.draw = draw
+        self.names = names
+        self.env = dict(env)
+        self.local: list[str] = []  # variables bound in this block, in order
+        self.ops: list[Op] = []
+        self.depth = depth
+        self.under_grad = under_grad
+        self.max_ops = max_ops
+
+    # --- drawing helpers ----------------------------------------------------------------------
+
+    def pick(self, ok: Callable[[Aval], bool] = lambda a: True) -> str | None:
+        """A variable in scope satisfying ``ok``; the most recent first (shrinks towards it)."""
+        order = list(reversed(self.local)) + [n for n in reversed(list(self.env)) if n not in self.local]
+        cands = [n for n in order if ok(self.env[n])]
+        if not cands:
+            return None
+        st, _ = _st()
+        return self.draw(st.sampled_from(cands))
+
+    def integers(self, lo: int, hi: int) -> int:
+        st, _ = _st()
+        return self.draw(st.integers(lo, hi))
+
+    def choice(self, options):
+        st, _ = _st()
+        return self.draw(st.sampled_from(list(options)))
+
+    def boolean(self) -> bool:
+        st, _ = _st()
+        return self.draw(st.booleans())
+
+    def fit_expr(self, name: str, dst: Aval) -> str:
+        src = self.env[name]
+        if src == dst:
+            return name
+        if src.shape == dst.shape:
+            return f"{name}.astype({dst.dtype!r})"
+        return f"fit({name}, {dst.shape!r}, {dst.dtype!r})"
+
+    def operand(self, dst: Aval, broadcast_ok: bool = False) -> str:
+        """An expression of aval ``dst`` (or, with ``broadcast_ok``, one that broadcasts to it)
+        built from a variable in scope."""
+        name = self.pick()
+        src = self.env[name]
+        if broadcast_ok and src.dtype == dst.dtype and (
+                src.shape == () or dst.shape[len(dst.shape) - len(src.shape):] == src.shape):
+            return name
+        return self.fit_expr(name, dst)
+
+    def literal(self, dtype: str) -> str:
+        if dtype == "bool":
+            return self.choice(["True", "False"])
+        if dtype == "int32":
+            return str(self.integers(-3, 3))
+        return self.choice(["1.5", "-2.0", "0.0", "0.25"])
+
+    def dyn_scalar(self) -> str:
+        """A traced int32 scalar (or a literal when nothing in scope can make one)."""
+        name = self.pick(lambda a: a.dtype in ("int32", "bool") or a.dtype in _FLOATS)
+        if name is None:
+            return str(self.integers(-3, 3))
+        a = self.env[name]
+        elem = name if a.ndim == 0 else f"{name}.ravel()[{self.integers(0, a.size - 1)}]"
+        if a.dtype != "int32":
+            elem = f"{elem}.astype('int32')"
+        return self.choice([elem, f"({elem} + {self.integers(-3, 3)})"])
+
+    def bind(self, kind: str, exprs_lines: tuple[str, ...], expr: str, n_out: int = 1) -> None:
+        """Bind ``expr`` (after ``exprs_lines``) to fresh variables, typing it with eval_shape."""
+        avals = _aval_of(expr, self.env, exprs_lines)
+        targets = tuple((self.names.var(), a) for a in avals)
+        assert len(targets) == n_out, (expr, avals)
+        lhs = ", ".join(t for t, _ in targets)
+        self.ops.append(Op(kind, targets, exprs_lines + (f"{lhs} = {expr}",)))
+        for t, a in targets:
+            self.env[t] = a
+            self.local.append(t)
+
+    # --- blocks -------------------------------------------------------------------------------
+
+    def block(self, kind: str, params: list[tuple[str, Aval]], results: list[Aval | None],
+              pre: tuple[str, ...] = (), under_grad: bool | None = None,
+              returns: Callable[[list[str]], str] | None = None,
+              signature: str | None = None) -> tuple[str, tuple[str, ...]]:
+        """A nested ``def`` whose body sees ``params``; returns ``(function name, lines)``. Each
+        entry of ``results`` is an aval the block must return (fitted) or None (any variable).
+        ``signature`` replaces the parameter list when ``pre`` unpacks the params from it."""
+        fname = self.names.fn(kind)
+        env = dict(self.env)
+        env.update(dict(params))
+        sub = _Builder(self.draw, self.names, env, self.depth + 1,
+                       self.under_grad if under_grad is None else under_grad,
+                       max_ops=max(1, self.max_ops // 2))
+        for p, _ in params:
+            sub.local.append(p)
+        n_ops = self.integers(0, sub.max_ops)
+        for _ in range(n_ops):
+            sub.step()
+        outs = []
+        for want in results:
+            name = sub.pick()
+            outs.append(name if want is None else sub.fit_expr(name, want))
+        ret = returns(outs) if returns is not None else (
+            outs[0] if len(outs) == 1 else "(" + ", ".join(outs) + ")")
+        header = [f"def {fname}({signature or ', '.join(p for p, _ in params)}):"]
+        body = ["    " + ln for ln in pre]
+        for op in sub.ops:
+            body += ["    " + ln for ln in op.lines]
+        body.append(f"    return {ret}")
+        return fname, tuple(header + body)
+
+    # --- ops ------------------------------------------------------------------------------------
+
+    def step(self) -> None:
+        kinds = ["unary", "binary", "at_update", "reduce", "reshape", "dot", "cast", "compare",
+                 "broadcast", "transpose", "slice", "concat", "gather", "dynamic_slice",
+                 "dynamic_update_slice"]
+        if self.depth < 2:
+            kinds += ["cond", "switch", "scan", "fori_loop", "vmap", "grad"]
+            if not self.under_grad:
+                kinds += ["while_loop", "fori_loop_dynamic"]
+        getattr(self, "op_" + self.choice(kinds))()
+
+    def op_unary(self):
+        x = self.pick()
+        d = self.env[x].dtype
+        if d in _FLOATS:
+            forms = ["jnp.sin({x})", "-{x}", "jnp.exp({x})", "jnp.tanh({x})", "jnp.abs({x})",
+                     "jnp.sqrt(jnp.abs({x}))", "jnp.log1p(jnp.abs({x}))", "{x} * 0.5 + 1.0",
+                     "jnp.floor({x})", "jnp.clip({x}, -1.0, 2.0)"]
+        elif d == "int32":
+            forms = ["-{x}", "{x} * 3 + 1", "jnp.abs({x})", "{x} // 2", "{x} % 5", "~{x}",
+                     "jnp.clip({x}, -2, 3)"]
+        else:
+            forms = ["~{x}", "jnp.logical_not({x})"]
+        self.bind("unary", (), self.choice(forms).format(x=x))
+
+    def op_cast(self):
+        x = self.pick()
+        to = self.choice([d for d in FUZZ_DTYPES if d != self.env[x].dtype])
+        self.bind("cast", (), f"{x}.astype({to!r})")
+
+    def op_binary(self):
+        x = self.pick()
+        a = self.env[x]
+        y = self.operand(a, broadcast_ok=True)
+        if a.dtype in _FLOATS:
+            forms = ["{x} + {y}", "{x} * {y}", "{x} - {y}", "jnp.maximum({x}, {y})",
+                     "jnp.minimum({x}, {y})", "jnp.where({x} > 0, {x}, {y})"]
+        elif a.dtype == "int32":
+            forms = ["{x} + {y}", "{x} * {y}", "{x} - {y}", "jnp.maximum({x}, {y})",
+                     "jnp.minimum({x}, {y})", "{x} & {y}", "{x} | {y}", "{x} ^ {y}",
+                     "jnp.where({x} > 0, {x}, {y})"]
+        else:
+            forms = ["{x} & {y}", "{x} | {y}", "{x} ^ {y}", "jnp.where({x}, {y}, ~{y})"]
+        self.bind("binary", (), self.choice(forms).format(x=x, y=y))
+
+    def op_compare(self):
+        x = self.pick()
+        a = self.env[x]
+        y = self.operand(a, broadcast_ok=True)
+        form = self.choice(["<", "==", ">=", "!="] if a.dtype != "bool" else ["==", "!="])
+        self.bind("compare", (), f"{x} {form} {y}")
+
+    def op_broadcast(self):
+        x = self.pick(lambda a: a.ndim < _MAX_NDIM)
+        if x is None:
+            return self.op_unary()
+        a = self.env[x]
+        n = self.integers(1, 3)
+        if a.ndim >= 1 and self.boolean():
+            axis = self.integers(0, a.ndim)
+            shape = list(a.shape)
+            shape.insert(axis, n)
+            self.bind("broadcast", (), f"jnp.broadcast_to(jnp.expand_dims({x}, {axis}), {tuple(shape)!r})")
+        else:
+            self.bind("broadcast", (), f"jnp.broadcast_to({x}, {(n,) + a.shape!r})")
+
+    def op_dot(self):
+        x = self.pick(lambda a: a.ndim >= 1 and a.dtype in _NUMERIC)
+        if x is None:
+            return self.op_unary()
+        a = self.env[x]
+        n = self.integers(1, 3)
+        form = self.choice(["matmul", "batched", "tensordot"] if a.ndim >= 2 else ["matmul", "tensordot"])
+        if form == "matmul":
+            y = self.operand(Aval((a.shape[-1], n), a.dtype))
+            self.bind("dot", (), f"jnp.matmul({x}, {y})")
+        elif form == "tensordot":
+            y = self.operand(Aval((a.shape[0], n), a.dtype))
+            self.bind("dot", (), f"jnp.tensordot({x}, {y}, axes=((0,), (0,)))")
+        else:
+            y = self.operand(Aval((a.shape[0], a.shape[-1], n), a.dtype))
+            dims = f"((({a.ndim - 1},), (1,)), ((0,), (0,)))"
+            self.bind("dot", (), f"lax.dot_general({x}, {y}, {dims})")
+
+    def op_reduce(self):
+        x = self.pick()
+        a = self.env[x]
+        if a.dtype in _FLOATS:
+            fns = ["jnp.sum", "jnp.max", "jnp.min", "jnp.mean", "jnp.argmax", "jnp.prod"]
+        elif a.dtype == "int32":
+            fns = ["jnp.sum", "jnp.max", "jnp.min", "jnp.argmin", "jnp.prod"]
+        else:
+            fns = ["jnp.any", "jnp.all", "jnp.sum"]
+        fn = self.choice(fns)
+        axis = "None" if a.ndim == 0 or self.boolean() else str(self.integers(-a.ndim, a.ndim - 1))
+        if fn in ("jnp.argmax", "jnp.argmin") and axis == "None":
+            self.bind("reduce", (), f"{fn}({x})")
+        else:
+            self.bind("reduce", (), f"{fn}({x}, axis={axis}, keepdims={self.boolean()})")
+
+    def op_reshape(self):
+        x = self.pick(lambda a: a.size > 1)
+        if x is None:
+            return self.op_unary()
+        a = self.env[x]
+        size, dims = a.size, []
+        for _ in range(self.integers(0, _MAX_NDIM - 1)):
+            divisors = [d for d in range(1, size + 1) if size % d == 0]
+            d = self.choice(divisors)
+            dims.append(d)
+            size //= d
+        dims.append(size)
+        self.bind("reshape", (), self.choice([f"{x}.reshape({tuple(dims)!r})", f"{x}.ravel()"]))
+
+    def op_transpose(self):
+        x = self.pick(lambda a: a.ndim >= 1)
+        if x is None:
+            return self.op_unary()
+        a = self.env[x]
+        st, _ = _st()
+        form = self.choice(["transpose", "flip", "roll"] if a.ndim >= 2 else ["flip", "roll"])
+        if form == "transpose":
+            perm = tuple(self.draw(st.permutations(range(a.ndim))))
+            self.bind("transpose", (), f"jnp.transpose({x}, {perm!r})")
+        elif form == "flip":
+            self.bind("transpose", (), f"jnp.flip({x}, axis={self.integers(0, a.ndim - 1)})")
+        else:
+            self.bind("transpose", (), f"jnp.roll({x}, {self.integers(-3, 3)}, axis={self.integers(0, a.ndim - 1)})")
+
+    def _static_slice(self, n: int, allow_empty: bool) -> str:
+        """A slice of an axis of length n: a window (step 1) or strided, possibly reversed, with
+        bounds that may be negative or past the end."""
+        while True:
+            start = self.choice([None, *range(-n - 2, n + 2)])
+            stop = self.choice([None, *range(-n - 2, n + 3)])
+            step = self.choice([None, 2, -1, 3])
+            if allow_empty or len(range(n)[slice(start, stop, step)]) > 0:
+                break
+            if self.boolean():  # give up on this draw quickly: the whole axis
+                start, stop, step = None, None, None
+                break
+        s = ("" if start is None else str(start)) + ":" + ("" if stop is None else str(stop))
+        return s + ("" if step is None else f":{step}")
+
+    def op_slice(self):
+        x = self.pick(lambda a: a.ndim >= 1)
+        if x is None:
+            return self.op_unary()
+        a = self.env[x]
+        idx = ", ".join(self._static_slice(n, allow_empty=False) for n in a.shape[: self.integers(1, a.ndim)])
+        self.bind("slice", (), f"{x}[{idx}]")
+
+    def op_concat(self):
+        x = self.pick(lambda a: a.ndim >= 1)
+        if x is None:
+            return self.op_unary()
+        a = self.env[x]
+        m = self.integers(1, 3)
+        y = self.operand(Aval((m,) + a.shape[1:], a.dtype))
+        self.bind("concat", (), f"jnp.concatenate([{x}, {y}], axis=0)")
+
+    def index(self, a: Aval) -> str:
+        """An index expression for ``x[...]``/``x.at[...]`` on a value of aval ``a``."""
+        n = a.shape[0]
+        form = self.choice(["int", "slice", "dynamic", "array", "tuple", "ellipsis"])
+        if form == "int":
+            return str(self.integers(-n - 2, n + 1))
+        if form == "slice":
+            return self._static_slice(n, allow_empty=True)
+        if form == "dynamic":
+            return self.dyn_scalar()
+        if form == "array":
+            st, _ = _st()
+            vals = self.draw(st.lists(st.integers(-n - 1, n), min_size=1, max_size=3))
+            return f"jnp.array({vals!r})"
+        if form == "tuple" and a.ndim >= 2:
+            first = self.choice(["int", "dynamic", "slice"])
+            i0 = {"int": lambda: str(self.integers(-n - 1, n)), "dynamic": self.dyn_scalar,
+                  "slice": lambda: self._static_slice(n, allow_empty=True)}[first]()
+            return f"{i0}, {self._static_slice(a.shape[1], allow_empty=True)}"
+        return "..."
+
+    def op_at_update(self):
+        x = self.pick(lambda a: a.ndim >= 1)
+        if x is None:
+            return self.op_unary()
+        a = self.env[x]
+        idx = self.index(a)
+        methods = ["set", "add", "mul", "min", "max", "get"] if a.dtype != "bool" else ["set", "get"]
+        method = self.choice(methods)
+        mode = self.choice([None, "drop", "clip"] if method != "get" else [None, "fill", "clip"])
+        window = _aval_of(f"{x}[{idx}]", self.env)[0]
+        if method == "get":
+            extra = f"mode={mode!r}" if mode else ""
+            if mode == "fill":
+                extra += f", fill_value={self.literal(a.dtype)}"
+            self.bind("at_get", (), f"{x}.at[{idx}].get({extra})")
+            return
+        if self.boolean():
+            val = self.literal(a.dtype)
+        else:
+            val = self.operand(Aval(window.shape, a.dtype), broadcast_ok=True)
+        extra = f", mode={mode!r}" if mode else ""
+        self.bind("at_update", (), f"{x}.at[{idx}].{method}({val}{extra})")
+
+    def op_gather(self):
+        x = self.pick(lambda a: a.ndim >= 1)
+        if x is None:
+            return self.op_unary()
+        a = self.env[x]
+        form = self.choice(["dynamic", "array", "take"])
+        if form == "take":
+            st, _ = _st()
+            vals = self.draw(st.lists(st.integers(-a.shape[0] - 1, a.shape[0]), min_size=1, max_size=3))
+            mode = self.choice(["clip", "wrap", "fill"])
+            self.bind("gather", (), f"jnp.take({x}, jnp.array({vals!r}), axis=0, mode={mode!r})")
+        else:
+            self.bind("gather", (), f"{x}[{self.index(a) if form == 'array' else self.dyn_scalar()}]")
+
+    def _starts(self, a: Aval) -> str:
+        starts = [self.dyn_scalar() if self.boolean() else str(self.integers(-2, n + 1)) for n in a.shape]
+        return "(" + ", ".join(starts) + ("," if len(starts) == 1 else "") + ")"
+
+    def op_dynamic_slice(self):
+        x = self.pick(lambda a: a.ndim >= 1)
+        if x is None:
+            return self.op_unary()
+        a = self.env[x]
+        sizes = tuple(self.integers(1, n) for n in a.shape)
+        self.bind("dynamic_slice", (), f"lax.dynamic_slice({x}, {self._starts(a)}, {sizes!r})")
+
+    def op_dynamic_update_slice(self):
+        x = self.pick(lambda a: a.ndim >= 1)
+        if x is None:
+            return self.op_unary()
+        a = self.env[x]
+        sizes = tuple(self.integers(1, n) for n in a.shape)
+        u = self.operand(Aval(sizes, a.dtype))
+        self.bind("dynamic_update_slice", (), f"lax.dynamic_update_slice({x}, {u}, {self._starts(a)})")
+
+    # --- control flow and transformations ------------------------------------------------------
+
+    def predicate(self) -> str:
+        p = self.pick()
+        a = self.env[p]
+        if a.dtype == "bool":
+            return f"jnp.any({p})"
+        return f"{p}.ravel()[0] > 0" if a.ndim else f"{p} > 0"
+
+    def op_cond(self):
+        x = self.pick()
+        a = self.env[x]
+        pred = self.predicate()
+        t, t_lines = self.block("true", [("a", a)], [a])
+        f, f_lines = self.block("false", [("a", a)], [a])
+        self.bind("cond", t_lines + f_lines, f"lax.cond({pred}, {t}, {f}, {x})")
+
+    def op_switch(self):
+        x = self.pick()
+        a = self.env[x]
+        index = self.dyn_scalar()
+        fns, lines = [], ()
+        for _ in range(self.integers(1, 3)):
+            f, f_lines = self.block("branch", [("a", a)], [a])
+            fns.append(f)
+            lines += f_lines
+        self.bind("switch", lines, f"lax.switch({index}, [{', '.join(fns)}], {x})")
+
+    def op_scan(self):
+        c = self.pick()
+        xs = self.pick(lambda a: a.ndim >= 1)
+        if xs is None:
+            return self.op_fori_loop()
+        ca, xa = self.env[c], self.env[xs]
+        body, lines = self.block("body", [("carry", ca), ("x", Aval(xa.shape[1:], xa.dtype))],
+                                 [ca, None])
+        opts = []
+        if self.boolean():
+            opts.append("reverse=True")
+        unroll = self.choice([1, 2, True])
+        if unroll != 1:
+            opts.append(f"unroll={unroll}")
+        extra = "".join(", " + o for o in opts)
+        self.bind("scan", lines, f"lax.scan({body}, {c}, {xs}{extra})", n_out=2)
+
+    def op_fori_loop(self):
+        c = self.pick()
+        ca = self.env[c]
+        body, lines = self.block("body", [("i", Aval((), "int32")), ("carry", ca)], [ca])
+        lo = self.integers(0, 2)
+        hi = self.integers(lo, 4)
+        self.bind("fori_loop", lines, f"lax.fori_loop({lo}, {hi}, {body}, {c})")
+
+    def op_fori_loop_dynamic(self):
+        c = self.pick()
+        ca = self.env[c]
+        hi = f"jnp.clip({self.dyn_scalar()}, 0, 4)"
+        body, lines = self.block("body", [("i", Aval((), "int32")), ("carry", ca)], [ca])
+        self.bind("fori_loop", lines, f"lax.fori_loop(0, {hi}, {body}, {c})")
+
+    def op_while_loop(self):
+        c = self.pick()
+        ca = self.env[c]
+        n = self.integers(0, 4) if self.boolean() else f"jnp.clip({self.dyn_scalar()}, 0, 4)"
+        cond_name = self.names.fn("cond")
+        cond_lines = (f"def {cond_name}(s):", f"    return s[0] < {n}")
+        body, body_lines = self.block(
+            "body", [("i", Aval((), "int32")), ("carry", ca)], [ca], pre=("i, carry = s",),
+            returns=lambda outs: f"(i + 1, {outs[0]})", signature="s")
+        self.bind("while_loop", cond_lines + body_lines,
+                  f"lax.while_loop({cond_name}, {body}, (jnp.int32(0), {c}))[1]")
+
+    def op_vmap(self):
+        x = self.pick(lambda a: a.ndim >= 1)
+        if x is None:
+            return self.op_unary()
+        a = self.env[x]
+        f, lines = self.block("per_row", [("a", Aval(a.shape[1:], a.dtype))], [None])
+        self.bind("vmap", lines, f"jax.vmap({f})({x})")
+
+    def op_grad(self):
+        x = self.pick(lambda a: a.dtype in _FLOATS)
+        if x is None:
+            return self.op_unary()
+        a = self.env[x]
+        f, lines = self.block("loss", [("a", a)], [None], under_grad=True,
+                              returns=lambda outs: f"jnp.sum({outs[0]}.astype('float32'))")
+        self.bind("grad", lines, f"jax.grad({f})({x})")
+
+
+
+# --- strategies ---------------------------------------------------------------------------------
+
+
+def _in_aval(draw) -> Aval:
+    st, hnp = _st()
+    dtype = draw(st.sampled_from(FUZZ_DTYPES))
+    shape = draw(hnp.array_shapes(min_dims=0, max_dims=_MAX_NDIM, min_side=1, max_side=_MAX_SIDE))
+    return Aval(tuple(shape), dtype)
+
+
+def programs(max_ops: int = 6, max_params: int = 3):
+    """Strategy for random ``Program``s of up to ``max_ops`` top-level statements (nested
+    blocks get fewer) over up to ``max_params`` parameters, each an array or a dict/tuple of
+    arrays."""
+    st, _ = _st()
+
+    @st.composite
+    def build(draw):
+        names = _Names()
+        env: dict[str, Aval] = {}
+        params, in_avals, unpack = [], [], []
+        for p in range(draw(st.integers(1, max_params))):
+            pname = f"x{p}"
+            params.append(pname)
+            form = draw(st.sampled_from(["array", "dict", "tuple"]))
+            if form == "array":
+                a = _in_aval(draw)
+                v = names.var()
+                unpack.append(f"{v} = {pname}")
+                env[v] = a
+                in_avals.append(a)
+            else:
+                keys = ["a", "b"][: draw(st.integers(1, 2))]
+                avals = [_in_aval(draw) for _ in keys]
+                leaves = []
+                for k, a in zip(keys, avals):
+                    v = names.var()
+                    env[v] = a
+                    leaves.append(v)
+                    unpack.append(f"{v} = {pname}[{k!r}]" if form == "dict" else
+                                  f"{v} = {pname}[{keys.index(k)}]")
+                in_avals.append(dict(zip(keys, avals)) if form == "dict" else tuple(avals))
+        b = _Builder(draw, names, env, depth=0, under_grad=False, max_ops=max_ops)
+        for _ in range(draw(st.integers(1, max_ops))):
+            b.step()
+        # Outputs: a few variables (the last one first, so shrinking keeps it), as a pytree.
+        outs = [b.pick() for _ in range(draw(st.integers(1, 3)))]
+        form = draw(st.sampled_from(["single", "tuple", "dict"]))
+        if form == "single" or len(outs) == 1 and form != "dict":
+            result = outs[0] if len(outs) == 1 else "(" + ", ".join(outs) + ")"
+        elif form == "tuple":
+            result = "(" + ", ".join(outs) + ")"
+        else:
+            result = "{" + ", ".join(f"'out{i}': {o}" for i, o in enumerate(outs)) + "}"
+        return Program(tuple(params), tuple(in_avals), tuple(unpack), tuple(b.ops), result)
+
+    return build()
+
+
+def _leaf_values(aval: Aval):
+    st, hnp = _st()
+    if aval.dtype == "bool":
+        strat = hnp.arrays(np.bool_, aval.shape)
+    elif aval.dtype == "int32":
+        # Small integers: used as indices they land in bounds, out of bounds and negative.
+        strat = hnp.arrays(np.int32, aval.shape, elements=st.integers(-6, 6))
+    else:
+        strat = hnp.arrays(np.float32, aval.shape,
+                           elements=st.floats(-4, 4, width=32, allow_subnormal=False))
+    return strat.map(lambda v: jnp.asarray(v, dtype=aval.dtype))
+
+
+def program_args(program: Program):
+    """Strategy for arguments matching ``program.in_avals``."""
+    st, _ = _st()
+    leaves, tree = jax.tree_util.tree_flatten(program.in_avals,
+                                              is_leaf=lambda x: isinstance(x, Aval))
+    return st.tuples(*[_leaf_values(a) for a in leaves]).map(
+        lambda vals: tuple(jax.tree_util.tree_unflatten(tree, list(vals))))
+
+
+def fuzz_cases(max_ops: int = 6, max_params: int = 3):
+    """Strategy for ``FuzzCase``: a random program and arguments for it."""
+    st, _ = _st()
+    return programs(max_ops, max_params).flatmap(
+        lambda p: program_args(p).map(lambda args: FuzzCase(p, args)))
+
+
+def check_program(case: FuzzCase, **options: Any) -> Any:
+    """Run ``case`` under ``jax.jit`` and under ``autoopt.optimize(fallback="raise",
+    donate="off", **options)``; assert equal outputs (bit-identical ints and bools, dtype-aware
+    float tolerance). A program ``jax.jit`` rejects must be rejected by autoopt with the same
+    exception type. Returns the optimized outputs."""
+    from autoopt._api import optimize
+    from autoopt.testing import assert_trees_equivalent
+
+    fn = case.program.function()
+    options.setdefault("fallback", "raise")
+    options.setdefault("donate", "off")
+    try:
+        expected = jax.jit(fn)(*case.args)
+    except Exception as e:  # noqa: BLE001 - compare against autoopt's behaviour below
+        try:
+            optimize(fn, **options)(*case.args)
+        except type(e):
+            return None
+        raise AssertionError(f"jax.jit raised {type(e).__name__}: {e}, autoopt did not:\n{case!r}") from e
+    got = optimize(fn, **options)(*case.args)
+    assert_trees_equivalent(expected, got, what="optimize(program)")
+    return got

@@ -1,0 +1,120 @@
+"""Dispatch and first-call overhead of autoopt.optimize against jax.jit.
+
+Targets (issue 2): cached-call dispatch on a tiny function within 1.3x of jax.jit; first call
+(trace + passes + compile) within 1.5x of jax.jit's first call. Interleaved in one process,
+medians reported; quote the ratios (the machine is shared and noisy).
+
+    python benchmarks/overhead.py [--rounds 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+import autoopt
+
+
+def _per_call(f, x, n: int) -> float:
+    t = time.perf_counter()
+    for _ in range(n):
+        f(x)
+    jax.block_until_ready(f(x))
+    return (time.perf_counter() - t) / (n + 1)
+
+
+def _per_call_rebinding(f, x, n: int) -> float:
+    t = time.perf_counter()
+    for _ in range(n):
+        x = f(x)
+    jax.block_until_ready(x)
+    return (time.perf_counter() - t) / n
+
+
+def dispatch(rounds: int, n: int) -> dict[str, float]:
+    def tiny(x):
+        return x + 1.0
+
+    jitted = jax.jit(tiny)
+    fast = autoopt.optimize(tiny)
+    expert_donating = jax.jit(tiny, donate_argnums=0)
+    x = jnp.ones(8)
+    for f in (jitted, fast):
+        f(x)
+    y = expert_donating(jnp.ones(8))
+    y = fast(y)
+    times: dict[str, list[float]] = {"jit": [], "autoopt": [], "jit donate": [], "autoopt x=f(x)": []}
+    for _ in range(rounds):
+        times["jit"].append(_per_call(jitted, x, n))
+        times["autoopt"].append(_per_call(fast, x, n))
+        times["jit donate"].append(_per_call_rebinding(expert_donating, jnp.ones(8), n))
+        times["autoopt x=f(x)"].append(_per_call_rebinding(fast, jnp.ones(8), n))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _mlp_step(depth: int):
+    def step(params, x):
+        def loss(params):
+            h = x
+            for w in params:
+                h = jnp.tanh(h @ w)
+            return jnp.mean(h**2)
+
+        g = jax.grad(loss)(params)
+        return [w - 0.01 * gw for w, gw in zip(params, g)]
+
+    return step
+
+
+def first_call(rounds: int) -> dict[str, dict[str, float]]:
+    """Time of the first call of a fresh function (trace + passes + compile + run)."""
+    out: dict[str, dict[str, list[float]]] = {}
+    workloads = {
+        "tiny": (lambda: (lambda x: x * 2.0 + 1.0), lambda: (jnp.ones(8),)),
+        "mlp8 step": (lambda: _mlp_step(8),
+                      lambda: ([jnp.ones((64, 64)) * 0.01 for _ in range(8)], jnp.ones((32, 64)))),
+    }
+    for name, (make_fn, make_args) in workloads.items():
+        res = out.setdefault(name, {"jit": [], "autoopt": []})
+        args = make_args()
+        for _ in range(rounds):
+            for which in ("jit", "autoopt"):
+                fn = make_fn()  # a fresh function object: no cache hits anywhere
+                f = jax.jit(fn) if which == "jit" else autoopt.optimize(fn, donate="off")
+                t = time.perf_counter()
+                jax.block_until_ready(f(*args))
+                res[which].append(time.perf_counter() - t)
+    return {k: {w: statistics.median(v) for w, v in d.items()} for k, d in out.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--calls", type=int, default=2000)
+    a = p.parse_args()
+    d = dispatch(a.rounds, a.calls)
+    print(f"jax {jax.__version__}, backend {jax.default_backend()}, {a.rounds} interleaved rounds "
+          f"of {a.calls} calls; medians\n")
+    print("| cached call (tiny f32[8] function) | us/call | ratio vs jax.jit |")
+    print("|---|---:|---:|")
+    print(f"| jax.jit | {d['jit'] * 1e6:.2f} | 1.00 |")
+    print(f"| autoopt.optimize (`y = f(x)`, nothing donated) | {d['autoopt'] * 1e6:.2f} | "
+          f"{d['autoopt'] / d['jit']:.2f} |")
+    print(f"| jax.jit(donate_argnums=0), `x = f(x)` | {d['jit donate'] * 1e6:.2f} | "
+          f"{d['jit donate'] / d['jit']:.2f} |")
+    print(f"| autoopt.optimize, `x = f(x)` (donated) | {d['autoopt x=f(x)'] * 1e6:.2f} | "
+          f"{d['autoopt x=f(x)'] / d['jit donate']:.2f} vs jit donate |")
+    fc = first_call(max(3, a.rounds // 3))
+    print("\n| first call (trace + passes + compile + run) | jax.jit ms | autoopt ms | ratio |")
+    print("|---|---:|---:|---:|")
+    for name, r in fc.items():
+        print(f"| {name} | {r['jit'] * 1e3:.1f} | {r['autoopt'] * 1e3:.1f} | "
+              f"{r['autoopt'] / r['jit']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
