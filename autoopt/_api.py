@@ -188,7 +188,12 @@ class OptimizedFunction:
     def _jit_for(self, positions: tuple, names: tuple):
         key = (positions, names)
         j = self._jits.get(key)
-        if j is None:
+        if j is not None:
+            return j
+        with self._lock:
+            j = self._jits.get(key)
+            if j is not None:
+                return j
             kw = dict(self._jit_kwargs)
             if not self._explicit_donation:
                 kw["donate_argnums"] = positions
@@ -373,7 +378,7 @@ class OptimizedFunction:
         # Decorating a method: bind like a function does (as jax.jit's wrappers do).
         if instance is None:
             return self
-        return functools.partial(self, instance)
+        return _BoundOptimized(self, instance)
 
     # --- AOT and explain -----------------------------------------------------------------------
 
@@ -408,6 +413,34 @@ class OptimizedFunction:
 
     def __repr__(self) -> str:
         return f"<autoopt.optimize of {getattr(self.__wrapped__, '__qualname__', self.__wrapped__)!r}>"
+
+
+class _BoundOptimized:
+    """An OptimizedFunction bound to an instance (a decorated method).
+
+    Under ``donate="safe"`` a bound call never donates: the instance is prepended to the
+    arguments, which shifts positions against the caller's statement and adds a reference the
+    proof cannot account for. ``donate="auto"`` and explicit argnums work as for functions.
+    """
+
+    __slots__ = ("_owner", "_instance")
+
+    def __init__(self, owner: OptimizedFunction, instance: Any):
+        self._owner = owner
+        self._instance = instance
+
+    def __call__(self, *args, **kwargs):
+        owner = self._owner
+        args = (self._instance, *args)
+        if owner._policy == "auto":
+            return owner._call_donating(tuple(range(len(args))), tuple(kwargs), args, kwargs, False)
+        return owner._plain(*args, **kwargs)
+
+    def __getattr__(self, name):
+        attr = getattr(self._owner, name)
+        if name in ("lower", "trace", "explain"):
+            return functools.partial(attr, self._instance)
+        return attr
 
 
 def optimize(fn: Callable | None = None, /, **options: Any):

@@ -11,10 +11,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+from jax._src import api_util as _api_util
 from jax._src import core as _core
 from jax._src import linear_util as _lu
 from jax._src import source_info_util as _siu
-from jax._src import api_util as _api_util
 from jax._src.interpreters import partial_eval as _pe
 
 __all__ = [

@@ -20,6 +20,7 @@ reference is always the same source under plain ``jax.jit``.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import linecache
@@ -325,11 +326,12 @@ class _Builder:
     # --- ops ------------------------------------------------------------------------------------
 
     def step(self) -> None:
+        # Repeats weight the draw towards what the passes rewrite (in-place updates, loops).
         kinds = ["unary", "binary", "at_update", "reduce", "reshape", "dot", "cast", "compare",
                  "broadcast", "transpose", "slice", "concat", "gather", "dynamic_slice",
-                 "dynamic_update_slice"]
+                 "dynamic_update_slice", "at_update", "at_update", "dynamic_update_slice"]
         if self.depth < 2:
-            kinds += ["cond", "switch", "scan", "fori_loop", "vmap", "grad"]
+            kinds += ["cond", "switch", "scan", "fori_loop", "vmap", "grad", "scan", "fori_loop"]
             if not self.under_grad:
                 kinds += ["while_loop", "fori_loop_dynamic"]
         getattr(self, "op_" + self.choice(kinds))()
@@ -742,11 +744,22 @@ def fuzz_cases(max_ops: int = 6, max_params: int = 3):
         lambda p: program_args(p).map(lambda args: FuzzCase(p, args)))
 
 
-def check_program(case: FuzzCase, **options: Any) -> Any:
+# How many programs ``check_program`` ran in this process, by outcome (tests report it).
+RUNS: collections.Counter = collections.Counter()
+
+
+def _call(f: Callable, args: tuple) -> Any:
+    return f(*args)
+
+
+def check_program(case: FuzzCase, *, through: Callable[[Callable, tuple], Any] = _call,
+                  **options: Any) -> Any:
     """Run ``case`` under ``jax.jit`` and under ``autoopt.optimize(fallback="raise",
-    donate="off", **options)``; assert equal outputs (bit-identical ints and bools, dtype-aware
-    float tolerance). A program ``jax.jit`` rejects must be rejected by autoopt with the same
-    exception type. Returns the optimized outputs."""
+    donate="off", **options)`` and assert equal outputs: bit-identical ints and bools,
+    dtype-aware float tolerance. ``through(f, args)`` says how each compiled function is called
+    (default ``f(*args)``; pass one that wraps ``f`` in ``jax.grad``/``jax.vmap``/``jax.jit`` to
+    check composition). A program ``jax.jit`` rejects must be rejected by autoopt with the same
+    exception type. Returns the optimized outputs (None when both rejected it)."""
     from autoopt._api import optimize
     from autoopt.testing import assert_trees_equivalent
 
@@ -754,13 +767,16 @@ def check_program(case: FuzzCase, **options: Any) -> Any:
     options.setdefault("fallback", "raise")
     options.setdefault("donate", "off")
     try:
-        expected = jax.jit(fn)(*case.args)
+        expected = through(jax.jit(fn), case.args)
     except Exception as e:  # noqa: BLE001 - compare against autoopt's behaviour below
         try:
-            optimize(fn, **options)(*case.args)
+            through(optimize(fn, **options), case.args)
         except type(e):
+            RUNS["rejected by both"] += 1
             return None
-        raise AssertionError(f"jax.jit raised {type(e).__name__}: {e}, autoopt did not:\n{case!r}") from e
-    got = optimize(fn, **options)(*case.args)
+        raise AssertionError(f"jax.jit raised {type(e).__name__}: {e}; autoopt did not.\n"
+                             f"{case!r}") from e
+    got = through(optimize(fn, **options), case.args)
     assert_trees_equivalent(expected, got, what="optimize(program)")
+    RUNS["equal"] += 1
     return got

@@ -13,12 +13,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from autoopt._fuzz import FuzzCase, Program, check_program, fuzz_cases, program_args, programs
+
 __all__ = [
     "assert_equivalent",
     "assert_trees_equivalent",
     "tolerance",
     "arrays",
     "pytrees",
+    # Random programs for differential fuzzing (autoopt/_fuzz.py).
+    "programs",
+    "program_args",
+    "fuzz_cases",
+    "check_program",
+    "FuzzCase",
+    "Program",
 ]
 
 # Relative tolerance per float dtype: a few ulps after fusion reorders a reduction.

@@ -61,8 +61,8 @@ def grad_inside(w, x, y):
     def loss(w):
         return jnp.mean((jnp.tanh(x @ w) - y) ** 2)
 
-    l, g = jax.value_and_grad(loss)(w)
-    return l, w - 0.1 * g
+    value, g = jax.value_and_grad(loss)(w)
+    return value, w - 0.1 * g
 
 
 def pytree_state(state, batch):

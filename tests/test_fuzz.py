@@ -1,0 +1,144 @@
+"""Differential fuzzing: random JAX programs compute the same numbers under autoopt as under jax.jit.
+
+The programs come from ``autoopt.testing.fuzz_cases`` (see ``autoopt/_fuzz.py``): random
+statements over random pytrees of f32/bf16/i32/bool arrays, with in- and out-of-bounds
+``.at[...]`` updates, dynamic slices, cond/switch/scan/fori/while loops, and grad/vmap of nested
+blocks. Every pass is on and ``fallback="raise"``, so a pass that breaks a program fails here
+instead of falling back quietly.
+
+CI runs the ``ci`` hypothesis profile's number of examples per test (derandomized: the same
+programs every run). ``AUTOOPT_FUZZ_EXAMPLES=N`` runs N per test with fresh random programs; a
+failure prints the shrunk program as source, ready for ``tests/regressions/``.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import autoopt
+from autoopt import _fuzz
+from autoopt.testing import check_program, fuzz_cases, program_args, programs
+
+_EXAMPLES = os.environ.get("AUTOOPT_FUZZ_EXAMPLES")
+if _EXAMPLES:
+    fuzz_settings = settings(max_examples=int(_EXAMPLES), derandomize=False)
+else:
+    fuzz_settings = settings()  # the loaded profile (tests/conftest.py: "ci")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report_count(request):
+    before = sum(_fuzz.RUNS.values())
+    yield
+    run = sum(_fuzz.RUNS.values()) - before
+    tr = request.config.pluginmanager.get_plugin("terminalreporter")
+    if tr is not None:
+        tr.write_line(f"\ntests/test_fuzz.py: {run} random programs checked against jax.jit "
+                      f"({dict(_fuzz.RUNS)})")
+
+
+@fuzz_settings
+@given(fuzz_cases())
+def test_random_programs_compute_what_jax_jit_computes(case):
+    check_program(case)
+
+
+def _float_params(program) -> tuple[int, ...]:
+    def is_float(a):
+        return a.dtype in ("float32", "bfloat16")
+
+    return tuple(i for i, spec in enumerate(program.in_avals)
+                 if all(is_float(a) for a in jax.tree_util.tree_leaves(
+                     spec, is_leaf=lambda x: isinstance(x, _fuzz.Aval))))
+
+
+def _loss(f):
+    """Sum of the float outputs, as float32: a scalar jax.grad can differentiate."""
+    def loss(*args):
+        leaves = [x for x in jax.tree_util.tree_leaves(f(*args)) if jnp.issubdtype(x.dtype, jnp.floating)]
+        return sum((jnp.sum(x.astype(jnp.float32)) for x in leaves), jnp.float32(0))
+    return loss
+
+
+def _second_batch_row(x):
+    """A second, different value of the same aval (for a batch of two under vmap)."""
+    flat = jnp.roll(x.ravel(), 1).reshape(x.shape)
+    return ~flat if x.dtype == jnp.bool_ else flat + jnp.ones((), x.dtype)
+
+
+@fuzz_settings
+@given(fuzz_cases(max_ops=4), st.sampled_from(["jit", "vmap", "grad"]))
+def test_random_programs_compose_with_outer_transformations_like_jax_jit(case, outer):
+    if outer == "jit":
+        def through(f, args):
+            return jax.jit(f)(*args)
+    elif outer == "vmap":
+        def through(f, args):
+            batched = jax.tree_util.tree_map(lambda x: jnp.stack([x, _second_batch_row(x)]), args)
+            return jax.vmap(f)(*batched)
+    else:
+        argnums = _float_params(case.program)
+        if not argnums:
+            argnums = None
+
+        def through(f, args):
+            if argnums is None:  # nothing to differentiate: the value of the loss then
+                return _loss(f)(*args)
+            return jax.grad(_loss(f), argnums=argnums)(*args)
+    check_program(case, through=through)
+
+
+def _copied(args):
+    return jax.tree_util.tree_map(jnp.copy, args)
+
+
+@fuzz_settings
+@given(fuzz_cases(max_ops=4))
+def test_random_programs_with_every_aliasable_input_donated_compute_the_same(case):
+    # Each call gets fresh copies: donate="auto" deletes what it donates.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        check_program(case, donate="auto", through=lambda f, args: f(*_copied(args)))
+
+
+@settings(fuzz_settings, max_examples=max(1, fuzz_settings.max_examples // 3))
+@given(fuzz_cases(max_ops=4))
+def test_explain_reports_on_random_programs_without_error(case):
+    fn = case.program.function()
+    report = autoopt.optimize(fn, fallback="raise", donate="off").explain(*case.args)
+    assert str(report).strip()  # renders
+    for f in report.findings:
+        assert f.kind in ("donate", "scatter_to_dus", "remat", "placement", "transfer")
+        assert f.bytes_saved is None or f.bytes_saved >= 0
+    _fuzz.RUNS["explained"] += 1
+
+
+@settings(fuzz_settings, max_examples=max(1, fuzz_settings.max_examples // 3))
+@given(fuzz_cases(max_ops=3))
+def test_a_fuzz_case_prints_as_runnable_source(case):
+    """What a failure prints (the case's repr) is code that rebuilds the same program."""
+    ns = {"jax": jax, "jnp": jnp, "lax": jax.lax, "np": np, "fit": _fuzz.fit}
+    exec(repr(case), ns)  # noqa: S102 - our own generated source
+    expected = jax.jit(case.program.function())(*case.args)
+    got = jax.jit(ns["program"])(*ns["args"])
+    autoopt.testing.assert_trees_equivalent(expected, got, exact=True, what="re-run from repr")
+
+
+@settings(fuzz_settings, max_examples=max(1, fuzz_settings.max_examples // 3))
+@given(programs(max_ops=3).flatmap(lambda p: st.tuples(st.just(p), program_args(p))))
+def test_generated_programs_type_check_as_declared(pa):
+    """The builder's avals are the program's: each parameter gets arrays of its declared aval."""
+    program, args = pa
+    shapes = jax.tree_util.tree_map(lambda x: (x.shape, jnp.dtype(x.dtype).name), args)
+    declared = jax.tree_util.tree_map(lambda a: (a.shape, a.dtype), program.in_avals,
+                                      is_leaf=lambda x: isinstance(x, _fuzz.Aval))
+    assert shapes == declared
+    jax.eval_shape(program.function(), *args)
