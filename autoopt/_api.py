@@ -21,10 +21,11 @@ import logging
 import sys
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
+import numpy as np
 from jax import tree_util
 
 from autoopt import _callsite, _compat, _jaxpr, _trace
@@ -79,6 +80,29 @@ def _check_callable(fn: Any) -> None:
         )
 
 
+def _check_argnums(fn: Callable, options: Options) -> None:
+    """donate_argnums/static_argnums must name parameters the function has (jax.jit's own
+    message says what is wrong but not what to pass instead)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
+        return
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    for kw in ("donate_argnums", "static_argnums"):
+        value = options.jit_kwargs.get(kw)
+        nums = (value,) if isinstance(value, int) else tuple(value or ())
+        bad = [i for i in nums if not -len(names) <= i < len(names)]
+        if bad:
+            raise ValueError(
+                f"{kw}={value!r}: {getattr(fn, '__name__', 'the function')} takes "
+                f"{len(names)} positional argument(s) ({', '.join(names) or 'none'}), so there is "
+                f"no argument {bad[0]}. Pass positions from 0 to {len(names) - 1}, or name the "
+                f"arguments with {kw.replace('nums', 'names')}=."
+            )
+
+
 def _framework_check(args: tuple, kwargs: dict) -> None:
     """Refuse framework objects whose mutations plain jax.jit would drop without a word."""
     nnx = sys.modules.get("flax.nnx")
@@ -101,6 +125,91 @@ def _framework_check(args: tuple, kwargs: dict) -> None:
 def _concrete_type(x: Any):
     aval = getattr(x, "aval", None)  # a stored attribute on jax.Array: no computation
     return aval if aval is not None else _trace.leaf_type(x)
+
+
+# --- non-array leaves ---------------------------------------------------------------------------
+# Equinox modules carry activation functions, flags and other Python objects as pytree leaves;
+# jax.jit refuses them. As ``equinox.filter_jit`` does, such leaves are made static: each argument
+# holding them is passed as the same tree with those leaves set to None, and a function per set
+# of static leaves puts them back (and takes non-array leaves out of the output the same way).
+# Only tried after jax.jit has refused the call, so the normal call path pays nothing.
+
+_ARRAY_LEAF_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex, jax.ShapeDtypeStruct)
+
+
+def _split_tree(where, value) -> tuple[Any, tuple | None]:
+    """``(value with its non-array leaves set to None, (where, treedef, ((index, leaf), ...)))``;
+    the second is None when every leaf is an array."""
+    leaves, treedef = tree_util.tree_flatten(value)
+    fixed = tuple((j, x) for j, x in enumerate(leaves)
+                  if not (isinstance(x, _ARRAY_LEAF_TYPES) or hasattr(x, "__jax_array__")))
+    if not fixed:
+        return value, None
+    at = dict(fixed)
+    return tree_util.tree_unflatten(treedef, [None if j in at else x for j, x in enumerate(leaves)]), \
+        (where, treedef, fixed)
+
+
+def _put_back(part: tuple | None, value):
+    """Inverse of ``_split_tree``."""
+    if part is None:
+        return value
+    _, treedef, fixed = part
+    at, arrays = dict(fixed), iter(tree_util.tree_leaves(value))
+    return tree_util.tree_unflatten(treedef, [at[j] if j in at else next(arrays)
+                                              for j in range(treedef.num_leaves)])
+
+
+def _split_static_leaves(args: tuple, kwargs: dict, static_argnums, static_argnames):
+    """``(key, dyn_args, dyn_kwargs)``, or None when every leaf is an array. ``key`` (hashable)
+    holds each split argument's ``_split_tree`` part."""
+    static_pos = _trace.normalize_static(static_argnums, len(args))
+    parts: list = []
+
+    def split(where, value):
+        dyn, part = _split_tree(where, value)
+        if part is not None:
+            try:
+                hash(part)
+            except TypeError:
+                bad = next(x for _, x in part[2] if not isinstance(x, Hashable))
+                raise TypeError(
+                    f"Argument {where!r} holds a {type(bad).__name__}, which is neither an array "
+                    "nor hashable, so it can be neither traced nor made static. Make it hashable, "
+                    "or pass the argument with static_argnums/static_argnames."
+                ) from None
+            parts.append(part)
+        return dyn
+
+    dyn_args = tuple(a if i in static_pos else split(i, a) for i, a in enumerate(args))
+    dyn_kwargs = {k: v if k in static_argnames else split(k, v) for k, v in kwargs.items()}
+    return (tuple(parts), dyn_args, dyn_kwargs) if parts else None
+
+
+def _array_signature(args: tuple, kwargs: dict) -> tuple:
+    """The same for concrete arrays and for tracers of them (static arguments by value)."""
+    leaves, treedef = tree_util.tree_flatten((args, kwargs))
+    return treedef, tuple(_trace.leaf_type(x) if isinstance(x, jax.Array | np.ndarray) else x
+                          for x in leaves)
+
+
+def _with_static_leaves(fn: Callable, key: tuple) -> Callable:
+    """``fn`` taking the arguments ``_split_static_leaves`` made, with the static leaves put back;
+    its output's non-array leaves are kept in ``.output_parts`` (per argument signature) for
+    ``_put_back`` after the call."""
+    by_arg = {part[0]: part for part in key}
+
+    @functools.wraps(fn)  # jax.jit reads the signature (static_argnames) through __wrapped__
+    def with_static_leaves(*args, **kwargs):
+        sig = _array_signature(args, kwargs)
+        args = tuple(_put_back(by_arg.get(i), a) for i, a in enumerate(args))
+        out = fn(*args, **{k: _put_back(by_arg.get(k), v) for k, v in kwargs.items()})
+        out, part = _split_tree("output", out)
+        with_static_leaves.output_parts[sig] = part
+        return out
+
+    with_static_leaves.output_parts = {}
+    return with_static_leaves
 
 
 class _Program:
@@ -146,11 +255,18 @@ class OptimizedFunction:
         backend = options.jit_kwargs.get("backend") or jax.default_backend()
         self._backend = backend
         jit_kwargs = dict(options.jit_kwargs)
+        nested_kwargs = dict(options.jit_kwargs)
         for k, v in jit_options_for(options, backend).items():
             if k == "compiler_options":
                 jit_kwargs["compiler_options"] = {**v, **(jit_kwargs.get("compiler_options") or {})}
             else:
                 jit_kwargs.setdefault(k, v)
+                nested_kwargs.setdefault(k, v)
+        # jax.jit refuses compiler_options on a jit called inside another trace (grad, an outer
+        # jit, vmap): such calls go to a jit without the passes' compiler options (the outer
+        # program's options apply to it anyway). None when no pass asked for any.
+        self._nested_kwargs = nested_kwargs if jit_kwargs != nested_kwargs else None
+        self._nested = None
         self._explicit_donation = options.explicit_donation
         self._jit_kwargs = jit_kwargs
         self._policy = "explicit" if options.explicit_donation else options.donate
@@ -167,6 +283,12 @@ class OptimizedFunction:
         self._jits: dict[tuple, Any] = {}
         self._plain = self._jit_for((), ())
         self._fn_location = _fn_location(fn)
+        self._static_leaf_fns: dict[tuple, OptimizedFunction] = {}  # see _split_static_leaves
+        from autoopt._placement import placer_for
+
+        # Host inputs (packing, cached constants), scalar canonicalization, transfer guard; None
+        # when no option asks for any of them. See _placement.
+        self._placer = placer_for(self)
 
     # --- jit objects ---------------------------------------------------------------------------
 
@@ -174,6 +296,10 @@ class OptimizedFunction:
         fn = self.__wrapped__
 
         def wrapper(*args, **kwargs):
+            if "_autoopt_packed" in kwargs:  # host leaves the placer packed: slice them back
+                from autoopt._placement import unpack
+
+                args, kwargs = unpack(args, kwargs)
             if jax.config.jax_disable_jit:
                 # jax.jit calls us eagerly under disable_jit: run the original, as jit would.
                 return fn(*args, **kwargs)
@@ -242,12 +368,13 @@ class OptimizedFunction:
             pipeline = run_pipeline(traced.closed, ctx)
         except PassError as e:
             self._fall_back(e, e.pass_name)
-            return _Program(traced, None, str(e))
-        program = _Program(traced, pipeline, None)
+            program = _Program(traced, None, str(e))
+        else:
+            program = _Program(traced, pipeline, None)
         if self._options.explain:
-            from autoopt.explain import Report
+            from autoopt.explain._report import log_report
 
-            log.info("%s", Report.from_program(self, program))
+            log_report(self, program)  # once per signature: _build runs once per signature
         return program
 
     def _evaluate(self, program: _Program, leaves: list) -> list:
@@ -266,7 +393,7 @@ class OptimizedFunction:
             self._warned = True
             warnings.warn(
                 f"autoopt fell back to plain jax.jit for {getattr(self.__wrapped__, '__name__', 'fn')} "
-                f"({where}): {error}. Results are unaffected; pass fallback='raise' to debug.",
+                f"({where}): {str(error).rstrip('.')}. Results are unaffected; pass fallback='raise' to debug.",
                 AutooptWarning,
                 stacklevel=4,
             )
@@ -274,20 +401,57 @@ class OptimizedFunction:
     # --- the call path -------------------------------------------------------------------------
 
     def __call__(self, *args, **kwargs):
-        policy = self._policy
-        if policy == "safe":
-            frame = sys._getframe(1)
-            proof = self._sites.get((frame.f_code, frame.f_lasti))
-            if proof is None:
-                proof = self._prove(frame)
-            del frame
-            if proof.any:
-                return self._call_donating(proof.positions, proof.names, args, kwargs, True)
-        elif policy == "auto":
-            return self._call_donating(tuple(range(len(args))), tuple(kwargs), args, kwargs, False)
-        if self._options.verify:
-            self._verify(args, kwargs)
-        return self._plain(*args, **kwargs)
+        if self._nested_kwargs is not None and not _compat.trace_state_clean():
+            if self._nested is None:
+                self._nested = jax.jit(self._wrapper, **self._nested_kwargs)
+            return self._nested(*args, **kwargs)
+        try:  # free when nothing is raised (CPython 3.11+)
+            policy = self._policy
+            if policy == "safe":
+                frame = sys._getframe(1)
+                proof = self._sites.get((frame.f_code, frame.f_lasti))
+                if proof is None:
+                    proof = self._prove(frame)
+                del frame
+                if proof.any:
+                    return self._call_donating(proof.positions, proof.names, args, kwargs, True)
+            elif policy == "auto":
+                return self._call_donating(tuple(range(len(args))), tuple(kwargs), args, kwargs, False)
+            if self._options.verify:
+                self._verify(args, kwargs)
+            placer = self._placer
+            if placer is not None:
+                return placer(self._plain, args, kwargs)
+            return self._plain(*args, **kwargs)
+        except TypeError:
+            # jax.jit refuses non-array leaves (an equinox module's activation function).
+            split = _split_static_leaves(args, kwargs, self._static_argnums, self._static_argnames)
+            if split is None:
+                raise
+        return self._call_static_leaves(split)
+
+    def _static_leaf_fn(self, split: tuple) -> tuple[OptimizedFunction, tuple, dict]:
+        """The optimized function for arguments with these static leaves (one per set of them)."""
+        key, dyn_args, dyn_kwargs = split
+        sub = self._static_leaf_fns.get(key)
+        if sub is None:
+            sub = OptimizedFunction(_with_static_leaves(self.__wrapped__, key), self._options)
+            sub._fn_location = self._fn_location
+            sub = self._static_leaf_fns.setdefault(key, sub)
+        return sub, dyn_args, dyn_kwargs
+
+    def _call_static_leaves(self, split: tuple):
+        sub, args, kwargs = self._static_leaf_fn(split)
+        # Under "safe" nothing is donated here: the proof's reference counts are about the
+        # caller's objects, not the rebuilt trees. "auto" and explicit donation apply as usual.
+        if self._policy == "auto":
+            out = sub._call_donating(tuple(range(len(args))), tuple(kwargs), args, kwargs, False)
+        else:
+            if self._options.verify:
+                sub._verify(args, kwargs)
+            out = sub._plain(*args, **kwargs)
+        parts = sub.__wrapped__.output_parts
+        return _put_back(parts.get(_array_signature(args, kwargs)), out)
 
     def _prove(self, frame) -> _callsite.CallSiteProof:
         proof = _callsite.prove_call_site(frame)
@@ -325,6 +489,9 @@ class OptimizedFunction:
             jitted = self._plain
         if self._options.verify:
             self._verify(args, kwargs)
+        placer = self._placer
+        if placer is not None:
+            return placer(jitted, args, kwargs)
         return jitted(*args, **kwargs)
 
     def _concrete_key(self, args: tuple, kwargs: dict) -> tuple:
@@ -395,21 +562,37 @@ class OptimizedFunction:
 
     def trace(self, *args, **kwargs) -> jax.stages.Traced:
         """As ``jax.jit(fn).trace``: the optimized program for these arguments."""
+        split = _split_static_leaves(args, kwargs, self._static_argnums, self._static_argnames)
+        if split is not None:
+            sub, args, kwargs = self._static_leaf_fn(split)
+            return sub.trace(*args, **kwargs)
         return self._aot_jit(args, kwargs).trace(*args, **kwargs)
 
     def lower(self, *args, **kwargs) -> jax.stages.Lowered:
         """As ``jax.jit(fn).lower``: the optimized program for these arguments."""
+        split = _split_static_leaves(args, kwargs, self._static_argnums, self._static_argnames)
+        if split is not None:
+            sub, args, kwargs = self._static_leaf_fn(split)
+            return sub.lower(*args, **kwargs)
         return self._aot_jit(args, kwargs).lower(*args, **kwargs)
 
     def explain(self, *args, **kwargs):
         """The Report for these arguments: findings, program diff, source edits, memory."""
         from autoopt.explain import Report
 
+        split = _split_static_leaves(args, kwargs, self._static_argnums, self._static_argnames)
+        if split is not None:
+            sub, args, kwargs = self._static_leaf_fn(split)
+            return sub.explain(*args, **kwargs)
         program = self._program_concrete(args, kwargs)
         if program is None:
             raise ValueError("explain() cannot run on arguments traced by an enclosing "
                              "transformation; call it with concrete arrays.")
-        return Report.from_program(self, program, args=args, kwargs=kwargs)
+        report = Report.from_program(self, program, args=args, kwargs=kwargs)
+        from autoopt._placement import findings_for
+
+        report.add_findings(findings_for(self, program, args, kwargs))
+        return report
 
     def __repr__(self) -> str:
         return f"<autoopt.optimize of {getattr(self.__wrapped__, '__qualname__', self.__wrapped__)!r}>"
@@ -434,6 +617,8 @@ class _BoundOptimized:
         args = (self._instance, *args)
         if owner._policy == "auto":
             return owner._call_donating(tuple(range(len(args))), tuple(kwargs), args, kwargs, False)
+        if owner._placer is not None:
+            return owner._placer(owner._plain, args, kwargs)
         return owner._plain(*args, **kwargs)
 
     def __getattr__(self, name):
@@ -455,7 +640,9 @@ def optimize(fn: Callable | None = None, /, **options: Any):
     if fn is None:
         return lambda f: optimize(f, **options)
     _check_callable(fn)
-    return OptimizedFunction(_unwrap_jit(fn), opts)
+    fn = _unwrap_jit(fn)
+    _check_argnums(fn, opts)
+    return OptimizedFunction(fn, opts)
 
 
 def explain(fn: Callable, *args: Any, **kwargs: Any):

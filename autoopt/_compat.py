@@ -89,3 +89,23 @@ def flatten_one_level(tree):
     from jax._src.tree_util import flatten_one_level as _f
 
     return _f(tree)
+
+
+def in_transpose(source_info) -> bool:
+    """True when an equation was emitted by JAX's transpose (the backward of ``jax.grad``,
+    ``vjp``, ``value_and_grad``): its name stack holds a ``transpose`` transform.
+
+    Reads ``source_info.name_stack.stack`` (``jax._src.source_info_util.NameStack``), whose
+    ``Transform`` entries are what print as ``transpose(jvp(f))`` in HLO op names.
+    """
+    stack = getattr(getattr(source_info, "name_stack", None), "stack", ())
+    return any(type(e).__name__ == "Transform" and e.name == "transpose" for e in stack)
+
+
+def trace_state_clean() -> bool:
+    """True outside every JAX transformation (no jit, grad, vmap trace is active).
+
+    Wraps ``jax._src.core.trace_state_clean``: ``compiler_options`` are accepted by jax.jit only
+    when it is called at the top level.
+    """
+    return _core.trace_state_clean()

@@ -25,6 +25,7 @@ import dataclasses
 import itertools
 import linecache
 import math
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -231,6 +232,13 @@ class _Builder:
         st, _ = _st()
         return self.draw(st.sampled_from(cands))
 
+    def pick_result(self) -> str:
+        """What a block or program returns: mostly its last statement's value, so that few of
+        the drawn statements are dead code that jit would drop."""
+        if self.local and self.choice(["last", "any"]) == "last":
+            return self.local[-1]
+        return self.pick()
+
     def integers(self, lo: int, hi: int) -> int:
         st, _ = _st()
         return self.draw(st.integers(lo, hi))
@@ -268,8 +276,10 @@ class _Builder:
             return str(self.integers(-3, 3))
         return self.choice(["1.5", "-2.0", "0.0", "0.25"])
 
-    def dyn_scalar(self) -> str:
-        """A traced int32 scalar (or a literal when nothing in scope can make one)."""
+    def dyn_scalar(self, n: int | None = None) -> str:
+        """A traced int32 scalar (or a literal when nothing in scope can make one). Given the
+        length ``n`` of the axis it indexes, it may be bounded the ways users bound indices
+        (``% n``, ``jnp.clip``), sometimes exactly in bounds and sometimes off by a little."""
         name = self.pick(lambda a: a.dtype in ("int32", "bool") or a.dtype in _FLOATS)
         if name is None:
             return str(self.integers(-3, 3))
@@ -277,11 +287,20 @@ class _Builder:
         elem = name if a.ndim == 0 else f"{name}.ravel()[{self.integers(0, a.size - 1)}]"
         if a.dtype != "int32":
             elem = f"{elem}.astype('int32')"
-        return self.choice([elem, f"({elem} + {self.integers(-3, 3)})"])
+        forms = [elem, f"({elem} + {self.integers(-3, 3)})"]
+        if n is not None:
+            forms += [f"({elem} % {n})", f"jnp.clip({elem}, 0, {n - self.integers(0, 1)})",
+                      f"jnp.clip({elem}, {self.integers(-1, 0)}, {n - 1})", f"jnp.abs({elem})",
+                      f"({n - 1} - {elem})"]
+        return self.choice(forms)
 
     def bind(self, kind: str, exprs_lines: tuple[str, ...], expr: str, n_out: int = 1) -> None:
         """Bind ``expr`` (after ``exprs_lines``) to fresh variables, typing it with eval_shape."""
         avals = _aval_of(expr, self.env, exprs_lines)
+        if n_out == 1 and avals[0].size == 0:
+            # Empty arrays make later indexing invalid: keep every variable non-empty.
+            a = Aval(tuple(max(n, 1) for n in avals[0].shape), avals[0].dtype)
+            expr, avals = f"fit({expr}, {a.shape!r}, {a.dtype!r})", (a,)
         targets = tuple((self.names.var(), a) for a in avals)
         assert len(targets) == n_out, (expr, avals)
         lhs = ", ".join(t for t, _ in targets)
@@ -312,7 +331,7 @@ class _Builder:
             sub.step()
         outs = []
         for want in results:
-            name = sub.pick()
+            name = sub.pick_result()
             outs.append(name if want is None else sub.fit_expr(name, want))
         ret = returns(outs) if returns is not None else (
             outs[0] if len(outs) == 1 else "(" + ", ".join(outs) + ")")
@@ -331,7 +350,8 @@ class _Builder:
                  "broadcast", "transpose", "slice", "concat", "gather", "dynamic_slice",
                  "dynamic_update_slice", "at_update", "at_update", "dynamic_update_slice"]
         if self.depth < 2:
-            kinds += ["cond", "switch", "scan", "fori_loop", "vmap", "grad", "scan", "fori_loop"]
+            kinds += ["cond", "switch", "scan", "fori_loop", "vmap", "grad", "scan", "fill_loop",
+                      "fill_loop"]
             if not self.under_grad:
                 kinds += ["while_loop", "fori_loop_dynamic"]
         getattr(self, "op_" + self.choice(kinds))()
@@ -486,25 +506,33 @@ class _Builder:
         y = self.operand(Aval((m,) + a.shape[1:], a.dtype))
         self.bind("concat", (), f"jnp.concatenate([{x}, {y}], axis=0)")
 
-    def index(self, a: Aval) -> str:
-        """An index expression for ``x[...]``/``x.at[...]`` on a value of aval ``a``."""
+    def index(self, a: Aval, allow_empty: bool = True) -> str:
+        """An index expression for ``x[...]``/``x.at[...]`` on a value of aval ``a``; updates
+        may select nothing (``allow_empty``), reads may not."""
         n = a.shape[0]
-        form = self.choice(["int", "slice", "dynamic", "array", "tuple", "ellipsis"])
+        form = self.choice(["int", "slice", "dynamic", "array", "block", "tuple", "ellipsis"])
         if form == "int":
             return str(self.integers(-n - 2, n + 1))
         if form == "slice":
-            return self._static_slice(n, allow_empty=True)
+            return self._static_slice(n, allow_empty)
         if form == "dynamic":
-            return self.dyn_scalar()
+            return self.dyn_scalar(n)
         if form == "array":
             st, _ = _st()
             vals = self.draw(st.lists(st.integers(-n - 1, n), min_size=1, max_size=3))
             return f"jnp.array({vals!r})"
+        if form == "block":  # a window of k rows at a traced start: x.at[i + jnp.arange(k)]
+            return f"{self.dyn_scalar(n)} + jnp.arange({self.integers(1, n + 1)})"
         if form == "tuple" and a.ndim >= 2:
+            m = a.shape[1]
+            parts = {
+                "int": lambda k: str(self.integers(-k - 1, k)),
+                "dynamic": lambda k: self.dyn_scalar(k),
+                "slice": lambda k: self._static_slice(k, allow_empty),
+            }
             first = self.choice(["int", "dynamic", "slice"])
-            i0 = {"int": lambda: str(self.integers(-n - 1, n)), "dynamic": self.dyn_scalar,
-                  "slice": lambda: self._static_slice(n, allow_empty=True)}[first]()
-            return f"{i0}, {self._static_slice(a.shape[1], allow_empty=True)}"
+            second = self.choice(["slice", "dynamic", "int"])
+            return f"{parts[first](n)}, {parts[second](m)}"
         return "..."
 
     def op_at_update(self):
@@ -512,9 +540,16 @@ class _Builder:
         if x is None:
             return self.op_unary()
         a = self.env[x]
-        idx = self.index(a)
-        methods = ["set", "add", "mul", "min", "max", "get"] if a.dtype != "bool" else ["set", "get"]
+        methods = ["set", "add", "mul", "min", "max", "get", "apply"] if a.dtype != "bool" else ["set", "get"]
         method = self.choice(methods)
+        idx = self.index(a, allow_empty=method != "get")
+        if method == "apply":
+            fn = self.choice(["jnp.negative", "lambda v: v * 3 + 1"]
+                             + (["jnp.sin", "jnp.sqrt", "jnp.exp"] if a.dtype in _FLOATS else []))
+            mode = self.choice([None, "drop", "clip"])
+            extra = f", mode={mode!r}" if mode else ""
+            self.bind("at_update", (), f"{x}.at[{idx}].apply({fn}{extra})")
+            return
         mode = self.choice([None, "drop", "clip"] if method != "get" else [None, "fill", "clip"])
         window = _aval_of(f"{x}[{idx}]", self.env)[0]
         if method == "get":
@@ -542,7 +577,7 @@ class _Builder:
             mode = self.choice(["clip", "wrap", "fill"])
             self.bind("gather", (), f"jnp.take({x}, jnp.array({vals!r}), axis=0, mode={mode!r})")
         else:
-            self.bind("gather", (), f"{x}[{self.index(a) if form == 'array' else self.dyn_scalar()}]")
+            self.bind("gather", (), f"{x}[{self.index(a, allow_empty=False) if form == 'array' else self.dyn_scalar()}]")
 
     def _starts(self, a: Aval) -> str:
         starts = [self.dyn_scalar() if self.boolean() else str(self.integers(-2, n + 1)) for n in a.shape]
@@ -617,6 +652,24 @@ class _Builder:
         lo = self.integers(0, 2)
         hi = self.integers(lo, 4)
         self.bind("fori_loop", lines, f"lax.fori_loop({lo}, {hi}, {body}, {c})")
+
+    def op_fill_loop(self):
+        """The loop autoopt's in-place pass is for: a buffer filled row by row (or block by
+        block) at an index made from the loop counter, whose trip count may overrun the buffer."""
+        x = self.pick(lambda a: a.ndim >= 1)
+        if x is None:
+            return self.op_fori_loop()
+        a = self.env[x]
+        n = a.shape[0]
+        k = self.integers(1, max(1, n // 2))
+        hi = self.integers(0, n + 2)
+        index = self.choice(["i", f"i + {self.integers(-1, 1)}", f"{n - 1} - i", "2 * i",
+                             f"i * {k} + jnp.arange({k})", f"(i + {self.integers(0, 2)}) % {n}"])
+        body, lines = self.block(
+            "fill", [("i", Aval((), "int32")), ("buf", a)], [Aval(_aval_of(f"buf[{index}]", {
+                **self.env, "i": Aval((), "int32"), "buf": a})[0].shape, a.dtype)],
+            returns=lambda outs: f"buf.at[{index}].{self.choice(['set', 'add'] if a.dtype != 'bool' else ['set'])}({outs[0]})")
+        self.bind("fill_loop", lines, f"lax.fori_loop(0, {hi}, {body}, {x})")
 
     def op_fori_loop_dynamic(self):
         c = self.pick()
@@ -702,7 +755,7 @@ def programs(max_ops: int = 6, max_params: int = 3):
         for _ in range(draw(st.integers(1, max_ops))):
             b.step()
         # Outputs: a few variables (the last one first, so shrinking keeps it), as a pytree.
-        outs = [b.pick() for _ in range(draw(st.integers(1, 3)))]
+        outs = [b.pick_result() for _ in range(draw(st.integers(1, 3)))]
         form = draw(st.sampled_from(["single", "tuple", "dict"]))
         if form == "single" or len(outs) == 1 and form != "dict":
             result = outs[0] if len(outs) == 1 else "(" + ", ".join(outs) + ")"
@@ -759,10 +812,15 @@ def check_program(case: FuzzCase, *, through: Callable[[Callable, tuple], Any] =
     dtype-aware float tolerance. ``through(f, args)`` says how each compiled function is called
     (default ``f(*args)``; pass one that wraps ``f`` in ``jax.grad``/``jax.vmap``/``jax.jit`` to
     check composition). A program ``jax.jit`` rejects must be rejected by autoopt with the same
-    exception type. Returns the optimized outputs (None when both rejected it)."""
+    exception type, unless it is a ``NotImplementedError`` (a missing JAX rule that the rewritten
+    program does not need). Returns the optimized outputs (None when jax.jit rejected it)."""
     from autoopt._api import optimize
     from autoopt.testing import assert_trees_equivalent
 
+    log = os.environ.get("AUTOOPT_FUZZ_LOG")
+    if log:  # a process abort (an XLA CHECK) leaves no shrunk example; this file names the case
+        with open(log, "w") as f:
+            f.write(f"{case!r}\noptions = {options!r}\n")
     fn = case.program.function()
     options.setdefault("fallback", "raise")
     options.setdefault("donate", "off")
@@ -774,9 +832,25 @@ def check_program(case: FuzzCase, *, through: Callable[[Callable, tuple], Any] =
         except type(e):
             RUNS["rejected by both"] += 1
             return None
+        if isinstance(e, NotImplementedError):
+            # JAX lacks a rule (``x.at[i].apply(f)`` has no JVP) that the rewritten program no
+            # longer needs (scatter_to_dus made it a dynamic_update_slice): more, not different.
+            RUNS["rejected by jax.jit only"] += 1
+            return None
         raise AssertionError(f"jax.jit raised {type(e).__name__}: {e}; autoopt did not.\n"
                              f"{case!r}") from e
-    got = through(optimize(fn, **options), case.args)
+    fast = optimize(fn, **options)
+    got = through(fast, case.args)
     assert_trees_equivalent(expected, got, what="optimize(program)")
     RUNS["equal"] += 1
+    _count_rewrites(fast)
     return got
+
+
+def _count_rewrites(fast) -> None:
+    """Which passes changed the program (so a run says whether the passes had work to do)."""
+    for program in list(getattr(fast, "_programs", {}).values()):
+        pipeline = getattr(program, "pipeline", None)
+        for name, result in getattr(pipeline, "results", ()):
+            if result.changed:
+                RUNS[f"rewritten by {name}"] += 1

@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 from jax import tree_util
-from jax.extend.core import ClosedJaxpr
+from jax.extend.core import ClosedJaxpr, valid_jaxtype
 
 from autoopt import _compat
 
@@ -119,6 +119,20 @@ class TracedProgram:
     captures_tracers: bool
 
 
+def _bad_output(fn: Callable, out_tree, index: int, value: Any) -> TypeError:
+    """As jax.jit's error for a non-array output (which JAX's own path crashes on when the
+    function is traced to a flat jaxpr, as here), naming the output."""
+    paths = tree_util.tree_flatten_with_path(tree_util.tree_unflatten(out_tree, [0] * out_tree.num_leaves))[0]
+    where = "output" + tree_util.keystr(paths[index][0])
+    code = getattr(fn, "__code__", None)
+    at = f" at {code.co_filename}:{code.co_firstlineno}" if code else ""
+    return TypeError(
+        f"function {getattr(fn, '__name__', fn)}{at} traced for jit returned a value of type "
+        f"{type(value)} at {where}, which is not a valid JAX type. Return only arrays (and "
+        "pytrees of them); compute non-array results outside the optimized function."
+    )
+
+
 def trace_program(fn: Callable, args: tuple, kwargs: dict,
                   static_argnums: Sequence[int] = (), static_argnames: Sequence[str] = ()) -> TracedProgram:
     """Trace ``fn(*args, **kwargs)`` once. ``args`` may be concrete or tracers of an outer trace."""
@@ -131,6 +145,9 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict,
         a, kw = merge_args(tree_util.tree_unflatten(in_tree, flat), statics, nargs)
         out = fn(*a, **kw)
         out_leaves, out_tree = tree_util.tree_flatten(out)
+        for i, x in enumerate(out_leaves):
+            if not valid_jaxtype(x):
+                raise _bad_output(fn, out_tree, i, x)
         out_tree_box.append(out_tree)
         return out_leaves
 

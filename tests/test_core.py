@@ -169,7 +169,7 @@ def test_disable_jit_runs_the_original_eagerly():
 
 def test_closure_over_outer_tracer():
     def outer(w):
-        @autoopt.optimize
+        @autoopt.optimize(fallback="raise")
         def inner(x):
             return x * w
 

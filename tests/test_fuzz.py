@@ -8,7 +8,9 @@ instead of falling back quietly.
 
 CI runs the ``ci`` hypothesis profile's number of examples per test (derandomized: the same
 programs every run). ``AUTOOPT_FUZZ_EXAMPLES=N`` runs N per test with fresh random programs; a
-failure prints the shrunk program as source, ready for ``tests/regressions/``.
+failure prints the shrunk program as source, ready for ``tests/regressions/``. A failure that
+aborts the process (an XLA CHECK) cannot shrink: ``AUTOOPT_FUZZ_LOG=/tmp/case.py`` keeps the
+program being run in that file.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 import autoopt
@@ -36,19 +38,34 @@ else:
 
 @pytest.fixture(scope="module", autouse=True)
 def _report_count(request):
-    before = sum(_fuzz.RUNS.values())
+    def programs_run():
+        return sum(v for k, v in _fuzz.RUNS.items() if not k.startswith("rewritten"))
+
+    before = programs_run()
     yield
-    run = sum(_fuzz.RUNS.values()) - before
-    tr = request.config.pluginmanager.get_plugin("terminalreporter")
-    if tr is not None:
-        tr.write_line(f"\ntests/test_fuzz.py: {run} random programs checked against jax.jit "
-                      f"({dict(_fuzz.RUNS)})")
+    run = programs_run() - before
+    capman = request.config.pluginmanager.get_plugin("capturemanager")
+    if capman is not None:
+        with capman.global_and_fixture_disabled():
+            print(f"\ntests/test_fuzz.py: {run} random programs checked against jax.jit "
+                  f"({dict(_fuzz.RUNS)})")
+
+
+# Options that make each pass act on small programs: remat="auto" leaves programs with under
+# 1 MiB of residuals alone unless a memory budget asks, so the fuzzer forces policies and budgets.
+OPTION_SETS = [
+    {},
+    {"remat": "nothing_saveable"},
+    {"remat": "dots_saveable"},
+    {"memory_budget": 1},
+]
 
 
 @fuzz_settings
-@given(fuzz_cases())
-def test_random_programs_compute_what_jax_jit_computes(case):
-    check_program(case)
+@given(fuzz_cases(), st.sampled_from(OPTION_SETS))
+def test_random_programs_compute_what_jax_jit_computes(case, options):
+    note(repr(case))  # the failing program, as source
+    check_program(case, **options)
 
 
 def _float_params(program) -> tuple[int, ...]:
@@ -75,8 +92,9 @@ def _second_batch_row(x):
 
 
 @fuzz_settings
-@given(fuzz_cases(max_ops=4), st.sampled_from(["jit", "vmap", "grad"]))
-def test_random_programs_compose_with_outer_transformations_like_jax_jit(case, outer):
+@given(fuzz_cases(max_ops=4), st.sampled_from(["jit", "vmap", "grad"]), st.sampled_from(OPTION_SETS))
+def test_random_programs_compose_with_outer_transformations_like_jax_jit(case, outer, options):
+    note(repr(case))  # the failing program, as source
     if outer == "jit":
         def through(f, args):
             return jax.jit(f)(*args)
@@ -93,7 +111,42 @@ def test_random_programs_compose_with_outer_transformations_like_jax_jit(case, o
             if argnums is None:  # nothing to differentiate: the value of the loss then
                 return _loss(f)(*args)
             return jax.grad(_loss(f), argnums=argnums)(*args)
-    check_program(case, through=through)
+    check_program(case, through=through, **options)
+
+
+@fuzz_settings
+@given(fuzz_cases(max_ops=4), st.sampled_from(["jit", "vmap", "grad"]), st.sampled_from(OPTION_SETS))
+def test_random_programs_closing_over_outer_tracers_match_jax_jit(case, outer, options):
+    """The optimized function is built inside an outer transformation and closes over its first
+    argument, a tracer of that transformation (as a model's forward closing over parameters)."""
+    note(repr(case))  # the failing program, as source
+    fn = case.program.function()
+
+    def run(compile_, args):
+        def inner(first, *rest):
+            return compile_(lambda *r: fn(first, *r))(*rest)
+
+        if outer == "jit":
+            return jax.jit(inner)(*args)
+        if outer == "vmap":
+            first = jax.tree_util.tree_map(lambda x: jnp.stack([x, _second_batch_row(x)]), args[0])
+            return jax.vmap(inner, in_axes=(0,) + (None,) * (len(args) - 1))(first, *args[1:])
+        if 0 not in _float_params(case.program):
+            return jax.jit(inner)(*args)
+        return jax.grad(_loss(inner))(*args)
+
+    try:
+        expected = run(jax.jit, case.args)
+    except Exception as e:  # noqa: BLE001 - e.g. reverse-mode of a while loop: autoopt must agree
+        if isinstance(e, NotImplementedError):  # a missing JAX rule a rewrite may not need
+            return
+        with pytest.raises(type(e)):
+            run(lambda f: autoopt.optimize(f, fallback="raise", donate="off", **options), case.args)
+        _fuzz.RUNS["rejected by both"] += 1
+        return
+    got = run(lambda f: autoopt.optimize(f, fallback="raise", donate="off", **options), case.args)
+    autoopt.testing.assert_trees_equivalent(expected, got, what="optimize(program) in a closure")
+    _fuzz.RUNS["equal"] += 1
 
 
 def _copied(args):
@@ -103,6 +156,7 @@ def _copied(args):
 @fuzz_settings
 @given(fuzz_cases(max_ops=4))
 def test_random_programs_with_every_aliasable_input_donated_compute_the_same(case):
+    note(repr(case))  # the failing program, as source
     # Each call gets fresh copies: donate="auto" deletes what it donates.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
@@ -112,6 +166,7 @@ def test_random_programs_with_every_aliasable_input_donated_compute_the_same(cas
 @settings(fuzz_settings, max_examples=max(1, fuzz_settings.max_examples // 3))
 @given(fuzz_cases(max_ops=4))
 def test_explain_reports_on_random_programs_without_error(case):
+    note(repr(case))  # the failing program, as source
     fn = case.program.function()
     report = autoopt.optimize(fn, fallback="raise", donate="off").explain(*case.args)
     assert str(report).strip()  # renders
@@ -125,6 +180,7 @@ def test_explain_reports_on_random_programs_without_error(case):
 @given(fuzz_cases(max_ops=3))
 def test_a_fuzz_case_prints_as_runnable_source(case):
     """What a failure prints (the case's repr) is code that rebuilds the same program."""
+    note(repr(case))  # the failing program, as source
     ns = {"jax": jax, "jnp": jnp, "lax": jax.lax, "np": np, "fit": _fuzz.fit}
     exec(repr(case), ns)  # noqa: S102 - our own generated source
     expected = jax.jit(case.program.function())(*case.args)

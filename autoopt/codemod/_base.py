@@ -22,7 +22,7 @@ from libcst.metadata import ParentNodeProvider, PositionProvider
 from autoopt.explain._finding import Finding
 
 __all__ = ["FindingCommand", "ModuleImports", "finding_line", "dotted_name", "template",
-           "LIBRARY_ROOTS"]
+           "comma_separated", "LIBRARY_ROOTS"]
 
 # Top-level packages whose functions are library code: a call to one is never "the user's
 # function" (remat wraps user functions; it does not wrap jnp.tanh).
@@ -45,6 +45,20 @@ def template(text: str, **nodes: cst.CSTNode) -> cst.BaseExpression:
     """``parse_template_expression`` with each node copied, so a node used twice (the array in
     a guard and in the update) is two nodes, as libcst's metadata expects."""
     return parse_template_expression(text, **{k: v.deep_clone() for k, v in nodes.items()})
+
+
+def comma_separated(args: list[cst.Arg]) -> list[cst.Arg]:
+    """Arguments separated by ``", "``, the last without a trailing comma."""
+    out = []
+    for k, a in enumerate(args):
+        last = k == len(args) - 1
+        if last:
+            out.append(a.with_changes(comma=cst.MaybeSentinel.DEFAULT))
+        elif a.comma is cst.MaybeSentinel.DEFAULT:
+            out.append(a.with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))))
+        else:
+            out.append(a)
+    return out
 
 
 def finding_line(finding: Finding) -> int | None:
@@ -198,11 +212,16 @@ class FindingCommand(VisitorBasedCodemodCommand):
         pos = self.get_metadata(PositionProvider, node)
         return pos.start.line, pos.end.line
 
+    def lines_of(self, finding: Finding) -> list[int]:
+        """The lines of this file a finding points at (its location's, by default)."""
+        line = finding_line(finding)
+        return [] if line is None else [line]
+
     def targets_within(self, node: cst.CSTNode) -> list[int]:
-        """Indexes of target findings whose line lies within ``node``."""
+        """Indexes of target findings with a line within ``node``."""
         start, end = self.span(node)
         return [i for i, f in self.targets.items()
-                if (line := finding_line(f)) is not None and start <= line <= end]
+                if any(start <= line <= end for line in self.lines_of(f))]
 
     def ref(self, qualified: str) -> cst.BaseExpression:
         """An expression naming ``qualified`` as this module spells it (adding an import)."""
@@ -215,3 +234,22 @@ class FindingCommand(VisitorBasedCodemodCommand):
 
     def code(self, node: cst.CSTNode) -> str:
         return cst.Module(body=[]).code_for_node(node)
+
+    def fit(self, original: cst.CSTNode, new: cst.BaseExpression) -> cst.BaseExpression:
+        """``new`` with one argument per line when, put where ``original`` stood, its line
+        would pass 100 columns (as a formatter would lay it out)."""
+        if not isinstance(new, cst.Call) or not new.args:
+            return new
+        pos = self.get_metadata(PositionProvider, original)
+        line = self.module.code.splitlines()[pos.start.line - 1]
+        rest = line[pos.end.column:] if pos.start.line == pos.end.line else ""
+        if pos.start.column + len(self.code(new)) + len(rest) <= 100:
+            return new
+
+        def newline(extra: str) -> cst.ParenthesizedWhitespace:
+            return cst.ParenthesizedWhitespace(first_line=cst.TrailingWhitespace(),
+                                               indent=True, last_line=cst.SimpleWhitespace(extra))
+
+        args = [a.with_changes(comma=cst.Comma(whitespace_after=newline(
+            "    " if k < len(new.args) - 1 else ""))) for k, a in enumerate(new.args)]
+        return new.with_changes(whitespace_before_args=newline("    "), args=args)

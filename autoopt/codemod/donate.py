@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from autoopt.codemod._base import FindingCommand
+from autoopt.codemod._base import FindingCommand, comma_separated
 from autoopt.explain._finding import Finding
 
 __all__ = ["DonateCommand"]
@@ -55,12 +55,9 @@ class DonateCommand(FindingCommand):
         if not self._args:
             return False
         if not self.function or self.function == "<lambda>":
-            for idxs in self._args.values():
-                for i in idxs:
-                    self.outcomes[i] = ("the function is a lambda: there is no def to decorate; "
-                                        + self.HINT)
+            what = "a lambda" if self.function else "not a plain function"
+            self._done(f"the function is {what}: there is no def to decorate; {self.HINT}")
             return False
-        self._jit_def_found = False
         return True
 
     def _keywords(self) -> list[cst.Arg]:
@@ -100,7 +97,6 @@ class DonateCommand(FindingCommand):
             new, reason = self._decorator(dec.decorator)
             if new is None and reason is None:
                 continue  # not a jit decorator
-            self._jit_def_found = True
             self._done(reason)
             if new is not None:
                 decorators[k] = dec.with_changes(decorator=new)
@@ -118,7 +114,7 @@ class DonateCommand(FindingCommand):
             if not isinstance(expr, cst.Call):  # @jax.jit
                 if self.style == "autoopt":
                     return self.ref("autoopt.optimize"), None
-                args = _fix_commas([cst.Arg(expr.deep_clone()), *self._keywords()])
+                args = comma_separated([cst.Arg(expr.deep_clone()), *self._keywords()])
                 return cst.Call(func=self.ref("functools.partial"), args=args), None
             return self._add_keywords(expr, jit_first=False)
         if q == "functools.partial" and isinstance(expr, cst.Call) and expr.args and \
@@ -134,10 +130,10 @@ class DonateCommand(FindingCommand):
             opt = self.ref("autoopt.optimize")
             if not kept:
                 return opt, None
-            return cst.Call(func=opt, args=_fix_commas(kept)), None
+            return cst.Call(func=opt, args=comma_separated(kept)), None
         if any(k in present for k in _DONATE_KEYWORDS):
             return None, "the jit already names the arguments it donates"
-        return call.with_changes(args=_fix_commas([*call.args, *self._keywords()])), None
+        return call.with_changes(args=comma_separated([*call.args, *self._keywords()])), None
 
     # --- module-level jax.jit(fn) calls, when the def is not decorated -------------------------
 
@@ -160,16 +156,3 @@ class DonateCommand(FindingCommand):
                     i, f"`{self.function}` is not jitted in this file; " + self.HINT)
         return super().leave_Module(original_node, updated_node)
 
-
-def _fix_commas(args: list[cst.Arg]) -> list[cst.Arg]:
-    """Arguments separated by ``", "``, the last without a trailing comma."""
-    out = []
-    for k, a in enumerate(args):
-        last = k == len(args) - 1
-        if last:
-            out.append(a.with_changes(comma=cst.MaybeSentinel.DEFAULT))
-        elif a.comma is cst.MaybeSentinel.DEFAULT:
-            out.append(a.with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))))
-        else:
-            out.append(a)
-    return out

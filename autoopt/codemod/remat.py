@@ -1,26 +1,35 @@
 """Checkpoint wrappers where the remat pass applied: ``block(h, p)`` -> ``jax.checkpoint(block)(h, p)``.
 
-The remat finding's line is where the recomputed values come from. What an expert wraps there:
-the body of a loop primitive on that line (``lax.scan(body, ...)`` -> ``lax.scan(
-jax.checkpoint(body), ...)``, likewise ``fori_loop``, ``while_loop``, ``lax.map``), or else the
-outermost call of a user function on that line. When the finding names the function
-(``details["function"]``) and its ``def`` is in the file, the ``def`` gets ``@jax.checkpoint``
-instead. A policy in ``details["policy"]`` (a ``jax.checkpoint_policies`` name) is passed along.
-A line of library calls only (``h = jnp.tanh(h @ w)``) is not rewritten: the finding says to
-move it into a function first.
+The lines come from the finding: its location and every line its recomputed values come from
+(``details["recomputed"][*]["location"]``). What an expert wraps on such a line, first match:
+
+1. the body of a loop primitive (``lax.scan(body, ...)`` -> ``lax.scan(jax.checkpoint(body),
+   ...)``, likewise ``fori_loop``, ``while_loop``, ``lax.map``);
+2. the outermost call of a user function (``h = block(h, p)``);
+3. an assignment of library calls, as a checkpointed function of the local names it reads:
+   ``h = jnp.tanh(h @ w)`` -> ``h = jax.checkpoint(lambda h, w: jnp.tanh(h @ w))(h, w)``.
+
+When the finding names a function (``details["function"]``) whose ``def`` is in the file, the
+``def`` gets ``@jax.checkpoint`` instead. The policy is ``details["policy"]`` when given; when
+every recomputed value is cheap (no matmul or convolution among its primitives) it is
+``dots_saveable``, which keeps the matmuls as the pass did.
 """
 
 from __future__ import annotations
 
+import builtins
+import os
+
 import libcst as cst
 
-from autoopt.codemod._base import FindingCommand, dotted_name
+from autoopt.codemod._base import FindingCommand, comma_separated, dotted_name
 
 __all__ = ["RematCommand"]
 
 # Loop primitives and the position of their body function.
 _BODY_ARG = {"jax.lax.scan": 0, "jax.lax.fori_loop": 2, "jax.lax.while_loop": 1, "jax.lax.map": 0}
 _CHECKPOINTS = ("jax.checkpoint", "jax.remat", "jax.ad_checkpoint.checkpoint")
+_MATMULS = ("dot_general", "conv_general_dilated")
 
 
 class RematCommand(FindingCommand):
@@ -29,9 +38,25 @@ class RematCommand(FindingCommand):
     KIND = "remat"
     HINT = "wrap the layer function at that line in jax.checkpoint (or use @autoopt.optimize)"
 
+    def lines_of(self, finding) -> list[int]:
+        """The finding's line and every line of this file its recomputed values come from."""
+        lines = set(super().lines_of(finding))
+        here = self.context.filename
+        for r in finding.details.get("recomputed") or ():
+            path, _, n = str(r.get("location", "")).rpartition(":")
+            if n.isdigit() and (here is None or os.path.realpath(path) == os.path.realpath(here)):
+                lines.add(int(n))
+        return sorted(lines)
+
     def _policy_args(self, idxs: list[int]) -> list[cst.Arg]:
         for i in idxs:
-            policy = self.targets[i].details.get("policy")
+            details = self.targets[i].details
+            policy = details.get("policy")
+            recomputed = details.get("recomputed") or ()
+            if policy is None and recomputed and not any(
+                    p in _MATMULS for r in recomputed for p in r.get("primitives", ())):
+                # Only cheap values are recomputed: keep the matmuls, as the pass did.
+                policy = "dots_saveable"
             if isinstance(policy, str) and policy.isidentifier():
                 return [cst.Arg(keyword=cst.Name("policy"),
                                 value=self.ref(f"jax.checkpoint_policies.{policy}"),
@@ -83,8 +108,8 @@ class RematCommand(FindingCommand):
     # --- a line: a loop body, or a call of a user function -------------------------------------
 
     def visit_SimpleStatementLine(self, node: cst.SimpleStatementLine) -> bool:
-        self._line_targets = [i for i in self.targets_within(node) if i not in self.outcomes
-                              and not isinstance(self.targets[i].details.get("function"), str)]
+        self._line_targets = [i for i in self.targets_within(node)
+                              if not isinstance(self.targets[i].details.get("function"), str)]
         self._wrapped_one = False
         return True
 
@@ -119,15 +144,58 @@ class RematCommand(FindingCommand):
         finder = _OutermostUserCall(self)
         updated_node.visit(finder)
         call = finder.found
+        if call is None and finder.reason is None:
+            wrapped = self._wrap_expression(updated_node, idxs)
+            if wrapped is not None:
+                return wrapped
         if call is None:
             for i in idxs:
                 self.outcomes.setdefault(i, finder.reason or (
-                    "the line calls library functions only; move it into a function and wrap "
-                    "that in jax.checkpoint"))
+                    "the line is not an assignment of an expression; move it into a function "
+                    "and wrap that in jax.checkpoint"))
             return updated_node
         new_call = call.with_changes(func=self._checkpoint(call.func, idxs))
         self._finish(idxs)
         return updated_node.deep_replace(call, new_call)
+
+    def _wrap_expression(self, stmt: cst.SimpleStatementLine, idxs: list[int]):
+        """``h = jnp.tanh(h @ w + b)`` -> ``h = jax.checkpoint(lambda h, w, b: ...)(h, w, b)``:
+        a line of library calls becomes a checkpointed function of the local names it reads."""
+        if len(stmt.body) != 1 or not isinstance(stmt.body[0], cst.Assign):
+            return None
+        value = stmt.body[0].value
+        free = _FreeNames()
+        value.visit(free)
+        if free.has_lambda or not free.has_call:
+            return None
+        params = [n for n in free.names
+                  if n not in self._module_names and n not in self.imports.bound
+                  and n not in dir(builtins)]
+        lam = cst.Lambda(
+            params=cst.Parameters(params=[cst.Param(cst.Name(n)) for n in params]),
+            body=value.with_changes(lpar=[], rpar=[]),
+            colon=cst.Colon(whitespace_after=cst.SimpleWhitespace(" ")))
+        call = cst.Call(func=self._checkpoint(lam, idxs),
+                        args=comma_separated([cst.Arg(cst.Name(n)) for n in params]))
+        self._finish(idxs)
+        new = stmt.with_changes(body=[stmt.body[0].with_changes(value=call)])
+        return new
+
+    def visit_Module(self, node: cst.Module) -> bool:
+        super().visit_Module(node)
+        names: set[str] = set()
+        for stmt in node.body:
+            if isinstance(stmt, cst.FunctionDef | cst.ClassDef):
+                names.add(stmt.name.value)
+            elif isinstance(stmt, cst.SimpleStatementLine):
+                for small in stmt.body:
+                    if isinstance(small, cst.Assign):
+                        for t in small.targets:
+                            names |= _target_names(t.target)
+                    elif isinstance(small, cst.AnnAssign | cst.AugAssign):
+                        names |= _target_names(small.target)
+        self._module_names = names
+        return True
 
     def _finish(self, idxs: list[int]) -> None:
         self._wrapped_one = True
@@ -169,3 +237,50 @@ def _user_function(func: cst.BaseExpression, imports) -> bool:
     if root in ("self", "cls"):
         return True
     return root in imports.bound and not imports.is_library(func)
+
+
+def _target_names(target: cst.BaseExpression) -> set[str]:
+    if isinstance(target, cst.Name):
+        return {target.value}
+    if isinstance(target, cst.Tuple | cst.List):
+        out: set[str] = set()
+        for el in target.elements:
+            out |= _target_names(el.value)
+        return out
+    return set()
+
+
+class _FreeNames(cst.CSTVisitor):
+    """Names an expression reads, in first-use order (attribute names and keywords excluded)."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.has_call = False
+        self.has_lambda = False
+
+    def visit_Name(self, node: cst.Name) -> bool:
+        if node.value not in self.names:
+            self.names.append(node.value)
+        return False
+
+    def visit_Attribute(self, node: cst.Attribute) -> bool:
+        node.value.visit(self)
+        return False
+
+    def visit_Arg(self, node: cst.Arg) -> bool:
+        node.value.visit(self)
+        return False
+
+    def visit_Call(self, node: cst.Call) -> bool:
+        self.has_call = True
+        return True
+
+    def visit_Lambda(self, node: cst.Lambda) -> bool:
+        self.has_lambda = True
+        return False
+
+    def visit_GeneratorExp(self, node) -> bool:
+        self.has_lambda = True  # comprehension variables are not free names
+        return False
+
+    visit_ListComp = visit_SetComp = visit_DictComp = visit_GeneratorExp

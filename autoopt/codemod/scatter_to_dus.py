@@ -1,16 +1,20 @@
 """``x.at[i].set(v)`` -> ``lax.dynamic_update_index_in_dim(x, v, i, 0)``, guarded unless proven.
 
-The expert's in-place update. ``.at[i]`` drops an out-of-bounds update (mode ``FILL_OR_DROP``)
-where ``dynamic_update_slice`` clamps the start, so unless the scatter_to_dus pass proved the
-index in bounds the edit keeps a ``lax.cond`` guard: on XLA:CPU a cond around the DUS measured
-9.1 us against 8.7 us bare, while a select over the whole array costs a full pass. Negative
-indices need no care: ``dynamic_update_*`` normalizes them exactly as ``.at`` does.
+The expert's in-place update, in the form the scatter_to_dus pass chose (``details["guard"]``):
+``"none"``/``"clamp"`` (bounds proven, or CLIP mode on one row) is a bare update; ``"cond"``
+keeps a ``lax.cond`` bounds guard, since ``.at[i]`` drops an out-of-bounds update (mode
+``FILL_OR_DROP``) where ``dynamic_update_slice`` clamps the start; ``"select"`` (inside loop
+bodies and off CPU, where the pass measured a cond copying the buffer every iteration) writes
+``jnp.where(in_bounds, v, x[i])`` back, a no-op when out of bounds. Negative indices need no
+care: ``dynamic_update_*`` normalizes them exactly as ``.at`` does. A finding without a guard
+kind gets the cond (always exact).
 
 Handled: ``set``, ``add``, ``subtract``, ``multiply``, ``min``, ``max`` at a single index, at a
-window ``i + jnp.arange(k)`` / ``jnp.arange(i, i + k)``, and at a static slice ``a:b``. Left as
-they are, with the reason in the finding: several axes (``x.at[i, j]``), other modes, and
-updates already inside a ``lax.cond`` branch (which is where the guarded form puts the original
-scatter, so a second run changes nothing).
+window ``i + jnp.arange(k)`` / ``jnp.arange(i, i + k)``, and at a static slice ``a:b``; on the
+read side, a proven window ``x[i + jnp.arange(k)]`` -> ``lax.dynamic_slice_in_dim(x, i, k, 0)``.
+Left as they are, with the reason in the finding: several axes (``x.at[i, j]``), other modes,
+and updates already inside a ``lax.cond`` branch (which is where the guarded form puts the
+original scatter, so a second run changes nothing).
 """
 
 from __future__ import annotations
@@ -25,17 +29,16 @@ _OPS = {"set": None, "add": "+", "subtract": "-", "multiply": "*", "min": "minim
         "max": "maximum"}
 
 
-def _bounds_proven(details: dict) -> bool:
-    """Whether the pass proved the update in bounds (then no guard). Unknown means not proven."""
-    for key in ("bounds_proven", "in_bounds", "proven_in_bounds"):
-        if key in details:
-            return bool(details[key])
-    if "guard" in details:
-        g = details["guard"]
-        return g in (None, False, "none", "")
-    if "guarded" in details:
-        return not details["guarded"]
-    return False
+def _guard_kind(details: dict) -> str:
+    """``"none"``, ``"select"`` or ``"cond"``: the guard the pass used (cond when unknown)."""
+    guard = details.get("guard")
+    if guard in ("none", "clamp"):
+        return "none"
+    return "select" if guard == "select" else "cond"
+
+
+def _is_gather(finding) -> bool:
+    return finding.details.get("op") == "gather" or finding.message.startswith("gather")
 
 
 def _simple(node: cst.CSTNode) -> bool:
@@ -133,7 +136,7 @@ class ScatterToDUSCommand(FindingCommand):
             return updated_node
         if _match(original_node) is None:
             return updated_node
-        hits = self.targets_within(original_node)
+        hits = [i for i in self.targets_within(original_node) if not _is_gather(self.targets[i])]
         if not hits:
             return updated_node
         if self._cond_depth:
@@ -148,7 +151,29 @@ class ScatterToDUSCommand(FindingCommand):
         new, reason = self._replacement(at, updated_node, details)
         for i in hits:
             self.outcomes[i] = reason
-        return updated_node if new is None else new
+        return updated_node if new is None else self.fit(original_node, new)
+
+    def leave_Subscript(self, original_node: cst.Subscript,
+                        updated_node: cst.Subscript) -> cst.BaseExpression:
+        """The read side: a proven window ``x[i + jnp.arange(k)]`` -> ``dynamic_slice_in_dim``."""
+        hits = [i for i in self.targets_within(original_node) if _is_gather(self.targets[i])]
+        if not hits or len(original_node.slice) != 1 or \
+                not isinstance(original_node.slice[0].slice, cst.Index):
+            return updated_node
+        window = _arange_window(original_node.slice[0].slice.value, self.imports)
+        if window is None:
+            return updated_node
+        if any(_guard_kind(self.targets[i].details) != "none" for i in hits):
+            reason = ("a read whose bounds are not proven has no short exact source form "
+                      "(out-of-bounds rows are filled or clamped one by one)")
+            for i in hits:
+                self.outcomes[i] = reason
+            return updated_node
+        start, size = window
+        for i in hits:
+            self.outcomes[i] = None
+        return template("{f}({x}, {i}, {k}, 0)", f=self.ref("jax.lax.dynamic_slice_in_dim"),
+                        x=updated_node.value, i=start, k=size)
 
     # --- building the replacement -------------------------------------------------------------
 
@@ -158,7 +183,7 @@ class ScatterToDUSCommand(FindingCommand):
                           "a start index per axis by hand")
         if not _simple(at.base):
             return None, "the updated array is an expression; assign it to a name first"
-        guard = not _bounds_proven(details)
+        guard = _guard_kind(details)
         mode = at.keywords.get("mode")
         for kw in at.keywords:
             if kw not in ("mode", "indices_are_sorted", "unique_indices"):
@@ -171,15 +196,18 @@ class ScatterToDUSCommand(FindingCommand):
         if mode is not None:
             mode_text = mode.evaluated_value if isinstance(mode, cst.SimpleString) else None
             if mode_text == "promise_in_bounds":
-                guard = False
+                guard = "none"
             elif mode_text == "clip" and window is None:
-                guard = False  # clamping a one-row window is what DUS does
+                guard = "none"  # clamping a one-row window is what DUS does
             elif mode_text not in ("drop", "fill"):
                 return None, f"mode={self.code(mode)} has no exact dynamic_update_slice form"
         if window is not None:
             start, size = window
             if not (_simple(start) and _simple(size)):
                 return None, "the window start or size is an expression; name it first"
+            if guard == "select":
+                return None, ("a window guarded by select has no exact source form (a partly "
+                              "out-of-bounds window writes its in-bounds rows)")
             return self._window(at, original, start, size, guard), None
         if not _simple(index):
             return None, "the index is an expression; assign it to a name first"
@@ -196,23 +224,28 @@ class ScatterToDUSCommand(FindingCommand):
             return template(f"{{old}} {op} {{v}}", old=old, v=_paren(at.value))
         return template("{f}({old}, {v})", f=self.ref(f"jax.numpy.{op}"), old=old, v=at.value)
 
-    def _single(self, at: _AtUpdate, index, guard: bool) -> cst.BaseExpression:
+    def _single(self, at: _AtUpdate, index, guard: str) -> cst.BaseExpression:
         x = at.base
         old = template("{x}[{i}]", x=x, i=index)
+        new = self._new_value(at, old)
+        in_bounds = template("(-{x}.shape[0] <= {i}) & ({i} < {x}.shape[0])", x=x, i=index)
+        if guard == "select":  # out of bounds: write back what is there (clamped), a no-op
+            new = template("{where}({ok}, {new}, {old})", where=self.ref("jax.numpy.where"),
+                           ok=in_bounds, new=new, old=old)
         dus = template("{f}({x}, {v}, {i}, 0)", f=self.ref("jax.lax.dynamic_update_index_in_dim"),
-                       x=x, v=self._new_value(at, old), i=index)
-        if not guard:
+                       x=x, v=new, i=index)
+        if guard != "cond":
             return dus
-        return template("{cond}((-{x}.shape[0] <= {i}) & ({i} < {x}.shape[0]), lambda: {dus}, "
-                        "lambda: {x})", cond=self.ref("jax.lax.cond"), x=x, i=index, dus=dus)
+        return template("{cond}({ok}, lambda: {dus}, lambda: {x})", cond=self.ref("jax.lax.cond"),
+                        ok=in_bounds, x=x, dus=dus)
 
-    def _window(self, at: _AtUpdate, original: cst.Call, start, size, guard: bool):
+    def _window(self, at: _AtUpdate, original: cst.Call, start, size, guard: str):
         x = at.base
         old = template("{f}({x}, {i}, {k}, 0)", f=self.ref("jax.lax.dynamic_slice_in_dim"),
                        x=x, i=start, k=size)
         dus = template("{f}({x}, {v}, {i}, 0)", f=self.ref("jax.lax.dynamic_update_slice_in_dim"),
                        x=x, v=self._new_value(at, old), i=start)
-        if not guard:
+        if guard == "none":
             return dus
         # A window that is partly out of bounds writes only its in-bounds rows, and a negative
         # start wraps row by row: only the original scatter does that, so it stays the else.

@@ -36,6 +36,8 @@ def _param_text(v) -> str:
         return "{...}"
     if isinstance(v, tuple) and v and all(isinstance(x, ClosedJaxpr | Jaxpr) for x in v):
         return "(" + ", ".join("{...}" for _ in v) + ")"
+    if isinstance(v, np.dtype):
+        return v.name  # as jax prints it: new_dtype=int32
     text = repr(v) if not callable(v) else getattr(v, "__name__", type(v).__name__)
     text = _ADDRESS.sub("", text)  # object addresses differ between two traces of one program
     return text if len(text) <= 80 else text[:77] + "..."

@@ -1,17 +1,33 @@
-"""``Report``: what autoopt found and changed for one signature, built from findings only."""
+"""``Report``: what autoopt found and changed for one signature, built from findings only.
+
+Four parts, in the order a user reads them: a summary row per finding (kind, the user's
+``file:line``, applied or why not, bytes saved, transfers avoided), the compiled memory before
+and after (``memory_analysis()``), the program diff at the level of equations, and the unified
+diff of the source edits an expert would make (``autoopt.codemod``). Rendering goes through rich:
+coloured in a terminal, plain text when piped and in logs.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import io
+import logging
 import os
+import shutil
 import sys
+import threading
 from typing import Any
 
 from jax.extend.core import ClosedJaxpr
 
 from autoopt.explain._diff import equation_diff
 from autoopt.explain._finding import Finding
+
+log = logging.getLogger("autoopt")
+
+# A printed report shows this much of the program diff; ``report.diff`` has all of it.
+_DIFF_LINES = 80
+_MEMORY_COLUMNS = ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "peak_bytes")
 
 
 def _fmt_bytes(n: int | None) -> str:
@@ -29,6 +45,8 @@ class Report:
 
     ``memory`` is ``{"before": {...}, "after": {...}}`` of compiled figures in bytes
     (argument, output, alias, temp, peak), empty when no arguments were given to compile with.
+    ``source_plan`` holds the edited file texts behind ``source_diff`` (``autoopt rewrite
+    --write`` applies them).
     """
 
     findings: list[Finding]
@@ -39,14 +57,16 @@ class Report:
     location: str | None = None
     fallback: str | None = None
     source_diff: str = ""
+    source_plan: Any = dataclasses.field(default=None, repr=False)
     _diff: str | None = dataclasses.field(default=None, repr=False)
+    _fn: Any = dataclasses.field(default=None, repr=False)
+    _raw: list[Finding] | None = dataclasses.field(default=None, repr=False)
 
     @property
     def diff(self) -> str:
         """Equation-level diff of the program before and after (``""`` when unchanged)."""
         if self._diff is None:
-            self._diff = (equation_diff(self.before, self.after)
-                          if self.before is not None and self.after is not None else "")
+            self._diff = equation_diff(self.before, self.after)
         return self._diff
 
     def by_kind(self, kind: str) -> list[Finding]:
@@ -71,27 +91,59 @@ class Report:
             location=optimized._fn_location,
             fallback=program.fallback_reason,
         )
-        try:
-            from autoopt.codemod import source_diff_for
-
-            report.source_diff = source_diff_for(optimized.__wrapped__, report.findings)
-        except ImportError:
-            pass
+        report._fn = optimized.__wrapped__
+        report._add_source_edits()
         return report
+
+    def add_findings(self, findings) -> None:
+        """Add findings gathered after the program was built (a call's placement findings) and
+        redo the source edits with them."""
+        self.findings = list(self._raw if self._raw is not None else self.findings) + list(findings)
+        self._add_source_edits()
+
+    def _add_source_edits(self) -> None:
+        """Fill ``source_diff`` and say in each finding that wanted an edit why it got none."""
+        self._raw = list(self.findings)
+        try:
+            from autoopt.codemod import plan_source_edits
+
+            plan = plan_source_edits(self._fn, self._raw)
+        except Exception as e:  # noqa: BLE001 - a report without source edits beats no report
+            log.debug("source edits failed: %s", e)
+            return
+        self.source_plan = plan
+        self.source_diff = plan.diff
+        out = []
+        for i, f in enumerate(self._raw):
+            if i in plan.notes:
+                note = plan.notes[i]
+                f = f.replace(message=f"{f.message.rstrip()} No source edit: {note}.",
+                              details={**f.details, "source_edit": note})
+            elif i in plan.edited:
+                f = f.replace(details={**f.details, "source_edit": "in the source diff"})
+            out.append(f)
+        self.findings = out
 
     # --- rendering -----------------------------------------------------------------------------
 
-    def render(self, color: bool | None = None, width: int = 110) -> str:
-        """The report as text; ``color=None`` colours only when writing to a terminal."""
+    def render(self, color: bool | None = None, width: int | None = None) -> str:
+        """The report as text. ``color=None`` colours only when stdout is a terminal (and
+        ``NO_COLOR`` is unset); otherwise the text has no escape codes at all."""
         from rich.console import Console
 
         if color is None:
-            color = sys.stdout.isatty() and os.environ.get("NO_COLOR") is None
+            color = _stdout_is_terminal()
+        if width is None:
+            width = shutil.get_terminal_size((110, 24)).columns if color else 110
         buf = io.StringIO()
-        console = Console(file=buf, force_terminal=color, color_system="auto" if color else None,
-                          width=width, no_color=not color, highlight=False)
+        console = Console(file=buf, force_terminal=color, color_system="standard" if color else None,
+                          no_color=not color, width=width, highlight=False, emoji=False,
+                          soft_wrap=False, force_jupyter=False)
         _render(self, console)
-        return buf.getvalue().rstrip() + "\n"
+        text = buf.getvalue()
+        if not color:  # rich pads table cells to the width; pipes and logs want no trailing blanks
+            text = "\n".join(line.rstrip() for line in text.splitlines())
+        return text.rstrip() + "\n"
 
     def __str__(self) -> str:
         return self.render()
@@ -119,7 +171,7 @@ class Report:
             if closed is None:
                 continue
             t = live_bytes_timeline(closed)
-            ax.plot(range(len(t)), [x / 2**20 for x in t], label=label)
+            ax.step(range(len(t)), [x / 2**20 for x in t], where="post", label=label)
         ax.set_xlabel("equation (program order)")
         ax.set_ylabel("live MiB (static estimate)")
         ax.set_title(f"autoopt: live memory of {self.function}")
@@ -130,25 +182,74 @@ class Report:
         return path
 
 
+def _stdout_is_terminal() -> bool:
+    if os.environ.get("NO_COLOR") is not None or os.environ.get("TERM") == "dumb":
+        return False
+    try:
+        return sys.stdout.isatty()
+    except (AttributeError, ValueError):  # replaced or closed stdout
+        return False
+
+
+def log_report(optimized, program) -> None:
+    """``optimize(..., explain=True)``: log the report of a freshly built program, as plain text.
+
+    When nothing configured logging, the report would vanish (Python shows only warnings by
+    default), so a stderr handler is attached to the ``autoopt`` logger for it: asking for
+    ``explain=True`` must show something. Building the report never breaks the call.
+    """
+    try:
+        text = Report.from_program(optimized, program).render(color=False)
+    except Exception as e:  # noqa: BLE001
+        log.warning("autoopt could not build the explain report: %s", e)
+        return
+    with _HANDLER_LOCK:
+        if not log.hasHandlers():
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("%(message)s"))
+            log.addHandler(handler)
+            if log.level == logging.NOTSET:
+                log.setLevel(logging.INFO)
+    log.info("%s", text.rstrip())
+
+
+_HANDLER_LOCK = threading.Lock()
+
+
 def _with_call_sites(findings: list[Finding], optimized) -> list[Finding]:
     """Add what the recorded call sites proved (donation under ``"safe"``)."""
     sites = list(getattr(optimized, "_site_reasons", {}).values())
     if not sites:
         return findings
     out = list(findings)
+    # What the donation pass knows per argument: its name, and whether any output could reuse
+    # it (a call site's reasons about an argument nothing can reuse are noise).
+    names = {f.details.get("arg"): f.details.get("name") for f in findings
+             if f.kind == "donate" and "arg" in f.details}
+    useless = {f.details.get("arg") for f in findings
+               if f.kind == "donate" and f.details.get("aliasable") is False}
+
+    def label(key) -> str:
+        name = names.get(key)
+        return f"argument {key!r}" + (f" (`{name}`)" if name and name != key else "")
+
     for proof in sites:
         for key in list(proof.positions) + list(proof.names):
+            if key in useless:
+                continue
             out.append(Finding(
                 kind="donate", applied=True, location=proof.location, pass_name="donation",
-                message=(f"argument {key!r} donated at this call site: `{proof.statement}` rebinds "
+                message=(f"{label(key)} donated at this call site: `{proof.statement}` rebinds "
                          "it, so its buffers are dead after the call (when an output can reuse "
                          "them and nothing else refers to them)."),
                 details={"arg": key, "site": proof.location},
             ))
         for key, why in proof.reasons:
+            if key in useless:
+                continue
             out.append(Finding(
                 kind="donate", applied=False, location=proof.location, pass_name="donation",
-                message=f"argument {key!r} not donated at this call site: {why}.",
+                message=f"{label(key)} not donated at this call site: {why}.",
                 details={"arg": key, "site": proof.location},
             ))
     return out
@@ -181,53 +282,123 @@ def _memory_before_after(optimized, args: tuple, kwargs: dict) -> dict[str, dict
     return out
 
 
+# --- rendering ---------------------------------------------------------------------------------
+
 def _render(report: Report, console: Any) -> None:
+    from rich.text import Text
+
+    title = Text(f"autoopt report for {report.function}", style="bold")
+    if report.location:
+        title.append(f"  ({_display_path(report.location)})", style="dim")
+    console.print(title)
+    if report.fallback:
+        console.print(Text(f"fell back to plain jax.jit: {report.fallback}", style="red"))
+    _render_summary(report, console)
+    _render_memory(report, console)
+    diff = report.diff
+    if diff:
+        console.print()
+        console.print(Text("program diff (equations: - removed, + added, # your source line)",
+                           style="bold"))
+        lines = diff.splitlines()
+        if len(lines) > _DIFF_LINES:
+            hidden = len(lines) - _DIFF_LINES
+            lines = lines[:_DIFF_LINES] + [f"  ... {hidden} more lines (report.diff has them all)"]
+        for line in lines:
+            head, sep, loc = line.rpartition("  # ")
+            if sep:
+                line = f"{head}  # {_display_path(loc)}"
+            mark = line.lstrip()[:1]
+            style = "red" if mark == "-" else "green" if mark == "+" else \
+                "cyan" if mark == "~" else None
+            console.print(Text(line, style=style), no_wrap=True, overflow="ignore", crop=False)
+    elif report.before is not None and report.after is not None:
+        console.print()
+        console.print("program diff: no equation changed (donation and placement are options "
+                      "of the compiled call, not edits of the program)."
+                      if report.findings else "program diff: no equation changed.")
+    if report.source_diff:
+        console.print()
+        console.print(Text("suggested source edits (autoopt rewrite ... --write applies them)",
+                           style="bold"))
+        for line in report.source_diff.splitlines():
+            style = "bold" if line.startswith(("---", "+++")) else "red" if line.startswith("-") \
+                else "green" if line.startswith("+") else "cyan" if line.startswith("@@") else None
+            console.print(Text(line, style=style), no_wrap=True, overflow="ignore", crop=False)
+
+
+def _render_summary(report: Report, console: Any) -> None:
     from rich.table import Table
     from rich.text import Text
 
-    title = f"autoopt report for {report.function}"
-    if report.location:
-        title += f" ({report.location})"
-    console.print(Text(title, style="bold"))
-    if report.fallback:
-        console.print(Text(f"fell back to plain jax.jit: {report.fallback}", style="red"))
-    if report.findings:
-        table = Table(show_lines=False, expand=False, box=None, pad_edge=False)
-        for col in ("kind", "where", "applied", "saved", "what"):
-            table.add_column(col, overflow="fold")
-        for f in report.findings:
-            table.add_row(
-                f.kind,
-                _short_loc(f.location),
-                Text("yes", style="green") if f.applied else Text("no", style="yellow"),
-                _fmt_bytes(f.bytes_saved) if f.bytes_saved else "-",
-                f.message,
-            )
-        console.print(table)
-    else:
+    findings = report.findings
+    if not findings:
         console.print("no findings: nothing to optimize for these arguments.")
+        return
+    applied = [f for f in findings if f.applied]
+    saved = sum(f.bytes_saved or 0 for f in applied)
+    transfers = sum(f.transfers_avoided or 0 for f in applied)
+    head = f"{len(findings)} findings, {len(applied)} applied"
+    if saved:
+        head += f"; {_fmt_bytes(saved)} saved"
+    if transfers:
+        head += f"; {transfers} transfers avoided per call"
+    console.print(head)
+    table = Table(box=None, pad_edge=False, expand=False, show_edge=False)
+    table.add_column("kind", no_wrap=True)
+    table.add_column("where", no_wrap=True)
+    table.add_column("applied", no_wrap=True)
+    table.add_column("saved", justify="right", no_wrap=True)
+    table.add_column("transfers", justify="right", no_wrap=True)
+    table.add_column("what (and why not)", overflow="fold", ratio=1)
+    # What was done first, then what could be done (it has a saving), then the rest.
+    order = sorted(findings, key=lambda f: (not f.applied, not (f.bytes_saved or f.transfers_avoided)))
+    for f in order:
+        table.add_row(
+            f.kind,
+            _short_loc(f.location),
+            Text("yes", style="green") if f.applied else Text("no", style="yellow"),
+            _fmt_bytes(f.bytes_saved) if f.bytes_saved else "-",
+            str(f.transfers_avoided) if f.transfers_avoided else "-",
+            f.message,
+        )
+    console.print(table)
+
+
+def _render_memory(report: Report, console: Any) -> None:
+    from rich.table import Table
+
     mem = report.memory
-    if mem.get("before") and mem.get("after"):
-        t = Table(title="compiled memory (memory_analysis)", box=None, pad_edge=False)
-        for col in ("", "argument", "output", "alias", "temp", "peak"):
-            t.add_column(col, justify="right")
-        for side in ("before", "after"):
-            m = mem[side]
-            t.add_row(side, *(_fmt_bytes(m[k]) for k in
-                              ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "peak_bytes")))
-        console.print(t)
-    diff = report.diff
-    if diff:
-        console.print(Text("program diff (equations; - removed, + added):", style="bold"))
-        for line in diff.splitlines():
-            style = "red" if line.lstrip().startswith("-") else "green" if line.lstrip().startswith("+") else None
-            console.print(Text(line, style=style))
-    if report.source_diff:
-        console.print(Text("suggested source edits:", style="bold"))
-        for line in report.source_diff.splitlines():
-            style = "red" if line.startswith("-") and not line.startswith("---") else \
-                "green" if line.startswith("+") and not line.startswith("+++") else None
-            console.print(Text(line, style=style))
+    if "error" in mem:
+        console.print(f"compiled memory: not available ({mem['error'].get('message', '')})")
+        return
+    if not (mem.get("before") and mem.get("after")):
+        return
+    console.print()
+    t = Table(title="compiled memory (memory_analysis)", title_justify="left", box=None,
+              pad_edge=False, show_edge=False)
+    t.add_column("")
+    for col in ("argument", "output", "alias", "temp", "peak"):
+        t.add_column(col, justify="right")
+    before, after = mem["before"], mem["after"]
+    t.add_row("before", *(_fmt_bytes(before[k]) for k in _MEMORY_COLUMNS))
+    t.add_row("after", *(_fmt_bytes(after[k]) for k in _MEMORY_COLUMNS))
+    t.add_row("change", *(_signed(after[k] - before[k]) for k in _MEMORY_COLUMNS))
+    console.print(t)
+
+
+def _signed(n: int) -> str:
+    return "0" if n == 0 else ("+" if n > 0 else "-") + _fmt_bytes(abs(n))
+
+
+def _display_path(loc: str) -> str:
+    path, _, line = loc.rpartition(":")
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:
+        rel = path
+    shown = path if rel.startswith("..") else rel
+    return f"{shown}:{line}"
 
 
 def _short_loc(loc: str | None) -> str:

@@ -1,0 +1,449 @@
+"""Host inputs, host constants, scalar canonicalization and the transfer guard (autoopt._placement).
+
+Reference is always the original function under ``jax.jit``. Transfer counts are read from JAX's
+own transfer-guard log (``jax.transfer_guard_host_to_device("log")`` writes one line a transfer
+to the process's stderr), so they are not autoopt's word for it.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import logging
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import autoopt
+from autoopt import _placement
+from autoopt.testing import assert_trees_equivalent
+
+
+def _feats(n=12, shape=(8, 8), dtype=np.float32, seed=0):
+    rng = np.random.default_rng(seed)
+    return {f"f{i:02d}": rng.standard_normal(shape).astype(dtype) for i in range(n)}
+
+
+def _step(w, feats):
+    return sum(jnp.tanh(v @ w).sum() for v in feats.values())
+
+
+def _count_transfers(capfd, call) -> int:
+    """Host-to-device transfers JAX performs implicitly during ``call()`` (from its guard log)."""
+    capfd.readouterr()
+    with jax.transfer_guard_host_to_device("log"):
+        jax.block_until_ready(call())
+    return capfd.readouterr().err.count("host-to-device transfer")
+
+
+def _line_of(marker: str) -> int:
+    src, _ = inspect.getsourcelines(inspect.getmodule(_line_of))
+    return next(i for i, line in enumerate(src, 1) if marker in line and "_line_of" not in line)
+
+
+# --- host inputs --------------------------------------------------------------------------------------
+
+
+def test_numpy_leaves_give_the_same_values_as_jax_jit():
+    w = jnp.eye(8) * 0.5
+    feats = _feats()
+    opt = autoopt.optimize(_step, fallback="raise")
+    for _ in range(3):
+        assert_trees_equivalent(jax.jit(_step)(w, feats), opt(w, feats))
+
+
+def test_many_numpy_leaves_cost_one_implicit_transfer_instead_of_one_each(capfd):
+    w = jnp.eye(8)
+    feats = _feats(n=24)
+    opt = autoopt.optimize(_step, fallback="raise")
+    naive = jax.jit(_step)
+    naive(w, feats), opt(w, feats)  # compile outside the counted calls
+    assert _count_transfers(capfd, lambda: naive(w, feats)) == 24
+    assert _count_transfers(capfd, lambda: opt(w, feats)) == 1
+    last = opt._placer.stats.last
+    assert (last.before, last.implicit, last.packed_leaves) == (24, 1, 24)
+
+
+def test_one_packed_buffer_per_dtype(capfd):
+    feats = {"a": np.ones((4, 4), np.float32), "b": np.arange(16, dtype=np.float32).reshape(4, 4),
+             "i": np.arange(6, dtype=np.int32), "j": np.full(3, 7, np.int32),
+             "m": np.array([True, False, True]), "n": np.zeros(2, bool)}
+
+    def f(feats):
+        return (feats["a"] + feats["b"]).sum(), feats["i"].sum() * feats["j"].sum(), \
+            feats["m"] & feats["n"][0]
+
+    opt = autoopt.optimize(f, fallback="raise")
+    assert_trees_equivalent(jax.jit(f)(feats), opt(feats))
+    assert _count_transfers(capfd, lambda: opt(feats)) == 3
+
+
+def test_pooled_host_buffers_are_never_overwritten_under_a_running_step():
+    def slow(feats):
+        return sum(jnp.sort(jnp.sin(v.ravel())).sum() for v in feats.values())
+
+    opt = autoopt.optimize(slow, fallback="raise")
+    batches = [{k: v + i for k, v in _feats(n=4, shape=(128, 256)).items()} for i in range(16)]
+    outs = [opt(b) for b in batches]  # no blocking: steps queue up while the next is packed
+    for b, out in zip(batches, outs):
+        assert_trees_equivalent(jax.jit(slow)(b), out)
+    (layout, _, _), = [v for v in opt._placer._layouts.values() if v[0] is not None]
+    assert 1 <= len(layout.pools[0]) <= _placement._POOL_SIZE  # reused, not one a call
+
+
+def test_strided_zero_dim_and_scalar_numpy_leaves_keep_their_values():
+    base = np.arange(64, dtype=np.float32).reshape(8, 8)
+    args = {"t": base.T, "s": base[::2, 1::3], "z": np.array(3.5, np.float32),
+            "g": np.float32(2.0), "k": np.int32(4), "py": 1.5,
+            "u": np.frombuffer(b"\x00" + np.arange(8, dtype=np.float32).tobytes(), np.float32,
+                               offset=0, count=2)}
+
+    def f(a):
+        return a["t"] @ a["t"], a["s"] * a["z"] + a["g"], a["k"] * 2, a["py"] * a["s"], a["u"]
+
+    assert_trees_equivalent(jax.jit(f)(args), autoopt.optimize(f, fallback="raise")(args))
+
+
+def test_large_aligned_array_is_left_to_jits_zero_copy_path():
+    big = _placement.aligned_empty(1 << 18, np.float32).reshape(512, 512)
+    big[...] = 1.0
+    small = [np.ones(3, np.float32), np.ones(3, np.float32)]
+
+    def f(big, small):
+        return big.sum() + small[0].sum() + small[1].sum()
+
+    opt = autoopt.optimize(f, fallback="raise")
+    assert float(opt(big, small)) == float(jax.jit(f)(big, small))
+    last = opt._placer.stats.last
+    assert last.packed_leaves == 2 and last.implicit == 2  # the packed buffer and `big`
+
+
+def test_numpy_batch_does_not_stop_the_state_from_being_donated():
+    def step(state, batch):
+        return state + batch["x"].sum() * batch["y"]
+
+    batch = {"x": np.ones((4, 4), np.float32), "y": np.full((4, 4), 2.0, np.float32)}
+    state = jnp.zeros((4, 4))
+    opt = autoopt.optimize(step, fallback="raise")
+    state = opt(state, batch)
+    pointer = state.unsafe_buffer_pointer()  # an int: holds no reference to `state`
+    state = opt(state, batch)
+    assert state.unsafe_buffer_pointer() == pointer  # the output reused the donated buffer
+    assert ((0,), ()) in opt._jits
+    np.testing.assert_allclose(np.asarray(state), np.full((4, 4), 64.0))
+    assert opt._placer.stats.last.packed_leaves == 2
+
+
+def test_static_arguments_and_numpy_keyword_arguments():
+    def f(x, n, *, scale, table):
+        return (x * scale + table[:n].sum(),)
+
+    x = np.arange(6, dtype=np.float32)
+    kw = dict(scale=np.float32(3), table=np.linspace(0, 1, 10, dtype=np.float32))
+    ref = jax.jit(f, static_argnums=1)(x, 4, **kw)
+    opt = autoopt.optimize(f, static_argnums=1, fallback="raise")
+    assert_trees_equivalent(ref, opt(x, 4, **kw))
+    assert_trees_equivalent(jax.jit(f, static_argnums=1)(x, 2, **kw), opt(x, 2, **kw))
+
+
+def test_packed_inputs_compose_with_grad_vmap_and_disable_jit():
+    feats = _feats(n=3, shape=(4, 4))
+    w = jnp.eye(4)
+    opt = autoopt.optimize(_step, fallback="raise")
+    assert_trees_equivalent(jax.grad(jax.jit(_step))(w, feats), jax.grad(opt)(w, feats))
+    ws = jnp.stack([w, 2 * w])
+    assert_trees_equivalent(jax.vmap(jax.jit(_step), (0, None))(ws, feats),
+                            jax.vmap(opt, (0, None))(ws, feats))
+    with jax.disable_jit():
+        got = opt(w, feats)
+    assert_trees_equivalent(jax.jit(_step)(w, feats), got)
+
+
+def test_in_shardings_turns_packing_off_but_not_correctness():
+    s = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    def f(a, b):
+        return a * b
+
+    a, b = np.ones(3, np.float32), np.arange(3, dtype=np.float32)
+    opt = autoopt.optimize(f, in_shardings=(s, s), fallback="raise")
+    assert_trees_equivalent(jax.jit(f, in_shardings=(s, s))(a, b), opt(a, b))
+    assert opt._placer.stats.last.packed_leaves == 0
+
+
+def test_placement_off_leaves_numpy_to_jit(capfd):
+    feats = _feats(n=5)
+    opt = autoopt.optimize(_step, placement="off", fallback="raise")
+    w = jnp.eye(8)
+    opt(w, feats)
+    assert opt._placer is None
+    assert _count_transfers(capfd, lambda: opt(w, feats)) == 5
+
+
+def test_device_only_calls_are_scanned_only_while_watching_then_sampled():
+    f = autoopt.optimize(lambda x: x + 1)
+    x = jnp.zeros(3)
+    for _ in range(200):
+        x = f(x)
+    scanned = f._placer.stats.calls_scanned
+    assert scanned < 20  # 8 watched calls, then one in 32
+    assert not f._placer._active
+    for _ in range(33):
+        x = f(np.asarray(x))
+    assert f._placer._active  # a sampled call saw the host array
+    assert float(x[0]) == 233.0
+    for _ in range(_placement._IDLE_CALLS):
+        x = f(x)
+    assert not f._placer._active  # host arrays stopped coming: lean again
+
+
+@given(st.lists(st.tuples(st.sampled_from(["float32", "int32", "bool", "float16", "uint8"]),
+                          st.lists(st.integers(1, 4), min_size=0, max_size=3)),
+                min_size=1, max_size=8))
+def test_packing_preserves_every_leaf_of_any_numpy_pytree(specs):
+    rng = np.random.default_rng(len(specs))
+    leaves = [(rng.standard_normal(shape) * 10).astype(dtype) for dtype, shape in specs]
+    tree = {"xs": leaves[: len(leaves) // 2], "ys": tuple(leaves[len(leaves) // 2:])}
+
+    def f(tree):
+        return jax.tree_util.tree_map(lambda v: v, tree)
+
+    assert_trees_equivalent(jax.jit(f)(tree), autoopt.optimize(f, fallback="raise")(tree), exact=True)
+
+
+# --- host constants -----------------------------------------------------------------------------------
+
+
+def _table(n=256, seed=1):
+    t = np.random.default_rng(seed).standard_normal((n, 16)).astype(np.float32)
+    t.flags.writeable = False
+    return t
+
+
+def test_read_only_array_is_placed_once_and_reused(capfd):
+    table = _table()
+    x = jnp.ones(16)
+
+    def f(table, x):
+        return table @ x
+
+    opt = autoopt.optimize(f, fallback="raise")
+    for _ in range(3):
+        assert_trees_equivalent(jax.jit(f)(table, x), opt(table, x))
+    assert opt._placer.stats.constants_placed == 1
+    assert opt._placer.stats.cached == 3
+    assert _count_transfers(capfd, lambda: opt(table, x)) == 0
+    assert _count_transfers(capfd, lambda: jax.jit(f)(table, x)) == 1
+
+
+def test_a_cached_constant_the_caller_still_holds_survives_a_sweep():
+    table = _table(seed=3)
+    autoopt.optimize(lambda t: t.sum())(table)
+    _placement.sweep_constants()
+    assert (id(table), None) in _placement._CONSTANTS
+
+
+def test_cached_copy_is_dropped_when_the_host_array_is_freed():
+    opt = autoopt.optimize(lambda t: t.sum(), fallback="raise")
+    table = _table(seed=2)
+    opt(table)
+    entry = _placement._CONSTANTS[(id(table), None)]
+    device_copy = weakref.ref(entry.device)
+    del entry, table
+    gc.collect()
+    assert _placement.sweep_constants() >= 1
+    gc.collect()
+    assert device_copy() is None
+
+
+def test_writeable_arrays_are_never_cached_and_changes_are_seen():
+    before = _placement.constant_cache_size()
+    a = np.ones((64, 4), np.float32)
+    opt = autoopt.optimize(lambda a: a.sum(), fallback="raise")
+    assert float(opt(a)) == 256.0
+    a[:] = 2.0
+    assert float(opt(a)) == 512.0
+    assert _placement.constant_cache_size() == before
+
+
+def test_read_only_view_of_a_writeable_array_is_not_cached():
+    base = np.ones((8, 8), np.float32)
+    view = base[:4]
+    view.flags.writeable = False
+    opt = autoopt.optimize(lambda v: v.sum(), fallback="raise")
+    assert float(opt(view)) == 32.0
+    base[:] = 3.0
+    assert float(opt(view)) == 96.0
+    assert opt._placer.stats.cached == 0
+
+
+def test_read_only_reshape_of_a_private_temporary_counts_as_read_only():
+    t = np.arange(12, dtype=np.float32).reshape(3, 4)  # the base is referenced only by `t`
+    t.flags.writeable = False
+    assert _placement.is_read_only(t)
+    base = np.arange(12, dtype=np.float32)
+    shared = base.reshape(3, 4)
+    shared.flags.writeable = False
+    assert not _placement.is_read_only(shared)
+
+
+def test_array_made_writeable_again_loses_its_cached_copy():
+    t = np.ones((16, 16), np.float32)
+    t.flags.writeable = False
+    opt = autoopt.optimize(lambda t: t.sum(), fallback="raise")
+    assert float(opt(t)) == 256.0
+    t.flags.writeable = True
+    t[:] = 2.0
+    assert float(opt(t)) == 512.0
+    t.flags.writeable = False
+    assert float(opt(t)) == 512.0  # placed again, not the stale copy
+
+
+def test_constant_wrapper_is_placed_once_and_works_with_jax_jit_too():
+    host = np.arange(12, dtype=np.float32).reshape(3, 4)
+    c = autoopt.constant(host)
+    assert isinstance(c.device_array, jax.Array)
+    assert np.asarray(c) is host or np.shares_memory(np.asarray(c), host)
+    assert (c.shape, c.dtype) == ((3, 4), np.float32)
+
+    def f(t, x):
+        return t @ x
+
+    x = jnp.ones(4)
+    expected = host @ np.ones(4, np.float32)
+    np.testing.assert_allclose(np.asarray(jax.jit(f)(c, x)), expected)
+    np.testing.assert_allclose(np.asarray(autoopt.optimize(f)(c, x)), expected)
+    assert autoopt.constant(host).device_array is c.device_array  # one device copy per host array
+
+
+def test_read_only_arguments_under_grad_and_an_outer_jit_never_cache_a_tracer():
+    table = _table(n=8, seed=5)
+
+    def f(w, table):
+        return (table @ w).sum()
+
+    opt = autoopt.optimize(f, fallback="raise")
+    w = jnp.ones(16)
+    assert_trees_equivalent(jax.grad(jax.jit(f))(w, table), jax.grad(opt)(w, table))
+    assert_trees_equivalent(jax.jit(f)(w, table), jax.jit(lambda w: opt(w, table))(w))
+    assert_trees_equivalent(jax.jit(f)(w, table), opt(w, table))
+    assert (id(table), None) in _placement._CONSTANTS
+    assert not any(isinstance(e.device, jax.core.Tracer) for e in _placement._CONSTANTS.values())
+
+
+def test_a_cached_copy_donated_through_explicit_donate_argnums_is_placed_again():
+    table = _table(n=16, seed=6)
+    opt = autoopt.optimize(lambda t: t * 2, donate_argnums=0, fallback="raise")
+    for _ in range(3):
+        np.testing.assert_allclose(np.asarray(opt(table)), table * 2)
+
+
+def test_constant_is_never_donated_even_under_donate_auto():
+    c = autoopt.constant(np.ones((4, 4), np.float32))
+    opt = autoopt.optimize(lambda t, x: t + x, donate="auto", fallback="raise")
+    x = jnp.ones((4, 4))
+    opt(c, x)
+    assert not c.device_array.is_deleted()
+    np.testing.assert_allclose(np.asarray(opt(c, jnp.ones((4, 4)))), 2.0)
+
+
+# --- scalars and recompile triggers --------------------------------------------------------------------
+
+
+def _scaled(traces):
+    def f(x, s):
+        traces.append(1)
+        return x * s
+
+    return f
+
+
+def test_canonicalize_scalars_compiles_once_for_2_2p0_true_and_float32():
+    traces: list = []
+    f = _scaled(traces)
+    opt = autoopt.optimize(f, canonicalize_scalars=True, fallback="raise")
+    x = jnp.arange(3.0)
+    for s in (2.0, 2, np.float32(2), True, 3):
+        assert_trees_equivalent(jax.jit(f)(x, s), opt(x, s))
+    assert len(opt._programs) == 1
+    plain = autoopt.optimize(_scaled([]), fallback="raise")
+    for s in (2.0, 2, np.float32(2), True):
+        plain(x, s)
+    assert len(plain._programs) == 4
+
+
+def test_inexact_scalar_conversions_are_never_made():
+    opt = autoopt.optimize(lambda x, s: x * s, canonicalize_scalars=True, fallback="raise")
+    x = jnp.arange(3, dtype=jnp.int32)
+    assert opt(x, 2).dtype == jnp.int32
+    got = opt(x, 2.5)  # 2.5 is no int: a new signature, the right numbers
+    assert_trees_equivalent(jax.jit(lambda x, s: x * s)(x, 2.5), got)
+
+
+def test_explain_names_numpy_and_scalar_arguments_and_recompile_triggers():
+    def f(w, feats, lr):
+        return _step(w, feats) * lr
+
+    opt = autoopt.optimize(f)
+    w, feats = jnp.eye(8), _feats(n=4)
+    opt(w, feats, 2.0)  # call-site marker
+    opt(w, feats, 2)
+    report = opt.explain(w, feats, 2.0)
+    placement = report.by_kind("placement")
+    text = " ".join(f.message for f in placement)
+    assert "feats['f00']" in text and "`lr`" in text
+    recompile = [f for f in placement if f.details.get("strategy") == "recompile"]
+    assert recompile and recompile[0].details["leaves"] == ["lr"]
+    site = next(f for f in placement if f.details.get("strategy") == "pack").location
+    assert site == f"{__file__}:{_line_of('# call-site marker')}"
+
+
+def test_large_closed_over_constant_is_reported_at_its_line():
+    big = np.ones((1024, 300), np.float32)
+
+    def f(x):
+        return x @ big  # closed-over use
+
+    report = autoopt.explain(f, jnp.ones((2, 1024)))
+    found = [f for f in report.by_kind("placement") if f.details.get("strategy") == "closed_constant"]
+    assert found and found[0].location.endswith(f":{_line_of('# closed-over use')}")
+
+
+# --- the transfer guard --------------------------------------------------------------------------------
+
+
+def test_guard_disallow_raises_naming_the_argument_and_the_callers_line():
+    opt = autoopt.optimize(lambda x, lr: x * lr, transfer_guard="disallow")
+    x = jnp.ones(3)
+    with pytest.raises(_placement.HostTransferError) as e:
+        opt(x, 0.5)  # guarded call
+    msg = str(e.value)
+    assert "`lr`" in msg and f"{__file__}:{_line_of('# guarded call')}" in msg
+
+
+def test_guard_disallow_accepts_numpy_that_autoopt_placed_itself():
+    opt = autoopt.optimize(_step, transfer_guard="disallow", fallback="raise")
+    w, feats = jnp.eye(8), _feats(n=6)
+    assert_trees_equivalent(jax.jit(_step)(w, feats), opt(w, feats))
+    assert opt._placer.stats.last.explicit == 1 and opt._placer.stats.last.implicit == 0
+
+
+def test_guard_with_placement_off_raises_for_numpy():
+    opt = autoopt.optimize(lambda a: a.sum(), transfer_guard="disallow", placement="off")
+    with pytest.raises(_placement.HostTransferError, match="`a`"):
+        opt(np.ones(3, np.float32))
+
+
+def test_guard_log_reports_implicit_transfers_once_per_call_site(caplog):
+    opt = autoopt.optimize(lambda x, lr: x * lr, transfer_guard="log")
+    x = jnp.ones(3)
+    with caplog.at_level(logging.WARNING, logger="autoopt"):
+        for _ in range(3):
+            opt(x, 0.5)
+    lines = [r for r in caplog.records if "implicit host-to-device" in r.getMessage()]
+    assert len(lines) == 1 and "lr" in lines[0].getMessage()

@@ -1,0 +1,159 @@
+"""``autoopt.prefetch``: a bounded background pipeline that places batches ahead of the consumer."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autoopt
+from autoopt.testing import assert_trees_equivalent
+
+
+def _batches(n, leaves=3, shape=(4, 5)):
+    for i in range(n):
+        yield {"x": [np.full(shape, i + j, np.float32) for j in range(leaves)],
+               "y": np.arange(shape[0], dtype=np.int32) + i, "step": i}
+
+
+def _wait_until(pred, timeout=5.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return pred()
+
+
+def test_batches_arrive_in_order_on_the_device_with_the_same_values():
+    got = list(autoopt.prefetch(_batches(7)))
+    assert [b["step"] for b in got] == list(range(7))
+    for b, expected in zip(got, _batches(7)):
+        assert all(isinstance(v, jax.Array) for v in b["x"]) and isinstance(b["y"], jax.Array)
+        assert isinstance(b["step"], int)  # Python scalars pass through
+        assert_trees_equivalent(expected, b, exact=True)
+
+
+@pytest.mark.parametrize("leaves,shape", [(1, (16,)), (40, (8,)), (3, (64, 64))],
+                         ids=["one_leaf", "many_tiny_leaves_packed", "few_large_leaves"])
+def test_every_placement_strategy_keeps_values(leaves, shape):
+    src = list(_batches(3, leaves=leaves, shape=shape))
+    got = list(autoopt.prefetch(iter(src), size=1))
+    for b, expected in zip(got, src):
+        assert_trees_equivalent(expected, b, exact=True)
+        assert all(isinstance(v, jax.Array) for v in b["x"])
+
+
+def test_mixed_dtypes_and_device_arrays_pass_through():
+    dev = jnp.ones(3)
+    src = [{"a": np.ones(3, np.float16), "b": np.zeros(2, bool), "c": dev, "d": np.float32(2)}]
+    (b,) = list(autoopt.prefetch(src))
+    assert b["c"] is dev
+    assert_trees_equivalent(src[0], b, exact=True)
+    assert isinstance(b["d"], jax.Array)
+
+
+def test_source_errors_surface_in_the_consumer_at_the_failing_batch():
+    def source():
+        yield np.zeros(2)
+        yield np.ones(2)
+        raise KeyError("bad record 2")
+
+    it = autoopt.prefetch(source())
+    assert float(next(it)[0]) == 0.0
+    assert float(next(it)[0]) == 1.0
+    with pytest.raises(KeyError, match="bad record 2"):
+        next(it)
+    with pytest.raises(StopIteration):
+        next(it)
+    assert _wait_until(lambda: not it.thread.is_alive())
+
+
+def test_the_pipeline_runs_at_most_size_batches_ahead():
+    pulled = []
+
+    def source():
+        for i in range(100):
+            pulled.append(i)
+            yield np.full(2, i, np.float32)
+
+    it = autoopt.prefetch(source(), size=2)
+    next(it)
+    time.sleep(0.3)
+    # one consumed, `size` queued, one placed and waiting to be queued
+    assert len(pulled) <= 1 + 2 + 1
+    it.close()
+
+
+def test_breaking_out_of_the_loop_stops_the_thread_and_closes_the_source():
+    closed = threading.Event()
+
+    def source():
+        try:
+            for i in range(10_000):
+                yield np.full(2, i, np.float32)
+        finally:
+            closed.set()
+
+    it = autoopt.prefetch(source(), size=2)
+    thread = it.thread
+    for b in it:
+        if float(b[0]) == 3:
+            break
+    del it, b
+    gc.collect()
+    assert _wait_until(lambda: not thread.is_alive())
+    assert closed.wait(5)
+
+
+def test_an_iterator_dropped_before_iterating_stops_its_thread():
+    it = autoopt.prefetch(np.zeros(2) for _ in range(10_000))
+    thread = it.thread
+    del it
+    gc.collect()
+    assert _wait_until(lambda: not thread.is_alive())
+
+
+def test_with_block_and_close_stop_the_thread():
+    with autoopt.prefetch(_batches(1000)) as it:
+        next(it)
+        thread = it.thread
+    assert _wait_until(lambda: not thread.is_alive())
+    with pytest.raises(StopIteration):
+        next(it)
+
+
+def test_an_exhausted_source_ends_iteration_and_the_thread():
+    it = autoopt.prefetch(iter([]))
+    assert list(it) == []
+    assert _wait_until(lambda: not it.thread.is_alive())
+
+
+def test_prefetched_batches_feed_an_optimized_step_with_the_same_result():
+    @autoopt.optimize
+    def step(state, batch):
+        return state + sum(x.sum() for x in batch["x"]) * batch["y"].sum()
+
+    state = jnp.zeros(())
+    for batch in autoopt.prefetch(_batches(5)):
+        state = step(state, batch)
+    expected = jnp.zeros(())
+    for batch in _batches(5):
+        expected = jax.jit(step.__wrapped__)(expected, batch)
+    assert_trees_equivalent(expected, state)
+
+
+@pytest.mark.parametrize("size", [0, -1, 1.5, True])
+def test_bad_size_is_refused_with_advice(size):
+    with pytest.raises(ValueError, match="int >= 1"):
+        autoopt.prefetch([], size=size)
+
+
+def test_bad_sharding_is_refused_with_advice():
+    with pytest.raises(TypeError, match="NamedSharding"):
+        autoopt.prefetch([], sharding="data")

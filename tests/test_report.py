@@ -1,0 +1,155 @@
+"""The report: a row per finding with the user's line, memory before/after, the program and
+source diffs, colour only in a terminal, and ``explain=True`` logging once per signature."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import autoopt
+from autoopt.explain import KINDS, Finding, Report
+from autoopt.passes import registered_passes
+
+HERE = os.path.abspath(__file__)
+ANSI = "\x1b["
+
+
+def def_line(fn) -> int:
+    return inspect.getsourcelines(fn)[1]
+
+
+def step(state, i, row):
+    state = state.at[i].set(row)
+    return state * 2.0
+
+
+def test_findings_of_each_kind_render_with_their_lines_and_savings():
+    findings = [Finding(kind, applied=(k % 2 == 0), message=f"{kind} message", location=f"{HERE}:{10 + k}",
+                        bytes_saved=(k + 1) * 2**20, transfers_avoided=k or None)
+                for k, kind in enumerate(KINDS)]
+    text = Report(findings=findings, function="step").render(color=False)
+    rows = {line.split()[0]: line for line in text.splitlines()
+            if line.split()[:1] and line.split()[0] in KINDS}
+    assert set(rows) == set(KINDS)
+    # Applied findings first.
+    assert [r.split()[0] for r in rows.values()] == [KINDS[k] for k in (0, 2, 4, 1, 3)]
+    for k, kind in enumerate(KINDS):
+        row = rows[kind]
+        cells = row.split()
+        assert cells[1] == f"test_report.py:{10 + k}"
+        assert cells[2] == ("yes" if k % 2 == 0 else "no")
+        assert f"{k + 1}.0 MiB" in row
+        assert f"{KINDS[k]} message" in row
+    assert "5 findings, 3 applied" in text
+    assert "transfers avoided per call" in text  # placement (k=3) is not applied; transfer (4) is
+
+
+def test_real_donation_finding_points_at_the_users_def_line():
+    report = autoopt.explain(step, jnp.zeros((8, 4)), 3, jnp.ones(4))
+    [state] = [f for f in report.findings if f.kind == "donate" and f.details.get("arg") == 0]
+    assert state.location == f"{HERE}:{def_line(step)}"
+    assert f"test_report.py:{def_line(step)}" in report.render(color=False)
+
+
+@pytest.mark.skipif(not registered_passes()["scatter_to_dus"].rewrites,
+                    reason="the scatter_to_dus pass is not in this tree yet")
+def test_scatter_finding_points_at_the_at_set_line_and_the_diff_at_its_equation():
+    report = autoopt.explain(step, jnp.zeros((8, 4)), 3, jnp.ones(4))
+    line = def_line(step) + 1
+    scatter = [f for f in report.findings if f.kind == "scatter_to_dus"]
+    assert scatter and all(f.location == f"{HERE}:{line}" for f in scatter)
+    changed = [s for s in report.diff.splitlines() if s.lstrip().startswith(("- ", "+ "))]
+    assert changed and all(s.endswith(f"# {HERE}:{line}") for s in changed)
+    assert "dynamic_update" in report.source_diff
+
+
+def test_memory_before_and_after_come_from_the_compiled_program():
+    report = autoopt.explain(step, jnp.zeros((256, 64)), 3, jnp.ones(64), donate="auto")
+    before, after = report.memory["before"], report.memory["after"]
+    assert before["argument_bytes"] == after["argument_bytes"] >= 256 * 64 * 4
+    assert after["alias_bytes"] == 256 * 64 * 4 and before["alias_bytes"] == 0
+    assert after["peak_bytes"] <= before["peak_bytes"] - 256 * 64 * 4 + 1024
+    text = report.render(color=False)
+    assert "compiled memory" in text
+    change = next(line for line in text.splitlines() if line.startswith("change"))
+    assert "+64.0 KiB" in change  # the alias column
+
+
+def test_report_without_arguments_has_no_memory_section():
+    assert "compiled memory" not in Report(findings=[]).render(color=False)
+
+
+def test_terminal_output_is_coloured_and_plain_output_is_not():
+    report = autoopt.explain(step, jnp.zeros((8, 4)), 3, jnp.ones(4))
+    assert ANSI in report.render(color=True)
+    plain = report.render(color=False)
+    assert ANSI not in plain
+    assert all(line == line.rstrip() for line in plain.splitlines())
+
+
+def test_piped_output_has_no_colour_codes():
+    code = textwrap.dedent("""
+        import jax.numpy as jnp, autoopt
+        def step(s, i, r):
+            return s.at[i].set(r) * 2.0
+        print(autoopt.explain(step, jnp.zeros((8, 4)), 3, jnp.ones(4)))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "FORCE_COLOR": "1"})
+    assert out.returncode == 0, out.stderr
+    assert "autoopt report for step" in out.stdout and ANSI not in out.stdout
+
+
+def test_explain_option_logs_the_report_once_per_signature(caplog):
+    caplog.set_level(logging.INFO, logger="autoopt")
+
+    def scale(x):
+        return x * 3.0
+
+    fast = autoopt.optimize(scale, explain=True)
+    fast(jnp.ones(4))
+    fast(jnp.ones(4))
+    fast(jnp.zeros(4))
+    reports = [r for r in caplog.records if "autoopt report for" in r.getMessage()]
+    assert len(reports) == 1
+    fast(jnp.ones((2, 3)))
+    jax.jit(fast)(jnp.ones(5))  # under an outer jit: a new signature, one more report
+    reports = [r for r in caplog.records if "autoopt report for" in r.getMessage()]
+    assert len(reports) == 3
+    assert all(ANSI not in r.getMessage() for r in reports)
+    assert all(r.levelno == logging.INFO and r.name == "autoopt" for r in reports)
+
+
+def test_explain_option_shows_the_report_without_any_logging_setup():
+    code = textwrap.dedent("""
+        import jax.numpy as jnp, autoopt
+        f = autoopt.optimize(lambda x: x + 1, explain=True)
+        f(jnp.ones(3)); f(jnp.ones(3))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count("autoopt report for") == 1
+
+
+def test_plot_memory_draws_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    report = autoopt.explain(step, jnp.zeros((8, 4)), 3, jnp.ones(4))
+    path = report.plot_memory(str(tmp_path / "memory.png"))
+    with open(path, "rb") as fh:
+        assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_finding_without_source_says_why_in_its_row():
+    fn = jax.jit(lambda x: x + 1.0)
+    report = autoopt.explain(fn, jnp.zeros(4))
+    [f] = [f for f in report.findings if f.details.get("aliasable")]
+    assert "No source edit" in f.message and "lambda" in f.message
+    assert "lambda" in report.render(color=False)

@@ -1,0 +1,564 @@
+"""scatter_to_dus: scatters of one contiguous window become dynamic_update_slice, exactly.
+
+Every equivalence check compares against ``jax.jit`` of the original function, bit for bit
+(``assert_equivalent(..., exact=True)``). Structural checks run the pass directly on
+``jax.make_jaxpr`` output and look through every sub-jaxpr with ``_jaxpr.iter_eqns``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from jax import lax
+from jax.extend.core import primitives as P
+
+import autoopt
+from autoopt import _jaxpr, _ranges
+from autoopt._options import make_options
+from autoopt.passes._base import PassContext
+from autoopt.passes.scatter_to_dus import _FALLBACK_SCOPE, scatter_to_dus
+from autoopt.testing import assert_equivalent
+
+CTX = PassContext(options=make_options(passes=["scatter_to_dus"]))
+SCATTERS = {P.scatter_p, P.scatter_add_p, P.scatter_mul_p, P.scatter_min_p, P.scatter_max_p}
+DTYPES = ("float32", "bfloat16", "int32", "bool")
+
+
+def run_pass(fn, *args):
+    closed = jax.make_jaxpr(fn)(*args)
+    return closed, scatter_to_dus(closed, CTX)
+
+
+def remaining(closed, prims=SCATTERS) -> list:
+    """Equations of ``prims`` anywhere in ``closed`` (the pass's own guarded fallbacks aside)."""
+    return [s.eqn for s in _jaxpr.iter_eqns(closed) if s.eqn.primitive in prims
+            and _FALLBACK_SCOPE not in str(s.eqn.source_info.name_stack)]
+
+
+def count(closed, name: str) -> int:
+    return _jaxpr.count_primitives(closed).get(name, 0)
+
+
+def assert_exact(fn, *args):
+    return assert_equivalent(fn, *args, exact=True, passes=["scatter_to_dus"])
+
+
+def sample(rng, shape, dtype: str):
+    if dtype == "bool":
+        return jnp.asarray(rng.random(shape) < 0.5)
+    if dtype == "int32":
+        return jnp.asarray(rng.integers(-50, 50, shape), dtype=jnp.int32)
+    v = rng.normal(size=shape).astype(np.float32) * 10
+    if v.size > 2:  # special values must survive bit for bit
+        v.flat[0], v.flat[1] = -0.0, np.inf
+    return jnp.asarray(v, dtype=dtype)
+
+
+def methods_for(dtype: str):
+    return ("set", "max", "min") if dtype == "bool" else ("set", "add", "multiply", "min", "max")
+
+
+def nest(kind: str, body):
+    """``body(x, i) -> x`` run at top level or inside one kind of sub-jaxpr."""
+    if kind == "top":
+        return body
+    if kind == "jit":
+        return lambda x, i: jax.jit(body)(x, i)
+    if kind == "cond":
+        return lambda x, i: lax.cond(i != 12345, body, lambda x, i: x, x, i)
+    if kind == "checkpoint":
+        return lambda x, i: jax.checkpoint(body)(x, i)
+    if kind == "scan":
+        return lambda x, i: lax.scan(lambda c, _: (body(c, i), None), x, None, length=2)[0]
+    if kind == "while":
+        return lambda x, i: lax.while_loop(
+            lambda c: c[0] < 2, lambda c: (c[0] + 1, body(c[1], i)), (0, x))[1]
+    if kind == "custom_jvp":
+        f = jax.custom_jvp(body, nondiff_argnums=(1,))
+        f.defjvp(lambda i, p, t: (body(p[0], i), t[0]))
+        return f
+    raise ValueError(kind)
+
+
+NESTINGS = ("top", "jit", "cond", "checkpoint", "scan", "while", "custom_jvp")
+
+
+# --- single windows --------------------------------------------------------------------------
+
+
+@given(st.data())
+def test_single_window_update_matches_jit_bit_for_bit(data):
+    dtype = data.draw(st.sampled_from(DTYPES), "dtype")
+    n, m = data.draw(st.integers(1, 6), "rows"), data.draw(st.integers(1, 4), "cols")
+    method = data.draw(st.sampled_from(methods_for(dtype)), "method")
+    mode = data.draw(st.sampled_from([None, "clip", "drop", "promise_in_bounds"]), "mode")
+    where = data.draw(st.sampled_from(["row", "col", "elem"]), "where")
+    lim = {"row": n, "col": m, "elem": n}[where]
+    # promise_in_bounds: the caller promises; out-of-bounds results are implementation-defined.
+    i = data.draw(st.integers(-lim, lim - 1) if mode == "promise_in_bounds"
+                  else st.integers(-2 * lim - 2, 2 * lim + 2), "index")
+    static = data.draw(st.booleans(), "static index")
+    kind = data.draw(st.sampled_from(NESTINGS), "nesting")
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), "seed"))
+    x = sample(rng, (n, m), dtype)
+    upd_shape = {"row": (m,), "col": (n,), "elem": ()}[where]
+    u = sample(rng, upd_shape, dtype)
+
+    def body(x, i):
+        ref = {"row": x.at[i], "col": x.at[:, i], "elem": x.at[i, min(m - 1, 2)]}[where]
+        return getattr(ref, method)(u, mode=mode)
+
+    fn = nest(kind, (lambda x, _: body(x, i)) if static else body)
+    assert_exact(fn, x, i)
+    _, result = run_pass(fn, x, i)
+    assert remaining(result.jaxpr) == [], "a single-window scatter was left unrewritten"
+
+
+def test_negative_index_is_normalized_exactly_once():
+    x = jnp.arange(12.0).reshape(4, 3)
+    row = jnp.full((3,), -1.0)
+    for i in (-5, -4, -1, 3, 4):
+        assert_exact(lambda x, i: x.at[i].set(row), x, i)
+        assert_exact(lambda x, i: x.at[i].set(row, mode="clip"), x, i)
+        # A CLIP gather becomes a bare dynamic_slice: -5 is -1 after jnp's normalization, which
+        # clamps to row 0; normalizing again would read row 3.
+        assert_exact(lambda x, i: x.at[i].get(mode="clip"), x, i)
+    got = autoopt.optimize(lambda x, i: x.at[i].get(mode="clip"), passes=["scatter_to_dus"],
+                           fallback="raise", donate="off")(x, -5)
+    np.testing.assert_array_equal(got, x[0])
+
+
+@pytest.mark.filterwarnings("ignore:scatter inputs have incompatible types")
+def test_int_array_set_with_a_float_keeps_its_conversions():
+    x = jnp.arange(8, dtype=jnp.int32)
+    fn = lambda x, i: x.at[i].set(2.7)  # noqa: E731 - converts the whole array through f32
+    for i in (0, 3, 8, -9):
+        assert_exact(fn, x, i)
+    closed, result = run_pass(fn, x, 0)
+    assert count(result.jaxpr, "convert_element_type") >= count(closed, "convert_element_type")
+    assert remaining(result.jaxpr) == []
+
+
+def test_update_computation_with_exact_ops_is_rewritten_and_sin_is_not():
+    x = jnp.linspace(-3, 3, 12).reshape(4, 3)
+    assert_exact(lambda x, i: x.at[i].apply(jnp.abs), x, 2)
+    _, ok = run_pass(lambda x, i: x.at[i].apply(jnp.abs), x, 2)
+    assert remaining(ok.jaxpr) == []
+    assert_exact(lambda x, i: x.at[i].apply(jnp.sin), x, 2)
+    closed, no = run_pass(lambda x, i: x.at[i].apply(jnp.sin), x, 2)
+    assert no.jaxpr is closed and not no.changed
+    (f,) = no.findings
+    assert not f.applied and "`sin`" in f.message
+
+
+def test_vmap_with_a_shared_index_becomes_one_window():
+    x, r = jnp.zeros((3, 8, 4)), jnp.ones((3, 4))
+    fn = jax.vmap(lambda x, r, i: x.at[i].set(r), (0, 0, None))
+    for i in (2, 7, 8, -1):
+        assert_exact(fn, x, r, i)
+    _, result = run_pass(fn, x, r, 2)
+    assert remaining(result.jaxpr) == []
+    assert result.findings[0].details["window"] == (3, 1, 4)
+
+
+def test_vmap_over_the_index_is_left_with_a_reason():
+    fn = jax.vmap(lambda x, i, r: x.at[i].set(r))
+    args = (jnp.zeros((2, 8, 4)), jnp.array([1, 9]), jnp.ones((2, 4)))
+    assert_exact(fn, *args)
+    closed, result = run_pass(fn, *args)
+    assert result.jaxpr is closed
+    assert "batched scatter" in result.findings[0].message
+
+
+# --- blocks of consecutive indices -----------------------------------------------------------
+
+
+BLOCK_FORMS = ("traced", "clipped", "static slice", "fori counter")
+
+
+@given(st.data())
+def test_contiguous_block_update_matches_jit_bit_for_bit(data):
+    dtype = data.draw(st.sampled_from(DTYPES), "dtype")
+    n = data.draw(st.integers(1, 8), "rows")
+    m = data.draw(st.integers(1, 3), "cols")
+    k = data.draw(st.integers(1, n), "block")
+    method = data.draw(st.sampled_from(methods_for(dtype)), "method")
+    mode = data.draw(st.sampled_from([None, "drop", "clip"]), "mode")
+    form = data.draw(st.sampled_from(BLOCK_FORMS), "form")
+    i = data.draw(st.integers(-n - k - 1, n + 2), "start")
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), "seed"))
+    x = sample(rng, (n, m), dtype)
+    blk = sample(rng, (k, m), dtype)
+
+    def update(x, idx, b):
+        return getattr(x.at[idx], method)(b, mode=mode)
+
+    if form == "traced":
+        fn = lambda x, i: update(x, i + jnp.arange(k), blk)  # noqa: E731
+    elif form == "clipped":
+        fn = lambda x, i: update(x, jnp.clip(i, 0, n - k) + jnp.arange(k), blk)  # noqa: E731
+    elif form == "static slice":
+        a = max(0, min(i, n - k))
+        fn = lambda x, i: update(x, slice(a, a + k), blk)  # noqa: E731
+    else:
+        trips = n // k
+        fn = lambda x, i: lax.fori_loop(  # noqa: E731
+            0, trips, lambda t, c: update(c, t * k + jnp.arange(k), blk), x)
+    assert_exact(fn, x, i)
+    _, result = run_pass(fn, x, i)
+    left = remaining(result.jaxpr)
+    if form == "traced" and k > 1:
+        # Bounds unproven: the block may be partly out of bounds; it stays a scatter.
+        assert len(left) == 1
+        assert any("not proven" in f.message for f in result.findings)
+    else:
+        assert left == [], f"{form} block was left as scatter: {result.findings}"
+
+
+def test_duplicate_and_strided_indices_are_left_with_a_reason():
+    x = jnp.zeros((8, 4))
+    cases = [
+        (lambda x, i: x.at[jnp.array([1, 1])].add(jnp.ones((2, 4))), "duplicate"),
+        (lambda x, i: x.at[i + 2 * jnp.arange(3)].set(jnp.ones((3, 4))), "strided"),
+        (lambda x, i: x.at[i - jnp.arange(3)].set(jnp.ones((3, 4))), "descending"),
+        (lambda x, i: x.at[jnp.array([3, 1, 2])].set(jnp.ones((3, 4))), "not provably"),
+        (lambda x, i: x.at[i + jnp.arange(8)[:, None] + jnp.arange(2)].set(1.0), "vary along"),
+    ]
+    for fn, why in cases:
+        assert_exact(fn, x, 1)
+        closed, result = run_pass(fn, x, 1)
+        assert result.jaxpr is closed and not result.changed
+        (f,) = result.findings
+        assert f.kind == "scatter_to_dus" and not f.applied and why in f.message, f.message
+
+
+# --- loops and guards ------------------------------------------------------------------------
+
+
+def test_fori_loop_fill_becomes_a_bare_dus():
+    buf, row = jnp.zeros((16, 8)), jnp.arange(8.0)
+    fn = lambda buf: lax.fori_loop(0, 16, lambda i, b: b.at[i].set(row * i), buf)  # noqa: E731
+    assert_exact(fn, buf)
+    closed, result = run_pass(fn, buf)
+    assert remaining(result.jaxpr) == []
+    assert count(result.jaxpr, "dynamic_update_slice") == 1
+    assert count(result.jaxpr, "cond") == 0 and count(result.jaxpr, "dynamic_slice") == 0
+    assert count(result.jaxpr, "select_n") == count(closed, "select_n")  # jnp's own, no guard
+    (f,) = result.findings
+    assert f.applied and f.details["guard"] == "none" and "range analysis" in f.message
+
+
+@pytest.mark.parametrize("index", [
+    lambda i, n: i % n,
+    lambda i, n: jnp.clip(i, 0, n - 1),
+    lambda i, n: jnp.minimum(jnp.maximum(i, 0), n - 1),
+    lambda i, n: n - 1 - i % n,
+    lambda i, n: jnp.where(i < 0, 0, jnp.where(i >= n, n - 1, i)),
+])
+def test_range_analysis_proves_common_index_idioms(index):
+    x, row = jnp.zeros((8, 3)), jnp.ones(3)
+    fn = lambda x, i: x.at[index(i, 8)].set(row)  # noqa: E731
+    for i in (-20, -1, 0, 7, 8, 100):
+        assert_exact(fn, x, i)
+    _, result = run_pass(fn, x, 3)
+    assert result.findings[0].details["guard"] == "none"
+    assert count(result.jaxpr, "cond") == 0
+
+
+def test_unproven_index_in_a_loop_uses_a_window_select_not_a_cond():
+    buf, row = jnp.zeros((8, 4)), jnp.ones(4)
+    fn = lambda buf, n: lax.fori_loop(0, n, lambda i, b: b.at[i].add(row * i), buf)  # noqa: E731
+    for n in (0, 5, 8, 12):
+        assert_exact(fn, buf, n)
+    _, result = run_pass(fn, buf, 5)
+    assert remaining(result.jaxpr) == []
+    assert count(result.jaxpr, "cond") == 0
+    assert result.findings[0].details["guard"] == "select"
+
+
+def test_operand_still_live_after_the_update_uses_a_window_select():
+    # A lax.cond guard would make XLA copy x into the conditional on top of the copy the
+    # update already needs; the select adds nothing.
+    x, row = jnp.zeros((8, 4)), jnp.ones(4)
+    fn = lambda x, i: (x.at[i].set(row), x.sum())  # noqa: E731
+    assert_exact(fn, x, 3)
+    _, result = run_pass(fn, x, 3)
+    assert result.findings[0].details["guard"] == "select"
+    _, alone = run_pass(lambda x, i: x.at[i].set(row), x, 3)
+    assert alone.findings[0].details["guard"] == "cond"
+
+
+def test_non_cpu_backends_get_the_window_select():
+    # An XLA:GPU conditional reads its predicate on the host; the select stays on the device.
+    x, row = jnp.arange(32.0).reshape(8, 4), jnp.ones(4)
+    fn = lambda x, i: x.at[i].add(row)  # noqa: E731
+    closed = jax.make_jaxpr(fn)(x, 3)
+    gpu = PassContext(options=make_options(passes=["scatter_to_dus"]), backend="gpu")
+    result = scatter_to_dus(closed, gpu)
+    assert result.findings[0].details["guard"] == "select" and count(result.jaxpr, "cond") == 0
+    run = jax.jit(lambda x, i: jax.core.eval_jaxpr(result.jaxpr.jaxpr, result.jaxpr.consts, x, i))
+    for i in (-9, -1, 0, 7, 8):
+        np.testing.assert_array_equal(run(x, i)[0], jax.jit(fn)(x, i))
+
+
+def test_scatters_in_every_kind_of_body_are_gone():
+    row = jnp.arange(4.0)
+
+    @jax.custom_vjp
+    def cv(b, i):
+        return b.at[i].add(row)
+
+    cv.defvjp(lambda b, i: (cv(b, i), None), lambda _, g: (g, None))
+
+    def fn(x, i):
+        x = jax.jit(lambda b: b.at[i].set(row))(x)
+        x = lax.scan(lambda b, t: (b.at[t].max(row * t), None), x, jnp.arange(8))[0]
+        x = lax.while_loop(lambda c: c[0] < 8, lambda c: (c[0] + 1, c[1].at[c[0]].add(1.0)),
+                           (0, x))[1]
+        x = lax.cond(i > 2, lambda b: b.at[i].multiply(2.0), lambda b: b, x)
+        x = jax.checkpoint(lambda b: b.at[i].min(row))(x)
+        x = cv(x, i)
+        return x
+
+    x = jnp.ones((8, 4))
+    for i in (-9, -1, 0, 3, 8):
+        assert_exact(fn, x, i)
+    closed, result = run_pass(fn, x, 3)
+    assert len(remaining(closed)) == 6
+    assert remaining(result.jaxpr) == []
+    assert len(result.findings) == 6 and all(f.applied for f in result.findings)
+
+
+# --- gathers ---------------------------------------------------------------------------------
+
+
+@given(st.data())
+def test_window_gather_matches_jit_bit_for_bit(data):
+    dtype = data.draw(st.sampled_from(DTYPES), "dtype")
+    n, m = data.draw(st.integers(1, 8), "rows"), data.draw(st.integers(1, 3), "cols")
+    k = data.draw(st.integers(1, n), "block")
+    mode = data.draw(st.sampled_from([None, "clip", "fill"]), "mode")
+    i = data.draw(st.integers(-n - k - 1, n + 2), "start")
+    in_loop = data.draw(st.booleans(), "in fori_loop")
+    x = sample(np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), "seed")), (n, m), dtype)
+
+    def read(x, i):
+        if k == 1 and mode is not None:
+            return x.at[i].get(mode=mode)
+        return x.at[i + jnp.arange(k)].get(mode=mode)
+
+    if in_loop:
+        fn = lambda x, i: lax.fori_loop(  # noqa: E731
+            0, 3, lambda t, acc: acc + read(x, t + i).astype(jnp.float32).sum(), 0.0)
+    else:
+        fn = read
+    assert_exact(fn, x, i)
+
+
+def test_gather_block_becomes_dynamic_slice():
+    x = jnp.arange(32.0).reshape(8, 4)
+    fn = lambda x, i: x[i + jnp.arange(3)]  # noqa: E731
+    for i in (-9, -3, -2, 0, 5, 6, 9):
+        assert_exact(fn, x, i)
+    _, result = run_pass(fn, x, 2)
+    assert count(result.jaxpr, "dynamic_slice") == 1
+    assert remaining(result.jaxpr, {P.gather_p}) == []  # the cond keeps it for out of bounds
+    loop = lambda x: lax.fori_loop(0, 6, lambda t, a: a + x[t + jnp.arange(3)], jnp.zeros((3, 4)))  # noqa: E731
+    _, result = run_pass(loop, x)
+    assert count(result.jaxpr, "gather") == 0 and count(result.jaxpr, "cond") == 0
+
+
+# --- the pass as a pass ----------------------------------------------------------------------
+
+
+CORPUS = [
+    (lambda x, i: x.at[i].set(x[0]), (jnp.ones((8, 4)), 3)),
+    (lambda x, i: x.at[i].add(1.0, mode="clip"), (jnp.ones((8, 4)), 3)),
+    (lambda x, i: x.at[i + jnp.arange(3)].set(0.0), (jnp.ones((8, 4)), 3)),
+    (lambda x, i: x[i + jnp.arange(3)], (jnp.ones((8, 4)), 3)),
+    (lambda x, i: (x.at[i].set(1.0), x), (jnp.ones((8, 4)), 3)),
+    (lambda x, n: lax.fori_loop(0, n, lambda t, b: b.at[t].set(2.0), x), (jnp.ones((8, 4)), 3)),
+    (lambda x, i: lax.fori_loop(0, 8, lambda t, b: b.at[t].set(x[i]), x), (jnp.ones((8, 4)), 3)),
+]
+
+
+@pytest.mark.parametrize("fn,args", CORPUS)
+def test_rewrite_is_idempotent(fn, args):
+    _, once = run_pass(fn, *args)
+    twice = scatter_to_dus(once.jaxpr, CTX)
+    assert not twice.changed and twice.jaxpr is once.jaxpr
+    _jaxpr.check(once.jaxpr)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x, i: x * 2.0 + i,
+    lambda x, i: jnp.take(x, jnp.array([3, 1]), axis=0),
+    lambda x, i: jax.vmap(lambda r, j: r.at[j].set(0.0))(x, jnp.arange(8) % 4),
+])
+def test_nothing_to_do_returns_the_same_jaxpr(fn):
+    closed, result = run_pass(fn, jnp.ones((8, 4)), 3)
+    assert result.jaxpr is closed and not result.changed
+    assert all(not f.applied for f in result.findings)
+
+
+def test_findings_point_at_the_users_line():
+    x = jnp.ones((8, 4))
+    _, result = run_pass(lambda x, i: x.at[i].set(0.0), x, 3)
+    (f,) = result.findings
+    assert f.kind == "scatter_to_dus" and f.applied and f.pass_name == "scatter_to_dus"
+    assert f.location is not None and f.location.startswith(__file__)
+
+
+def test_small_rewrite_reads_as_the_expert_would_write_it():
+    _, result = run_pass(lambda x, c: x.at[2:5].set(c), jnp.zeros((8, 4)), jnp.ones((3, 4)))
+    assert str(result.jaxpr).strip() == """\
+{ lambda ; a:f32[8,4] b:f32[3,4]. let
+    _:i32[1] = broadcast_in_dim 2:i32[]
+    c:f32[8,4] = dynamic_update_slice a b 2:i32[] 0:i32[]
+  in (c,) }"""
+
+
+def test_state_rebinding_loop_with_default_options_matches_jit():
+    row = jnp.arange(6.0)
+    step = autoopt.optimize(lambda x, i: x.at[i].add(row), fallback="raise",
+                            passes=["scatter_to_dus", "donation"])
+    x = jnp.zeros((5, 6))
+    for j in range(7):
+        x = step(x, j - 3)
+    ref = jnp.zeros((5, 6))
+    for j in range(7):
+        ref = jax.jit(lambda x, i: x.at[i].add(row))(ref, j - 3)
+    np.testing.assert_array_equal(x, ref)
+
+
+# --- range analysis --------------------------------------------------------------------------
+
+
+def _out_range(fn, *args):
+    closed = jax.make_jaxpr(fn)(*args)
+    return _ranges.analyze(closed).range(closed.jaxpr.outvars[0])
+
+
+I32 = _ranges.dtype_interval(np.int32)
+
+
+@pytest.mark.parametrize("fn,expected", [
+    (lambda i: i % 8, (0, 7)),
+    (lambda i: jnp.clip(i, 2, 9), (2, 9)),
+    (lambda i: jnp.where(i < 0, i + 8, i), (I32.lo + 8, I32.hi)),
+    (lambda i: jnp.where(i < 0, i + 8, i) + jnp.int32(0) * (i % 8), (I32.lo + 8, I32.hi)),
+    (lambda i: (lambda c: jnp.where(c < 0, c + 8, c))(jnp.clip(i, -8, 7)), (0, 7)),
+    (lambda i: (i % 8) * 3 - 1, (-1, 20)),
+    (lambda i: lax.rem(i, 5), (-4, 4)),
+    (lambda i: lax.div(jnp.clip(i, -9, 9), 4), (-2, 2)),
+    (lambda i: jnp.abs(jnp.clip(i, -9, 5)), (0, 9)),
+    (lambda i: jnp.maximum(i, 0) + 1, I32),  # may overflow: the whole int32 range
+    (lambda i: lax.fori_loop(0, 10, lambda t, c: c + t, 0), I32),  # a sum, not a counter
+    (lambda i: lax.fori_loop(3, 10, lambda t, c: c + 1, i % 4), (0, 10)),  # counts 7 up
+])
+def test_range_analysis_intervals(fn, expected):
+    r = _out_range(fn, 5)
+    lo, hi = (expected.lo, expected.hi) if isinstance(expected, _ranges.Interval) else expected
+    assert (r.lo, r.hi) == (lo, hi)
+
+
+def test_loop_counter_ranges_inside_bodies():
+    def fn(x):
+        x = lax.fori_loop(2, 9, lambda t, b: b.at[t].set(1.0), x)  # scan: t in [2, 8]
+        return lax.fori_loop(0, x.shape[0] - 1, lambda t, b: b.at[t + 1].set(2.0), x)
+
+    closed = jax.make_jaxpr(fn)(jnp.zeros(16))
+    facts = _ranges.analyze(closed)
+    ranges = [facts.range(s.eqn.invars[1]) for s in _jaxpr.iter_eqns(closed)
+              if s.eqn.primitive is P.scatter_p]
+    assert [(r.lo, r.hi) for r in ranges] == [(2, 8), (1, 15)]
+    assert all(facts.in_loop(s.eqn) for s in _jaxpr.iter_eqns(closed)
+               if s.eqn.primitive is P.scatter_p)
+
+
+def test_shared_jit_body_gets_the_join_of_its_call_sites():
+    @jax.jit
+    def pick(i):
+        return i + 1
+
+    closed = jax.make_jaxpr(lambda a: (pick(jnp.clip(a, 0, 3)), pick(jnp.clip(a, 10, 20))))(0)
+    facts = _ranges.analyze(closed)
+    inner = [s.eqn for s in _jaxpr.iter_eqns(closed) if s.eqn.primitive is P.add_p]
+    assert {(facts.range(e.outvars[0]).lo, facts.range(e.outvars[0]).hi) for e in inner} == {(1, 21)}
+    outs = [facts.range(v) for v in closed.jaxpr.outvars]
+    assert [(r.lo, r.hi) for r in outs] == [(1, 4), (11, 21)]
+
+
+_OPS = {
+    "add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
+    "max": jnp.maximum, "min": jnp.minimum, "mod": lambda a, b: a % (jnp.abs(b) + 1),
+    "rem": lambda a, b: lax.rem(a, jnp.abs(b) + 1), "where": lambda a, b: jnp.where(a < b, a, b + 3),
+    "norm": lambda a, b: jnp.where(a < 0, a + 7, a), "clip": lambda a, b: jnp.clip(a, -3, b),
+    "neg": lambda a, b: -a, "abs": lambda a, b: jnp.abs(a),
+}
+
+
+@st.composite
+def _expr(draw, depth=3):
+    if depth == 0 or draw(st.booleans()):
+        return draw(st.sampled_from(["a", "b", "3", "-2"]))
+    return (draw(st.sampled_from(sorted(_OPS))), draw(_expr(depth - 1)), draw(_expr(depth - 1)))
+
+
+def _build(e, a, b):
+    if e == "a":
+        return a
+    if e == "b":
+        return b
+    if isinstance(e, str):
+        return jnp.int32(int(e))
+    op, x, y = e
+    return _OPS[op](_build(x, a, b), _build(y, a, b))
+
+
+def _values_of_every_var(closed, *args) -> dict:
+    """Evaluate ``closed`` recording the value of every variable, inside jit bodies too."""
+    seen: dict = {}
+
+    def run(jaxpr, consts, vals):
+        env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, vals))
+        read = lambda v: v.val if isinstance(v, jax.extend.core.Literal) else env[v]  # noqa: E731
+        for eqn in jaxpr.eqns:
+            ins = [read(v) for v in eqn.invars]
+            body = eqn.params.get("jaxpr") if eqn.primitive.name == "jit" else None
+            if body is not None:
+                outs = run(body.jaxpr, body.consts, ins)
+            else:
+                outs = eqn.primitive.bind(*ins, **eqn.params)
+                outs = outs if eqn.primitive.multiple_results else [outs]
+            env.update(zip(eqn.outvars, outs))
+            seen.update(zip(eqn.outvars, outs))
+        return [read(v) for v in jaxpr.outvars]
+
+    run(closed.jaxpr, closed.consts, args)
+    return seen
+
+
+@given(_expr(), st.integers(-40, 40), st.integers(-40, 40),
+       st.lists(st.integers(-2**31, 2**31 - 1), min_size=2, max_size=2))
+def test_range_analysis_holds_for_every_input(expr, lo, span, extreme):
+    # Inputs bounded by clip, so ranges are tight; every intermediate value, in jnp's jit helper
+    # bodies too, must fall inside its interval.
+    hi = lo + abs(span)
+
+    def fn(a, b):
+        return _build(expr, jnp.clip(a, lo, hi), jnp.clip(b, lo - 5, hi + 5))
+
+    closed = jax.make_jaxpr(fn)(jnp.int32(0), jnp.int32(0))
+    facts = _ranges.analyze(closed)
+    for a, b in [(lo, lo), (hi, hi + 5), (lo - 100, hi + 100), tuple(extreme), (0, 0)]:
+        for var, value in _values_of_every_var(closed, jnp.int32(a), jnp.int32(b)).items():
+            r = facts.range(var)
+            if r is None:
+                continue
+            v = np.asarray(value).astype(np.int64)
+            assert r.lo <= v.min() and v.max() <= r.hi, (expr, a, b, var, v, r)
