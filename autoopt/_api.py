@@ -124,7 +124,15 @@ def _framework_check(args: tuple, kwargs: dict) -> None:
 
 def _concrete_type(x: Any):
     aval = getattr(x, "aval", None)  # a stored attribute on jax.Array: no computation
-    return aval if aval is not None else _trace.leaf_type(x)
+    if aval is not None:
+        return aval
+    t = type(x)
+    if t in _PY_SCALARS:  # Python scalars: weak-typed, one signature per type (as in jax.jit)
+        return t
+    return _trace.leaf_type(x)
+
+
+_PY_SCALARS = frozenset({int, float, complex, bool})
 
 
 # --- non-array leaves ---------------------------------------------------------------------------
@@ -255,16 +263,15 @@ class OptimizedFunction:
         backend = options.jit_kwargs.get("backend") or jax.default_backend()
         self._backend = backend
         jit_kwargs = dict(options.jit_kwargs)
-        nested_kwargs = dict(options.jit_kwargs)
         for k, v in jit_options_for(options, backend).items():
             if k == "compiler_options":
                 jit_kwargs["compiler_options"] = {**v, **(jit_kwargs.get("compiler_options") or {})}
             else:
                 jit_kwargs.setdefault(k, v)
-                nested_kwargs.setdefault(k, v)
         # jax.jit refuses compiler_options on a jit called inside another trace (grad, an outer
-        # jit, vmap): such calls go to a jit without the passes' compiler options (the outer
-        # program's options apply to it anyway). None when no pass asked for any.
+        # jit, vmap): such calls go to a jit without them (the outer program's options govern
+        # the whole computation anyway). None when there are no compiler options.
+        nested_kwargs = {k: v for k, v in jit_kwargs.items() if k != "compiler_options"}
         self._nested_kwargs = nested_kwargs if jit_kwargs != nested_kwargs else None
         self._nested = None
         self._explicit_donation = options.explicit_donation

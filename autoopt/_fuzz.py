@@ -541,6 +541,8 @@ class _Builder:
             return self.op_unary()
         a = self.env[x]
         methods = ["set", "add", "mul", "min", "max", "get", "apply"] if a.dtype != "bool" else ["set", "get"]
+        if self.under_grad:  # JAX differentiates neither scatter_apply nor non-unique scatter_mul
+            methods = [m for m in methods if m not in ("mul", "apply")]
         method = self.choice(methods)
         idx = self.index(a, allow_empty=method != "get")
         if method == "apply":

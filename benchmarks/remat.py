@@ -285,7 +285,27 @@ def main() -> None:
                 "in its own process. MLP N scaled from the issue's 32768 to 8192 to keep the run "
                 "to a few minutes.\n\n")
         f.write(table + "\n")
+        f.write(NOTES)
     _plot(rows, os.path.join(HERE, "remat_sweep.png"))
+
+
+NOTES = """
+Notes:
+- plain, naive (`jax.checkpoint` per layer), the policies (`jax.checkpoint(layer, policy=...)`) and
+  expert run under plain `jax.jit`, as a user would write them. On XLA:CPU the checkpointed
+  unrolled versions do not drop memory (`cse_barrier_expander` removes their barriers before CSE,
+  jax-ml/jax#19822); the expert's scan needs no flag. autoopt compiles with
+  `xla_disable_hlo_passes=cse_barrier_expander`, which keeps its own barriers (and leaves programs
+  without barriers the same HLO, metadata aside).
+- autoopt without a budget never recomputes a matmul or reduction; for the tanh MLP, whose
+  residuals are all matmul inputs, that leaves nothing worth a plan ("not applied"). For the
+  transformer the min-cut over elementwise work alone (layer norms, softmax, GELU) gives 43% less.
+- "FLOPs vs plain" comes from `cost_analysis()`, which counts a loop body once: the scan-based
+  expert's figure is not comparable.
+- "first call s": trace + passes + compile; for autoopt it includes compiling the original and
+  the candidate plans (one to six extra compiles of the training step).
+- Step times: all configurations of a workload interleaved round by round in one process.
+"""
 
 
 def _jax_version() -> str:

@@ -54,8 +54,13 @@ MIN_RESIDUAL_BYTES = 1 << 20
 MAX_COMPILES = 6            # candidates compiled per decision, the original not counted
 
 # XLA:CPU expands optimization barriers away before CSE (jax-ml/jax#19822), which merges every
-# recomputation back into the forward. Disabling that one pass keeps barriers; a program without
-# barriers compiles to the same HLO with or without it (tests/test_remat.py checks this).
+# recomputation back into the forward. Disabling that one pass keeps barriers, but it is NOT
+# applied by default: with it, XLA:CPU aborts the process (a C++ CHECK in
+# IrEmitter::HandleOptimizationBarrier) on a barrier inside a scan body, e.g. the gradient of a
+# user's own checkpointed scan (tests/regressions/test_remat_cpu_flag_aborts_on_checkpointed_scan.py).
+# A user may opt in with optimize(..., compiler_options=CPU_FLAGS); candidates are always
+# compiled with the options the final program gets, so plans that need the flag are rejected
+# by measurement when it is absent.
 CPU_FLAGS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
 
 _POLICY_FACTORIES_WITHOUT_ARGS = ("save_only_these_names", "save_any_names_but_these",
@@ -63,8 +68,7 @@ _POLICY_FACTORIES_WITHOUT_ARGS = ("save_only_these_names", "save_any_names_but_t
 
 
 def jit_options(options, backend: str) -> dict:
-    if options.remat != "off" and backend == "cpu":
-        return {"compiler_options": dict(CPU_FLAGS)}
+    # No compile option is forced on every signature of a function: see CPU_FLAGS.
     return {}
 
 
@@ -100,13 +104,12 @@ def _structs(avals) -> list:
             for a in avals]
 
 
-def _compile(fn: Callable, avals, backend: str) -> Measured | None:
+def _compile(fn: Callable, avals, compiler_options) -> Measured | None:
     """Compile ``fn`` at ``avals`` with the options the final program gets; None when the backend
     gives no memory figures. Runs inside the outer jit's trace, which is fine: lowering opens its
     own trace."""
     t0 = time.perf_counter()
-    opts = CPU_FLAGS if backend == "cpu" else None
-    compiled = jax.jit(fn, compiler_options=opts).lower(*_structs(avals)).compile()
+    compiled = jax.jit(fn, compiler_options=compiler_options or None).lower(*_structs(avals)).compile()
     mem = compiled_memory(compiled)
     if mem is None:
         return None
@@ -117,16 +120,16 @@ def _compile(fn: Callable, avals, backend: str) -> Measured | None:
     return Measured(mem, flops, time.perf_counter() - t0)
 
 
-def _measure_closed(closed: ClosedJaxpr, backend: str) -> Measured | None:
-    return _compile(jax.extend.core.jaxpr_as_fun(closed), closed.in_avals, backend)
+def _measure_closed(closed: ClosedJaxpr, compiler_options) -> Measured | None:
+    return _compile(jax.extend.core.jaxpr_as_fun(closed), closed.in_avals, compiler_options)
 
 
-def _measure_vjp(closed: ClosedJaxpr, backend: str) -> Measured | None:
+def _measure_vjp(closed: ClosedJaxpr, compiler_options) -> Measured | None:
     built = _remat_forward.vjp_program(closed)
     if built is None:
         return None
     fn, avals = built
-    return _compile(fn, avals, backend)
+    return _compile(fn, avals, compiler_options)
 
 
 # --- choosing ------------------------------------------------------------------------------------
@@ -279,7 +282,8 @@ def _joint_candidates(closed: ClosedJaxpr, g: _remat_plan.JointGraph, total: flo
 def _plan_joint(closed: ClosedJaxpr, g, ctx: PassContext, where: str) -> tuple[ClosedJaxpr, list[Finding]]:
     options = ctx.options
     total = _remat_plan.jaxpr_flops(closed)
-    measure = functools.partial(_measure_closed, backend=ctx.backend)
+    measure = functools.partial(_measure_closed,
+                                compiler_options=ctx.options.jit_kwargs.get("compiler_options"))
     if options.remat not in ("auto", "off"):
         plan = _remat_plan.policy_plan(g, _policy(options.remat))
         if not plan.recompute:
@@ -287,7 +291,7 @@ def _plan_joint(closed: ClosedJaxpr, g, ctx: PassContext, where: str) -> tuple[C
                                     f"residual of {where}; nothing to recompute",
                                     location=ctx.fn_location)]
         new = _remat_plan.apply(closed, g, plan.recompute)
-        details = _remat_plan.describe(g, plan.recompute)
+        details = {**_remat_plan.describe(g, plan.recompute), "policy": options.remat}
         before, after = _safe(measure, closed), _safe(measure, new)
         return new, [_finding(True, f"remat={options.remat!r} forced", where, ctx, before, after,
                               details, "policy", None)]
@@ -317,18 +321,19 @@ def _forward_candidates(closed: ClosedJaxpr, budget: int | None) -> list[Candida
         if scans:
             cands.append(Candidate(f"checkpoint scan bodies ({pname})",
                                    lambda pol=pol: _remat_forward.checkpoint_scans(closed, pol, nest=False),
-                                   0, 0))
+                                   0, 0, lambda pname=pname: {"policy": pname}))
             if budget is not None and any(e.params["length"] >= _remat_forward.NEST_MIN_LENGTH
                                           for e in scans):
                 cands.append(Candidate(f"nested sqrt(n) scans ({pname})",
                                        lambda pol=pol: _remat_forward.checkpoint_scans(closed, pol, nest=True),
-                                       0, 0))
+                                       0, 0, lambda pname=pname: {"policy": pname}))
         for k in sorted(counts, key=lambda k: abs(k - sqrt_n))[:2 if budget is not None else 1]:
             bounds = _remat_forward.segment_bounds(closed, k)
             if bounds is not None:
                 cands.append(Candidate(
                     f"checkpoint {len(bounds) - 1} segments ({pname})",
-                    lambda b=bounds, pol=pol: _remat_forward.checkpoint_segments(closed, b, pol), 0, 0))
+                    lambda b=bounds, pol=pol: _remat_forward.checkpoint_segments(closed, b, pol), 0, 0,
+                    lambda pname=pname: {"policy": pname}))
     return cands
 
 
@@ -342,7 +347,8 @@ def _plan_forward(closed: ClosedJaxpr, ctx: PassContext) -> tuple[ClosedJaxpr, l
                                                  _policy(options.remat), skip_last=False)
         return new, [Finding("remat", True, f"remat={options.remat!r} forced: the forward runs "
                              "under jax.checkpoint with that policy", location=ctx.fn_location,
-                             details={"plan": "policy", "mechanism": "jax.checkpoint"})]
+                             details={"plan": "policy", "mechanism": "jax.checkpoint",
+                                      "policy": options.remat})]
     if not _remat_forward.has_loops_or_segments(closed):
         return closed, []
     # Static gate, no compile: the residuals JAX would save, and whether any recompute plan of
@@ -367,7 +373,8 @@ def _plan_forward(closed: ClosedJaxpr, ctx: PassContext) -> tuple[ClosedJaxpr, l
         return closed, []
     # Loops first (their recomputation is a loop body's worth, and needs no compiler flag),
     # then segments. The compile decides.
-    measure = functools.partial(_measure_vjp, backend=ctx.backend)
+    measure = functools.partial(_measure_vjp,
+                                compiler_options=ctx.options.jit_kwargs.get("compiler_options"))
     dec = _choose(cands, cands, measure, closed, options.memory_budget, bisect=False)
     return _finish(closed, dec, where, ctx, mechanism="jax.checkpoint in the forward")
 
