@@ -197,8 +197,11 @@ _HOST_SCALARS = (np.ndarray, np.generic, int, float, complex, bool)
 _NO_ARRAYS = (int, float, complex, bool, str, type(None))
 
 
-def _leaf_problem(obj, seen: set[int]) -> str | None:
-    """Why the pytree ``obj`` (whose own refcount was checked) cannot be donated, or None."""
+def _leaf_problem(obj, seen: set[int], check_refs: bool = True) -> str | None:
+    """Why the pytree ``obj`` (whose own refcount was checked) cannot be donated, or None.
+
+    ``check_refs=False`` (``donate="auto"``: the caller promised not to reuse the argument)
+    skips the reference counts of the parts but keeps every other check."""
     if type(obj) is _ARRAY_IMPL or (isinstance(obj, jax.Array) and not is_tracer(obj)):
         if obj.is_deleted():
             return "it was already deleted (donated earlier)"
@@ -217,9 +220,9 @@ def _leaf_problem(obj, seen: set[int]) -> str | None:
         return f"it holds a leaf of type {type(obj).__name__} that is not a jax.Array"
     base = _BASE_KID_SAME if same else _BASE_KID_NEW
     for kid, count in zip(kids, counts):
-        if count > base:
+        if check_refs and count > base:
             return "a part of it is also referenced from elsewhere"
-        why = _leaf_problem(kid, seen)
+        why = _leaf_problem(kid, seen, check_refs)
         if why is not None:
             return why
     return None
@@ -259,7 +262,7 @@ def donation_checks(args: tuple, kwargs: dict, positions, names, *, check_refs: 
         if check_refs and sys.getrefcount(args[key]) > base_pos:
             reasons.append((key, "another reference to the same object exists"))
             continue
-        why = _leaf_problem(args[key], seen)
+        why = _leaf_problem(args[key], seen, check_refs)
         if why is None:
             ok_pos.append(key)
         else:
@@ -270,7 +273,7 @@ def donation_checks(args: tuple, kwargs: dict, positions, names, *, check_refs: 
         if check_refs and sys.getrefcount(kwargs[key]) > _BASE_KW:
             reasons.append((key, "another reference to the same object exists"))
             continue
-        why = _leaf_problem(kwargs[key], seen)
+        why = _leaf_problem(kwargs[key], seen, check_refs)
         if why is None:
             ok_names.append(key)
         else:

@@ -30,7 +30,7 @@ JIT_KEYWORDS = (
 DONATE_POLICIES = ("safe", "auto", "off")
 FALLBACKS = ("warn", "raise")
 TRANSFER_GUARDS = (None, "log", "disallow", "allow")
-PLACEMENTS = ("auto", "off")
+PLACEMENTS = ("auto", "pack", "off")
 # jax.checkpoint_policies names a user may force; "auto" and "off" are ours.
 REMAT_CHOICES = ("auto", "off")
 
@@ -168,7 +168,9 @@ def make_options(**kwargs: Any) -> Options:
         )
     placement = ours.get("placement", "auto")
     if placement not in PLACEMENTS:
-        raise ValueError(f"placement={placement!r}: use 'auto' or 'off'.")
+        raise ValueError(f"placement={placement!r}: use 'auto' (cache read-only host constants, "
+                         "report transfers), 'pack' (also pack many small NumPy leaves into one "
+                         "transfer) or 'off'.")
     fallback = ours.get("fallback", "warn")
     if fallback not in FALLBACKS:
         raise ValueError(

@@ -96,6 +96,7 @@ _SCALAR_TYPES = frozenset({bool, int, float, complex}) | frozenset(np.sctypeDict
 _PY_SCALARS = frozenset({bool, int, float, complex})
 
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+_EXAMPLES_DIR = os.path.join(_PKG_DIR, "examples")
 
 
 class HostTransferError(RuntimeError):
@@ -154,7 +155,9 @@ def is_read_only(a: np.ndarray) -> bool:
 def _user_location() -> str | None:
     """``"file:line"`` of the innermost frame outside autoopt (the user's call), or None."""
     f = sys._getframe(1)
-    while f is not None and f.f_code.co_filename.startswith(_PKG_DIR):
+    # The bundled examples live inside the package when installed, but are user code.
+    while (f is not None and f.f_code.co_filename.startswith(_PKG_DIR)
+           and not f.f_code.co_filename.startswith(_EXAMPLES_DIR)):
         f = f.f_back
     return None if f is None else f"{f.f_code.co_filename}:{f.f_lineno}"
 
@@ -468,10 +471,14 @@ class Placer:
         self._static_argnums = options.static_argnums
         self._static_argnames = options.static_argnames
         self._has_statics = bool(self._static_argnums or self._static_argnames)
-        on = options.placement == "auto"
+        on = options.placement in ("auto", "pack")
+        # Packing is opt-in (placement="pack"): measured on XLA:CPU it wins on many tiny leaves
+        # fed to a cheap step (64 x f32[64,64]: 155 -> 46 us a call) but loses on realistic feeds
+        # (4..64 leaves of f32[256,16] into a matmul step: 0.69-0.94x of plain jax.jit; see
+        # benchmarks/RESULTS.md), so "auto" leaves host arrays to jit's own transfer.
         # jit refuses keyword arguments when in_shardings is given, and in_shardings names the
         # user's leaves: packing would break both, so only constants are cached then.
-        self._pack = on and options.jit_kwargs.get("in_shardings") is None
+        self._pack = options.placement == "pack" and options.jit_kwargs.get("in_shardings") is None
         self._cache = on
         guard = options.transfer_guard
         self._guard = guard if guard in ("log", "disallow") else None
@@ -733,7 +740,8 @@ def findings_for(optimized, program, args: tuple, kwargs: dict) -> list:
     dyn, statics = _trace.split_args(args, kwargs, optimized._static_argnums, optimized._static_argnames)
     leaves = tree_util.tree_leaves(dyn)
     names, _ = _trace.leaf_names_and_args(fn, dyn, statics, len(args))
-    on = o.placement == "auto"
+    on = o.placement in ("auto", "pack")
+    pack_on = o.placement == "pack"
     cpu = optimized._backend == "cpu"
 
     arrays = [i for i, x in enumerate(leaves) if isinstance(x, np.ndarray)]
@@ -755,20 +763,23 @@ def findings_for(optimized, program, args: tuple, kwargs: dict) -> list:
                                               and _is_aligned(leaves[i]))]
         nbytes = sum(int(leaves[i].nbytes) for i in writeable)
         shown = ", ".join(f"`{names[i]}`" for i in writeable[:4]) + (" ..." if len(writeable) > 4 else "")
-        if on and len(small) >= _PACK_MIN_LEAVES:
+        if pack_on and len(small) >= _PACK_MIN_LEAVES:
             msg = (f"{len(writeable)} NumPy argument leaves ({shown}; {_nbytes_str(nbytes)}) are "
                    f"transferred on every call: packed into one aligned host buffer per dtype, "
                    f"one transfer instead of {len(small)}.")
             avoided = len(small) - len({leaves[i].dtype for i in small})
         else:
             msg = (f"NumPy argument leaves {shown} ({_nbytes_str(nbytes)}) are transferred on "
-                   "every call" + ("" if on else " (placement='off')") + ".")
+                   "every call by jit" + ("" if on else " (placement='off')") + ". Place them "
+                   "ahead with autoopt.prefetch(batches) in the loop that feeds this call; "
+                   "placement='pack' packs many small leaves into one transfer (it pays only "
+                   "for tiny leaves and cheap steps: see benchmarks/RESULTS.md).")
             avoided = 0
         big = [i for i in writeable if leaves[i].nbytes >= _LARGE_CONSTANT_BYTES]
         if big:
             msg += (f" `{names[big[0]]}` is large: if it never changes, mark it read-only "
                     "(`x.flags.writeable = False`) or wrap it in autoopt.constant(x) to place it once.")
-        out.append(Finding(kind="placement", applied=on and avoided > 0, location=site,
+        out.append(Finding(kind="placement", applied=pack_on and avoided > 0, location=site,
                            transfers_avoided=avoided, message=msg,
                            details={"leaves": [names[i] for i in writeable], "strategy": "pack"}))
     if scalars:

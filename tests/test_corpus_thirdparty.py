@@ -379,10 +379,6 @@ def test_equinox_module_with_function_leaves_under_donate_auto_computes_the_same
     assert got.activation is model.activation
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "_callsite.donation_checks refuses a container whose leaves are referenced elsewhere even "
-    "under donate='auto' (_leaf_problem checks kid refcounts regardless of check_refs); the "
-    "rebuilt tree of a module with function leaves shares its leaves with the caller's module"))
 def test_equinox_module_with_function_leaves_is_donated_under_donate_auto():
     eqx = pytest.importorskip("equinox")
     model = eqx.nn.MLP(4, 4, 8, 1, key=jax.random.key(2))

@@ -292,3 +292,11 @@ def test_matching_follows_jax_order_one_input_per_output():
     assert chosen == {"b"}
     chosen, _ = donatable_args([f32, f32], [f32, f32], [0, 1], [0, 1])
     assert chosen == {0, 1}
+
+
+def test_auto_policy_donates_containers_whose_parts_are_referenced_elsewhere():
+    # Under "auto" the caller promised not to reuse donated arguments: only "safe" counts refs.
+    fast = autoopt.optimize(lambda s: {"w": s["w"] + 1}, donate="auto")
+    w = jnp.ones(3) + 0
+    fast({"w": w})
+    assert w.is_deleted()

@@ -60,7 +60,7 @@ def test_numpy_leaves_give_the_same_values_as_jax_jit():
 def test_many_numpy_leaves_cost_one_implicit_transfer_instead_of_one_each(capfd):
     w = jnp.eye(8)
     feats = _feats(n=24)
-    opt = autoopt.optimize(_step, fallback="raise")
+    opt = autoopt.optimize(_step, placement="pack", fallback="raise")
     naive = jax.jit(_step)
     naive(w, feats), opt(w, feats)  # compile outside the counted calls
     assert _count_transfers(capfd, lambda: naive(w, feats)) == 24
@@ -78,7 +78,7 @@ def test_one_packed_buffer_per_dtype(capfd):
         return (feats["a"] + feats["b"]).sum(), feats["i"].sum() * feats["j"].sum(), \
             feats["m"] & feats["n"][0]
 
-    opt = autoopt.optimize(f, fallback="raise")
+    opt = autoopt.optimize(f, placement="pack", fallback="raise")
     assert_trees_equivalent(jax.jit(f)(feats), opt(feats))
     assert _count_transfers(capfd, lambda: opt(feats)) == 3
 
@@ -87,7 +87,7 @@ def test_pooled_host_buffers_are_never_overwritten_under_a_running_step():
     def slow(feats):
         return sum(jnp.sort(jnp.sin(v.ravel())).sum() for v in feats.values())
 
-    opt = autoopt.optimize(slow, fallback="raise")
+    opt = autoopt.optimize(slow, placement="pack", fallback="raise")
     batches = [{k: v + i for k, v in _feats(n=4, shape=(128, 256)).items()} for i in range(16)]
     outs = [opt(b) for b in batches]  # no blocking: steps queue up while the next is packed
     for b, out in zip(batches, outs):
@@ -117,7 +117,7 @@ def test_large_aligned_array_is_left_to_jits_zero_copy_path():
     def f(big, small):
         return big.sum() + small[0].sum() + small[1].sum()
 
-    opt = autoopt.optimize(f, fallback="raise")
+    opt = autoopt.optimize(f, placement="pack", fallback="raise")
     assert float(opt(big, small)) == float(jax.jit(f)(big, small))
     last = opt._placer.stats.last
     assert last.packed_leaves == 2 and last.implicit == 2  # the packed buffer and `big`
@@ -129,7 +129,7 @@ def test_numpy_batch_does_not_stop_the_state_from_being_donated():
 
     batch = {"x": np.ones((4, 4), np.float32), "y": np.full((4, 4), 2.0, np.float32)}
     state = jnp.zeros((4, 4))
-    opt = autoopt.optimize(step, fallback="raise")
+    opt = autoopt.optimize(step, placement="pack", fallback="raise")
     state = opt(state, batch)
     pointer = state.unsafe_buffer_pointer()  # an int: holds no reference to `state`
     state = opt(state, batch)
@@ -427,7 +427,7 @@ def test_guard_disallow_raises_naming_the_argument_and_the_callers_line():
 
 
 def test_guard_disallow_accepts_numpy_that_autoopt_placed_itself():
-    opt = autoopt.optimize(_step, transfer_guard="disallow", fallback="raise")
+    opt = autoopt.optimize(_step, transfer_guard="disallow", placement="pack", fallback="raise")
     w, feats = jnp.eye(8), _feats(n=6)
     assert_trees_equivalent(jax.jit(_step)(w, feats), opt(w, feats))
     assert opt._placer.stats.last.explicit == 1 and opt._placer.stats.last.implicit == 0
