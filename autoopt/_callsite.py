@@ -211,6 +211,8 @@ def _leaf_problem(obj, seen: set[int], check_refs: bool = True) -> str | None:
         return None
     if isinstance(obj, jax.Array):
         return "it is traced by an enclosing transformation"
+    if getattr(type(obj), "_autoopt_never_donate", False):
+        return "it holds an autoopt.constant, whose device copy every call shares"
     if isinstance(obj, _HOST_SCALARS):
         return ("it holds a NumPy array or Python scalar; jax copies those to the device "
                 "on every call, so donating saves nothing")

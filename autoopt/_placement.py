@@ -257,6 +257,9 @@ class Constant:
     copy); ``c.device_array`` the placed one.
     """
 
+    # Never donated, whatever the policy: the device copy is shared by every call (and cached).
+    _autoopt_never_donate = True
+
     __slots__ = ("host", "device_array", "__weakref__")
 
     def __init__(self, host, device_array):

@@ -51,6 +51,7 @@ def many_leaves(rounds: int, steps: int, n_leaves: int = 64, step=features_step)
     w = jnp.asarray(rng.standard_normal((64, 64)).astype(np.float32))
     naive = jax.jit(step)
     fast = autoopt.optimize(step)
+    packed = autoopt.optimize(step, placement="pack")
 
     def by_hand_step(w, stacked):  # the expert: one stacked array, the same step on its slices
         return step(w, {f"f{i:02d}": stacked[i] for i in range(stacked.shape[0])})
@@ -68,6 +69,11 @@ def many_leaves(rounds: int, steps: int, n_leaves: int = 64, step=features_step)
             out = fast(w, batches[i % 4])
         out.block_until_ready()
 
+    def run_packed():
+        for i in range(steps):
+            out = packed(w, batches[i % 4])
+        out.block_until_ready()
+
     def by_hand(f):
         def go():
             for i in range(steps):
@@ -80,7 +86,9 @@ def many_leaves(rounds: int, steps: int, n_leaves: int = 64, step=features_step)
     np.testing.assert_allclose(np.asarray(fast(w, batches[0])), np.asarray(ref), rtol=1e-5, atol=1e-5)
     stacked = np.stack([batches[0][k] for k in sorted(batches[0])])
     np.testing.assert_allclose(np.asarray(expert(w, stacked)), np.asarray(ref), rtol=1e-5, atol=1e-4)
-    runs = {"naive": run_naive, "autoopt": run_fast, "expert": by_hand(expert)}
+    np.testing.assert_allclose(np.asarray(packed(w, batches[0])), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    runs = {"naive": run_naive, "autoopt": run_fast, "autoopt placement='pack'": run_packed,
+            "expert": by_hand(expert)}
     if step is features_step:
         np.testing.assert_allclose(np.asarray(vectorized(w, stacked)), np.asarray(ref), rtol=1e-5,
                                    atol=1e-4)

@@ -134,7 +134,7 @@ def _checks() -> dict[str, str | None]:
         state = jax.device_put(np.zeros(16, np.float32), rows)
         batch = {"a": np.ones((16, 4), np.float32), "b": np.arange(16, dtype=np.float32)}
         ref = jax.jit(f)(state, batch, table)
-        opt = autoopt.optimize(f, fallback="raise")
+        opt = autoopt.optimize(f, placement="pack", fallback="raise")
         assert_trees_equivalent(ref, opt(state, batch, table))
         assert opt._placer.stats.last.cached == 1 and opt._placer.stats.last.packed_leaves == 2
 
