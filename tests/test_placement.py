@@ -8,9 +8,9 @@ to the process's stderr), so they are not autoopt's word for it.
 from __future__ import annotations
 
 import gc
-import time
 import inspect
 import logging
+import time
 import weakref
 
 import jax
