@@ -140,6 +140,10 @@ def _build(workload: dict, config: str):
         return jax.jit(step_of(loss)), (stacked, x), f"scan over {layers // seg} checkpointed segments of {seg}"
     if config == "autoopt":
         return autoopt.optimize(step_of(loss_unrolled)), (ps, x), ""
+    if config == "autoopt+flag":  # the user opts in to the XLA:CPU flag remat plans need
+        from autoopt.passes.remat import CPU_FLAGS
+
+        return autoopt.optimize(step_of(loss_unrolled), compiler_options=CPU_FLAGS), (ps, x), ""
     if config.startswith("budget:"):
         return autoopt.optimize(step_of(loss_unrolled), memory_budget=int(config.split(":")[1])), (ps, x), ""
     raise ValueError(config)
@@ -190,12 +194,14 @@ def run_one(workload: str, config: str, quick: bool, steps: int) -> dict:
         jax.block_until_ready(compiled(*args))
         times.append(time.perf_counter() - t)
     rss = _rss_peak() - base_rss
-    if config == "autoopt" or config.startswith("budget:"):
+    if config in ("autoopt", "autoopt+flag") or config.startswith("budget:"):
         import autoopt
+        from autoopt.passes.remat import CPU_FLAGS
 
-        fs = autoopt.explain(step.__wrapped__, *args, **(
-            {"memory_budget": int(config.split(":")[1])} if config.startswith("budget:") else {})
-        ).by_kind("remat")
+        opts = {"memory_budget": int(config.split(":")[1])} if config.startswith("budget:") else {}
+        if config == "autoopt+flag":
+            opts["compiler_options"] = CPU_FLAGS
+        fs = autoopt.explain(step.__wrapped__, *args, **opts).by_kind("remat")
         note = "; ".join(f.message.split(" [")[0] if f.applied else "not applied" for f in fs) or "no finding"
     return dict(workload=wl["name"], config=config, note=note,
                 temp=int(m.temp_size_in_bytes),
@@ -255,7 +261,7 @@ def main() -> None:
     for wl in a.workloads.split(","):
         plain = _spawn(wl, "plain", a.quick, a.steps)
         rows.append(plain)
-        for config in ("naive", "expert", "autoopt"):
+        for config in ("naive", "expert", "autoopt", "autoopt+flag"):
             rows.append(_spawn(wl, config, a.quick, a.steps))
             print(_fmt_row(rows[-1], plain), flush=True)
         pols = [_spawn(wl, f"policy:{p}", a.quick, a.steps) for p in POLICIES]
