@@ -120,13 +120,18 @@ def _rewritten_params(eqn: JaxprEqn, rules: Mapping[Primitive, Rule]) -> dict[st
                 continue
             new_sub = new_sub.jaxpr
         any_changed = True
-        if idx is None:
-            params[name] = new_sub
-        else:
-            seq = list(params[name])
-            seq[idx] = new_sub
-            params[name] = tuple(seq)
+        set_subjaxpr(params, name, idx, new_sub)
     return params if any_changed else None
+
+
+def set_subjaxpr(params: dict, name: str, idx: int | None, new_sub) -> None:
+    """Put ``new_sub`` where ``subjaxprs`` found the old one (``params[name]`` or its ``idx``-th)."""
+    if idx is None:
+        params[name] = new_sub
+    else:
+        seq = list(params[name])
+        seq[idx] = new_sub
+        params[name] = tuple(seq)
 
 
 def interpret(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any],

@@ -487,12 +487,7 @@ def _plan_level(closed: ClosedJaxpr, ctx: PassContext, where: str) -> tuple[Clos
                         continue
                     new_sub = new_sub.jaxpr
                 params = dict(params or eqn.params)
-                if idx is None:
-                    params[name] = new_sub
-                else:
-                    seq = list(params[name])
-                    seq[idx] = new_sub
-                    params[name] = tuple(seq)
+                _jaxpr.set_subjaxpr(params, name, idx, new_sub)
         if params is not None:
             eqn = eqn.replace(params=params)
             changed = True
