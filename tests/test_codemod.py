@@ -268,7 +268,7 @@ def test_select_guard_writes_back_the_clamped_row():
 
 def test_proven_window_read_becomes_dynamic_slice():
     gather = Finding("scatter_to_dus", True, "gather on f32[8,2] rewritten to dynamic_slice",
-                     location="snippet.py:3", details={"guard": "none", "window": (3, 2)})
+                     location="snippet.py:3", details={"op": "gather", "guard": "none", "window": (3, 2)})
     assert_codemod(ScatterToDUSCommand, """\
         import jax.numpy as jnp
         from jax import lax
@@ -278,7 +278,7 @@ def test_proven_window_read_becomes_dynamic_slice():
         from jax import lax
         y = lax.dynamic_slice_in_dim(x, i, 3, 0) * 2
         """, [gather])
-    unproven = gather.replace(details={"guard": "select"})
+    unproven = gather.replace(details={"op": "gather", "guard": "select"})
     cmd = assert_unchanged(ScatterToDUSCommand, "import jax.numpy as jnp\n\ny = x[i + jnp.arange(3)]\n",
                            [unproven])
     assert "not proven" in cmd.outcomes[0]

@@ -38,7 +38,7 @@ def _guard_kind(details: dict) -> str:
 
 
 def _is_gather(finding) -> bool:
-    return finding.details.get("op") == "gather" or finding.message.startswith("gather")
+    return finding.details.get("op") == "gather"
 
 
 def _simple(node: cst.CSTNode) -> bool:

@@ -531,6 +531,8 @@ def scatter_to_dus(closed, ctx: PassContext) -> PassResult:
     findings: dict[Var, Finding] = {}
 
     def note(eqn, applied, message, **details):
+        # `op` tells the codemods a read (gather) from a write (scatter) without reading text.
+        details.setdefault("op", "gather" if eqn.primitive is P.gather_p else "scatter")
         findings.setdefault(eqn.outvars[0], Finding(
             kind="scatter_to_dus", applied=applied, message=message,
             location=_jaxpr.user_location(eqn), pass_name="scatter_to_dus", details=details))
@@ -553,27 +555,25 @@ def scatter_to_dus(closed, ctx: PassContext) -> PassResult:
     if not plans:
         return PassResult.unchanged(closed, tuple(findings.values()))
 
-    def scatter_rule(eqn: JaxprEqn, invals):
-        plan = plans.get(eqn.outvars[0])
-        if plan is None:
-            return None
-        out = _emit_scatter(eqn, invals, plan)
-        w = plan.window
-        note(eqn, True, f"{_describe_scatter(eqn)} rewritten to dynamic_update_slice of one "
-             f"{'x'.join(map(str, w.sizes))} window; {_WHY[plan.guard]}.",
-             guard=plan.guard, window=w.sizes, block=w.block is not None)
-        return [out]
+    def rule_for(emit, describe):
+        """A rule applying the precomputed plan of an equation (declining where there is none)."""
+        def rule(eqn: JaxprEqn, invals):
+            plan = plans.get(eqn.outvars[0])
+            if plan is None:
+                return None
+            out = emit(eqn, invals, plan)
+            w = plan.window
+            note(eqn, True, describe(eqn, plan, "x".join(map(str, w.sizes))),
+                 guard=plan.guard, window=w.sizes, block=w.block is not None)
+            return [out]
+        return rule
 
-    def gather_rule(eqn: JaxprEqn, invals):
-        plan = plans.get(eqn.outvars[0])
-        if plan is None:
-            return None
-        out = _emit_gather(eqn, invals, plan)
-        w = plan.window
-        note(eqn, True, f"gather on {eqn.invars[0].aval.str_short()} rewritten to dynamic_slice "
-             f"of one {'x'.join(map(str, w.sizes))} window; {_GATHER_WHY[plan.guard]}.",
-             guard=plan.guard, window=w.sizes, block=w.block is not None)
-        return [out]
+    scatter_rule = rule_for(_emit_scatter, lambda eqn, plan, size: (
+        f"{_describe_scatter(eqn)} rewritten to dynamic_update_slice of one {size} window; "
+        f"{_WHY[plan.guard]}."))
+    gather_rule = rule_for(_emit_gather, lambda eqn, plan, size: (
+        f"gather on {eqn.invars[0].aval.str_short()} rewritten to dynamic_slice of one {size} "
+        f"window; {_GATHER_WHY[plan.guard]}."))
 
     rules = {p: scatter_rule for p in _SCATTERS}
     rules[P.gather_p] = gather_rule
