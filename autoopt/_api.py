@@ -8,13 +8,17 @@ the caller's code position). A naive ``make_jaxpr`` + ``jit`` per call costs ~26
 costs microseconds.
 
 Donation varies per call (the ``"safe"`` proof depends on the caller's statement), so there is
-one ``jax.jit`` object per donated-argument set. Each traces the wrapper separately, but the
+one ``jax.jit`` object per donated-argument set. Choosing it in full (reference walk, call-side
+signature, the program's aliasing) costs 5-7 us; a call site that passes flat arguments (jax
+arrays and Python scalars) caches that choice per signature (``_Site``) and re-checks only
+what can change between calls, about 1 us (``_callsite.fast_hit``). Each traces the wrapper separately, but the
 wrapper caches the traced and optimized program per signature, so the user's function is
 traced once per signature whatever the variant.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
@@ -224,7 +228,8 @@ class _Program:
     """One signature's traced program and everything decided about it. Immutable after build,
     except for the small memo of donatable sets (a dict; writes are atomic)."""
 
-    __slots__ = ("traced", "pipeline", "final", "fallback_reason", "_donatable", "verified")
+    __slots__ = ("traced", "pipeline", "final", "fallback_reason", "_donatable", "verified",
+                 "_const_ids")
 
     def __init__(self, traced: _trace.TracedProgram, pipeline: PipelineResult | None,
                  fallback_reason: str | None):
@@ -234,6 +239,23 @@ class _Program:
         self.fallback_reason = fallback_reason
         self._donatable: dict = {}
         self.verified = False
+        self._const_ids: frozenset[int] | None = None
+
+    @property
+    def const_ids(self) -> frozenset[int]:
+        """Identities of the arrays the traced or optimized program holds as constants."""
+        if self._const_ids is None:
+            self._const_ids = _jaxpr.const_ids(self.traced.closed) | _jaxpr.const_ids(self.final)
+        return self._const_ids
+
+    def unpacks_to(self, n: int | None) -> bool:
+        """The result unpacks into ``n`` targets (``a, b = f(x)``); True when not unpacked."""
+        if n is None:
+            return True
+        tree = self.traced.out_tree
+        data = tree.node_data()  # None for a single leaf
+        return (data is not None and issubclass(data[0], tuple | list)
+                and len(tree_util.treedef_children(tree)) == n)
 
     def donatable(self, positions: tuple, names: tuple) -> tuple[tuple, tuple]:
         """The subset of candidate arguments whose every leaf an output aliases."""
@@ -249,6 +271,27 @@ class _Program:
         hit = (tuple(p for p in positions if p in chosen), tuple(n for n in names if n in chosen))
         self._donatable[key] = hit
         return hit
+
+
+# Per call site, at most this many signatures keep a fast-path decision (a loop over many
+# shapes falls back to the general path, which is correct, only slower).
+_FAST_ENTRIES = 32
+
+
+class _Site:
+    """One call site of an OptimizedFunction: its proof, and the fast path's decisions.
+
+    ``fast`` maps the signature of flat positional arguments (every one a jax array or a Python
+    scalar: ``_callsite.flat_signature``) to ``(jit object, donated positions)``. None when the
+    function has static arguments or ``verify=True``, whose general path does more per call.
+    """
+
+    __slots__ = ("proof", "donates", "fast")
+
+    def __init__(self, proof: _callsite.CallSiteProof, fast: dict | None):
+        self.proof = proof
+        self.donates = proof.any  # read on every call: an attribute, not the property
+        self.fast = fast
 
 
 class OptimizedFunction:
@@ -284,7 +327,11 @@ class OptimizedFunction:
         self._key_locks: dict[tuple, threading.RLock] = {}
         self._lock = threading.Lock()
         self._warned = False
-        self._sites: dict[tuple, _callsite.CallSiteProof] = {}
+        self._sites: dict[tuple, _Site] = {}
+        # The fast path needs no static arguments (their positions shift the flat signature)
+        # and no verify=True (which checks the first call of each signature).
+        self._fast_ok = not self._has_static and not options.verify
+        self._auto_fast: dict | None = {} if self._fast_ok else None
         self._site_reasons: dict[str, _callsite.CallSiteProof] = {}
         self._wrapper = self._make_wrapper()
         self._jits: dict[tuple, Any] = {}
@@ -296,6 +343,9 @@ class OptimizedFunction:
         # Host inputs (packing, cached constants), scalar canonicalization, transfer guard; None
         # when no option asks for any of them. See _placement.
         self._placer = placer_for(self)
+        # Options under which the placer acts on every call, arrays or not (see _remember_fast).
+        self._placer_every_call = (options.transfer_guard in ("log", "disallow")
+                                   or bool(options.canonicalize_scalars))
 
     # --- jit objects ---------------------------------------------------------------------------
 
@@ -303,15 +353,17 @@ class OptimizedFunction:
         fn = self.__wrapped__
 
         def wrapper(*args, **kwargs):
+            # large constants the placer passes as device arguments (see _placement)
+            hoisted = kwargs.pop("_autoopt_hoisted", None) if kwargs else None
             if "_autoopt_packed" in kwargs:  # host leaves the placer packed: slice them back
                 from autoopt._placement import unpack
 
                 args, kwargs = unpack(args, kwargs)
-            if jax.config.jax_disable_jit:
+            if _compat.jit_disabled():
                 # jax.jit calls us eagerly under disable_jit: run the original, as jit would.
                 return fn(*args, **kwargs)
             program, leaves = self._program_for(args, kwargs)
-            outs = self._evaluate(program, leaves)
+            outs = self._evaluate(program, leaves, hoisted)
             return tree_util.tree_unflatten(program.traced.out_tree, outs)
 
         # jax.jit reads the signature (static_argnames, donate_argnames) through __wrapped__.
@@ -384,14 +436,21 @@ class OptimizedFunction:
             log_report(self, program)  # once per signature: _build runs once per signature
         return program
 
-    def _evaluate(self, program: _Program, leaves: list) -> list:
+    def _evaluate(self, program: _Program, leaves: list, hoisted=None) -> list:
+        final, original = program.final, program.traced.closed
+        if self._placer is not None:  # large constants become device arguments (_placement)
+            from autoopt._placement import with_hoisted_consts
+
+            final = with_hoisted_consts(final, hoisted)
         try:
-            return _jaxpr.eval_closed(program.final, *leaves)
+            return _jaxpr.eval_closed(final, *leaves)
         except Exception as e:  # noqa: BLE001
-            if program.final is program.traced.closed:
+            if program.final is original:
                 raise  # the original program itself failed: the user's error
             self._fall_back(e, "evaluate")
-            return _jaxpr.eval_closed(program.traced.closed, *leaves)
+            if self._placer is not None:
+                original = with_hoisted_consts(original, hoisted)
+            return _jaxpr.eval_closed(original, *leaves)
 
     def _fall_back(self, error: BaseException, where: str) -> None:
         if self._options.fallback == "raise":
@@ -416,14 +475,30 @@ class OptimizedFunction:
             policy = self._policy
             if policy == "safe":
                 frame = sys._getframe(1)
-                proof = self._sites.get((frame.f_code, frame.f_lasti))
-                if proof is None:
-                    proof = self._prove(frame)
+                site = self._sites.get((frame.f_code, frame.f_lasti))
+                if site is None:
+                    site = self._prove(frame)
                 del frame
-                if proof.any:
-                    return self._call_donating(proof.positions, proof.names, args, kwargs, True)
+                if site.donates:
+                    fast = site.fast
+                    if fast and not kwargs:  # see _Site: the cached decision for flat arguments
+                        hit = _callsite.fast_hit(fast, args, True)
+                        if hit is not None:
+                            jitted, _, placer, _ = hit
+                            return jitted(*args) if placer is None else placer(jitted, args, kwargs)
+                    proof = site.proof
+                    if proof.matches(args, kwargs):  # else positions would mean other arguments
+                        return self._call_donating(proof.positions, proof.names, args, kwargs,
+                                                   True, fast, unpack=proof.unpack)
             elif policy == "auto":
-                return self._call_donating(tuple(range(len(args))), tuple(kwargs), args, kwargs, False)
+                fast = self._auto_fast
+                if fast and not kwargs:
+                    hit = _callsite.fast_hit(fast, args, False)
+                    if hit is not None:
+                        jitted, _, placer, _ = hit
+                        return jitted(*args) if placer is None else placer(jitted, args, kwargs)
+                return self._call_donating(tuple(range(len(args))), tuple(kwargs), args, kwargs,
+                                           False, fast)
             if self._options.verify:
                 self._verify(args, kwargs)
             placer = self._placer
@@ -460,46 +535,105 @@ class OptimizedFunction:
         parts = sub.__wrapped__.output_parts
         return _put_back(parts.get(_array_signature(args, kwargs)), out)
 
-    def _prove(self, frame) -> _callsite.CallSiteProof:
-        proof = _callsite.prove_call_site(frame)
+    def _prove(self, frame, shift: int = 0, key: tuple | None = None) -> _Site:
+        """The call site's proof, cached; ``shift`` moves positions past a bound instance."""
+        proof = _callsite.prove_call_site(frame, self)
+        if shift:
+            proof = dataclasses.replace(
+                proof, positions=tuple(p + shift for p in proof.positions),
+                reasons=tuple((k + shift if isinstance(k, int) else k, why)
+                              for k, why in proof.reasons))
         static = set(self._static_argnums)
         if static or self._static_argnames:
-            proof = _callsite.CallSiteProof(
-                tuple(p for p in proof.positions if p not in static),
-                tuple(n for n in proof.names if n not in self._static_argnames),
-                proof.reasons, proof.location, proof.statement)
-        self._sites[(frame.f_code, frame.f_lasti)] = proof
+            proof = dataclasses.replace(
+                proof, positions=tuple(p for p in proof.positions if p not in static),
+                names=tuple(n for n in proof.names if n not in self._static_argnames))
+        site = _Site(proof, {} if self._fast_ok and not shift else None)
+        self._sites[key or (frame.f_code, frame.f_lasti)] = site
         if proof.location:
             self._site_reasons[proof.location] = proof
-        return proof
+        return site
 
-    def _call_donating(self, positions: tuple, names: tuple, args: tuple, kwargs: dict, check_refs: bool):
-        # Cost (measured, tiny function): ~3-5 us over a plain jax.jit call with donation, most of
-        # it the reference walk and the signature tuple. Paid only at call sites that rebind.
+    def _call_donating(self, positions: tuple, names: tuple, args: tuple, kwargs: dict,
+                       check_refs: bool, fast: dict | None = None, bases: tuple | None = None,
+                       unpack: int | None = None):
+        """The general donating call: every check, then the jit object for what may be donated.
+
+        Cost (measured, tiny function): ~5-7 us over a plain jax.jit call with donation, most of
+        it the reference walk and the call-side signature. With ``fast`` (the site's cache), the
+        decision for this signature is recorded there, so the next call with the same signature
+        takes ``__call__``'s fast path (~1 us for flat arguments).
+        """
         jitted = self._plain
-        try:
-            if not (jax.config.jax_disable_jit or _compat.debug_nans_enabled()):
-                if self._has_static:
-                    static = _trace.normalize_static(self._static_argnums, len(args))
-                    positions = tuple(p for p in positions if p not in static)
-                    names = tuple(n for n in names if n not in self._static_argnames)
-                pos, nms, _reasons = _callsite.donation_checks(args, kwargs, positions, names,
-                                                               check_refs=check_refs)
-                if pos or nms:
-                    program = self._program_concrete(args, kwargs)
-                    if program is not None:
-                        pos, nms = program.donatable(pos, nms)
-                        if pos or nms:
-                            jitted = self._jits.get((pos, nms)) or self._jit_for(pos, nms)
-        except Exception as e:  # noqa: BLE001 - donation is an optimization; never break the call
-            self._fall_back(e, "donation")
-            jitted = self._plain
+        if not (_compat.jit_disabled() or _compat.debug_nans_enabled()):
+            if self._has_static:
+                static = _trace.normalize_static(self._static_argnums, len(args))
+                positions = tuple(p for p in positions if p not in static)
+                names = tuple(n for n in names if n not in self._static_argnames)
+            # The program first, outside the try: tracing runs the user's function, whose errors
+            # are the user's, as from jax.jit. And the references are counted after it, since a
+            # trace may capture an argument as a constant (a global the function reads).
+            program = self._program_concrete(args, kwargs) if positions or names else None
+            try:
+                if program is not None and program.unpacks_to(unpack):
+                    pos, nms, _reasons = _callsite.donation_checks(
+                        args, kwargs, positions, names, check_refs=check_refs, bases=bases,
+                        exclude=program.const_ids)
+                    pos, nms = program.donatable(pos, nms) if pos or nms else ((), ())
+                    if pos or nms:
+                        jitted = self._jits.get((pos, nms)) or self._jit_for(pos, nms)
+                if fast is not None and not kwargs and len(fast) < _FAST_ENTRIES:
+                    self._remember_fast(fast, program, positions, args, unpack)
+            except Exception as e:  # noqa: BLE001 - donation is an optimization; never break the call
+                self._fall_back(e, "donation")
+                jitted = self._plain
         if self._options.verify:
             self._verify(args, kwargs)
         placer = self._placer
         if placer is not None:
             return placer(jitted, args, kwargs)
         return jitted(*args, **kwargs)
+
+    def _remember_fast(self, fast: dict, program: _Program | None, positions: tuple,
+                       args: tuple, unpack: int | None) -> None:
+        """Record, for a call of positional arguments whose leaves are all jax arrays or Python
+        scalars, which of ``positions`` this signature donates.
+
+        Only the static half of the decision is cached (the program's aliasing, the call site's
+        proof); the run-time half (no other reference, not deleted, no array twice) is
+        re-checked on every fast call by ``_callsite.fast_hit``.
+        """
+        if _callsite.is_flat(args):
+            sig = _callsite.flat_signature(args)
+            is_donatable = _callsite.is_array
+        else:
+            tree = _callsite.tree_signature(args)
+            if tree is None:
+                return
+            sig = tree[0]
+            is_donatable = _callsite.all_array_leaves
+        arrays = tuple(p for p in positions if p < len(args) and is_donatable(args[p]))
+        pos: tuple = ()
+        exclude: frozenset[int] = frozenset()
+        if arrays:
+            program = program or self._program_concrete(args, {})
+            if program is None:
+                return  # the program captured an outer tracer: never cached
+            if program.unpacks_to(unpack):
+                pos = program.donatable(arrays, ())[0]
+            exclude = program.const_ids
+        jitted = (self._jits.get((pos, ())) or self._jit_for(pos, ())) if pos else self._plain
+        # No leaf is a NumPy array, so the placer has nothing to place; it only counts Python
+        # scalars as implicit transfers, which this first (general) call already did. So the
+        # fast path skips it unless an option makes it act on every call (~0.3 us a call).
+        placer = self._placer if self._placer_every_call else None
+        # ... or when the program has large constants the placer passes as arguments
+        if placer is None and self._placer is not None and self._placer.hoists(
+                program or self._program_concrete(args, {})):
+            placer = self._placer
+        # ``exclude``: the program's own constants, never donated; under "safe" the reference
+        # counts already refuse them (the program holds one), "auto" compares identities.
+        fast[sig] = (jitted, pos, placer, exclude)
 
     def _concrete_key(self, args: tuple, kwargs: dict) -> tuple:
         """Signature of concrete arguments, for finding their program without tracing.
@@ -512,7 +646,8 @@ class OptimizedFunction:
         else:
             dyn_tree, statics = (args, kwargs), ()
         leaves, treedef = tree_util.tree_flatten(dyn_tree)
-        return (treedef, statics, len(args), tuple(map(_concrete_type, leaves)))
+        return (treedef, statics, len(args), tuple(map(_concrete_type, leaves)),
+                _compat.trace_context())
 
     def _program_concrete(self, args: tuple, kwargs: dict) -> _Program | None:
         """The program for concrete arguments, tracing (not compiling) on a miss."""
@@ -528,7 +663,10 @@ class OptimizedFunction:
                 # jax.jit may answer .trace from its own cache without running our wrapper, so
                 # take the program from the trace-side cache first, then from this thread's last.
                 self._tls.last_program = None
-                self._plain.trace(*args, **kwargs)
+                if self._placer is not None:  # may stop at large constants (see _placement)
+                    self._placer.trace_only(self._plain, args, kwargs)
+                else:
+                    self._plain.trace(*args, **kwargs)
                 program = self._programs.get(key) or getattr(self._tls, "last_program", None)
             if program is not None and not program.traced.captures_tracers:
                 self._by_concrete[ckey] = program
@@ -608,9 +746,11 @@ class OptimizedFunction:
 class _BoundOptimized:
     """An OptimizedFunction bound to an instance (a decorated method).
 
-    Under ``donate="safe"`` a bound call never donates: the instance is prepended to the
-    arguments, which shifts positions against the caller's statement and adds a reference the
-    proof cannot account for. ``donate="auto"`` and explicit argnums work as for functions.
+    Under ``donate="safe"`` the call site's proof is about the arguments the caller wrote
+    (``state = trainer.step(state, batch)``), so its positions shift by one for the instance,
+    and the reference counts are checked against the baselines of this call shape
+    (``_callsite.BOUND_BASES``). The instance itself is never proven dead. ``donate="auto"`` and
+    explicit argnums work as for functions.
     """
 
     __slots__ = ("_owner", "_instance")
@@ -621,12 +761,25 @@ class _BoundOptimized:
 
     def __call__(self, *args, **kwargs):
         owner = self._owner
-        args = (self._instance, *args)
-        if owner._policy == "auto":
-            return owner._call_donating(tuple(range(len(args))), tuple(kwargs), args, kwargs, False)
+        # A new name, so the caller's tuple stays alive exactly as in the calibrated probe.
+        full = (self._instance, *args)
+        if owner._policy == "safe":
+            frame = sys._getframe(1)
+            key = ("bound", frame.f_code, frame.f_lasti)
+            site = owner._sites.get(key)
+            if site is None:
+                site = owner._prove(frame, shift=1, key=key)
+            del frame
+            proof = site.proof
+            if site.donates and proof.matches(args, kwargs):
+                return owner._call_donating(proof.positions, proof.names, full, kwargs, True,
+                                            bases=_callsite.BOUND_BASES, unpack=proof.unpack)
+        elif owner._policy == "auto":
+            return owner._call_donating(tuple(range(len(full))), tuple(kwargs), full, kwargs,
+                                        False)
         if owner._placer is not None:
-            return owner._placer(owner._plain, args, kwargs)
-        return owner._plain(*args, **kwargs)
+            return owner._placer(owner._plain, full, kwargs)
+        return owner._plain(*full, **kwargs)
 
     def __getattr__(self, name):
         attr = getattr(self._owner, name)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import inspect
 import sys
 from typing import Any
 
@@ -22,7 +23,7 @@ import executing
 import jax
 import numpy as np
 
-from autoopt._compat import flatten_one_level, is_tracer
+from autoopt._compat import debug_nans_enabled, flatten_one_level, is_tracer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,10 +36,24 @@ class CallSiteProof:
     reasons: tuple[tuple[Any, str], ...] = ()
     location: str | None = None
     statement: str | None = None
+    # The call's shape as written, which every call must match for the positions to mean the
+    # arguments the function receives (a ``functools.partial`` in between shifts them): the
+    # number of positional arguments (None after ``*``), the keyword names (None after ``**``).
+    n_positional: int | None = None
+    keywords: frozenset[str] | None = None
+    # ``a, b = f(x)``: the number of targets, so the result's tree can be checked before
+    # donating (a failed unpacking would leave ``x`` bound to the donated array).
+    unpack: int | None = None
 
     @property
     def any(self) -> bool:
         return bool(self.positions or self.names)
+
+    def matches(self, args: tuple, kwargs: dict, shift: int = 0) -> bool:
+        """This call passes what the statement wrote (``shift``: a bound instance in front)."""
+        if self.n_positional is not None and len(args) != self.n_positional + shift:
+            return False
+        return self.keywords is None or self.keywords == kwargs.keys()
 
 
 NO_PROOF = CallSiteProof()
@@ -70,8 +85,51 @@ def _later_uses(stmt: ast.stmt, name: str) -> list[int]:
     return lines
 
 
-def prove_call_site(frame) -> CallSiteProof:
-    """Analyse the statement that is calling us from ``frame``. Never raises."""
+def _refuse(loc: str, why: str) -> CallSiteProof:
+    return CallSiteProof(location=loc, reasons=(("*", why),))
+
+
+def _resolve_callee(expr: ast.AST, frame) -> tuple[bool, Any]:
+    """``(resolved, value)`` of the called expression, read without running any code.
+
+    Only a global or builtin name, or attributes of one (``module.step``, ``Trainer.step``), are
+    resolved; a local or closure variable is not (reading a function's locals from its frame
+    takes a snapshot that holds a reference to each of them, which would defeat every later
+    reference count in that call of the function)."""
+    chain = []
+    while isinstance(expr, ast.Attribute):
+        chain.append(expr.attr)
+        expr = expr.value
+    if not isinstance(expr, ast.Name):
+        return False, None
+    code = frame.f_code
+    if expr.id in code.co_varnames or expr.id in code.co_cellvars or expr.id in code.co_freevars:
+        return False, None
+    namespaces = [frame.f_globals, frame.f_builtins]
+    if not code.co_flags & inspect.CO_OPTIMIZED:
+        namespaces.insert(0, frame.f_locals)  # module level: the namespace itself, no snapshot
+    for ns in namespaces:
+        if expr.id in ns:
+            value = ns[expr.id]
+            break
+    else:
+        return False, None
+    try:
+        for attr in reversed(chain):
+            value = inspect.getattr_static(value, attr)
+    except AttributeError:
+        return False, None
+    return True, value
+
+
+def prove_call_site(frame, callee: Any = None) -> CallSiteProof:
+    """Analyse the statement that is calling ``callee`` from ``frame``. Never raises.
+
+    Besides the names the statement rebinds, the proof must be about the function being called
+    with the arguments as written: a ``functools.partial`` or a builtin calling back (``sorted(
+    xs, key=f)``) in between would shift or replace them. So the call expression must resolve to
+    ``callee`` when it can be read without running code, and every call must have the written
+    shape (``CallSiteProof.matches``)."""
     try:
         ex = executing.Source.executing(frame)
         node = ex.node
@@ -79,13 +137,37 @@ def prove_call_site(frame) -> CallSiteProof:
         node = None
     loc = f"{frame.f_code.co_filename}:{frame.f_lineno}"
     if not isinstance(node, ast.Call):
-        return CallSiteProof(location=loc, reasons=(("*", "the call site could not be read (no source, "
-                                                     "or the call is not a plain call expression)"),))
+        return _refuse(loc, "the call site could not be read (no source, or the call is not a "
+                            "plain call expression)")
+    code = frame.f_code
+    if not code.co_flags & inspect.CO_OPTIMIZED and frame.f_locals is not frame.f_globals:
+        # A class body (or exec with separate locals) reads names from one namespace and binds
+        # them in another: ``x = f(x)`` there leaves the module's ``x`` bound to the argument.
+        return _refuse(loc, "a class body or exec namespace: the name it rebinds is not the "
+                            "one it reads")
+    if isinstance(node.func, ast.Attribute) and node.func.attr == "__call__":
+        return _refuse(loc, "the function is called through `__call__`, a call shape whose "
+                            "references autoopt does not measure")
+    starred = any(isinstance(a, ast.Starred) for a in node.args)
+    double_starred = any(kw.arg is None for kw in node.keywords)
+    resolved, value = _resolve_callee(node.func, frame)
+    if resolved and value is not callee:
+        return _refuse(loc, f"the statement calls `{ast.unparse(node.func)}`, which calls this "
+                            "function with other arguments (a functools.partial, or a builtin "
+                            "calling back)")
+    if starred and not resolved:
+        return _refuse(loc, "arguments from `*` unpacking, and the called name is local, so "
+                            "positions cannot be matched to what the function receives")
     parent = getattr(node, "parent", None)
     targets: set[str] = set()
+    unpack = None
     if isinstance(parent, ast.Assign) and parent.value is node:
         for t in parent.targets:
             targets |= _target_names(t)
+            if isinstance(t, ast.Tuple | ast.List):
+                if any(isinstance(e, ast.Starred) for e in t.elts):
+                    return _refuse(loc, "the result is unpacked with `*`")
+                unpack = len(t.elts)
     elif isinstance(parent, ast.AnnAssign) and parent.value is node:
         targets = _target_names(parent.target)
     stmt = parent if isinstance(parent, ast.stmt) else None
@@ -130,7 +212,11 @@ def prove_call_site(frame) -> CallSiteProof:
             names.append(kw.arg)
         else:
             reasons.append((kw.arg, why))
-    return CallSiteProof(tuple(positions), tuple(names), tuple(reasons), loc, text)
+    return CallSiteProof(
+        tuple(positions), tuple(names), tuple(reasons), loc, text,
+        n_positional=None if starred else len(node.args),
+        keywords=None if double_starred else frozenset(kw.arg for kw in node.keywords),
+        unpack=unpack)
 
 
 # --- run-time checks -------------------------------------------------------------------------
@@ -144,18 +230,25 @@ class _Probe:
         return _measure(args, kwargs)
 
 
-def _measure(args, kwargs):
-    return sys.getrefcount(args[0]), (sys.getrefcount(kwargs["k"]) if "k" in kwargs else None)
+class _BoundProbe:
+    """The call shape of a decorated method: ``_BoundOptimized`` prepends the instance."""
+
+    def __call__(self, *args, **kwargs):
+        full = (None, *args)  # as _BoundOptimized.__call__ builds it (both tuples stay alive)
+        return _measure(full, kwargs, 1)
 
 
-def _calibrate() -> tuple[int, int, int]:
+def _measure(args, kwargs, i=0):
+    return sys.getrefcount(args[i]), (sys.getrefcount(kwargs["k"]) if "k" in kwargs else None)
+
+
+def _calibrate(probe) -> tuple[int, int, int]:
     """Baselines for (positional arg, no keywords), (positional arg, with keywords), (keyword arg).
 
     A call with keywords holds one more transient reference per argument in CPython 3.11, so the
     two shapes get their own baseline. A call shape we did not calibrate (``functools.partial``
-    for a decorated method) holds more references, which only makes the check refuse: safe.
+    around the function) holds more references, which only makes the check refuse: safe.
     """
-    probe = _Probe()
 
     def positional_only():
         x = object()
@@ -171,23 +264,74 @@ def _calibrate() -> tuple[int, int, int]:
     return pos_only, min(c[0] for c in with_kw), min(c[1] for c in with_kw)
 
 
-_BASE_POS, _BASE_POS_KW, _BASE_KW = _calibrate()
+_BASE_POS, _BASE_POS_KW, _BASE_KW = _calibrate(_Probe())
+# A decorated method's call (``obj.step(state, batch)``): the arguments tuple is rebuilt with
+# the instance in front, one more reference to each positional argument while the call runs.
+BOUND_BASES = _calibrate(_BoundProbe())
 
 
-def _kid_refcounts(obj) -> tuple[bool, list, list[int]]:
+_BUILTIN_NODES = (dict, list, tuple)
+
+
+def _kid_refcounts(obj) -> tuple[list, list[int], int]:
+    """``(children, their reference counts, the count of a child nothing else refers to)``.
+
+    Plain dicts, lists and tuples (jax flattens them to their values) are read directly, ~4x
+    cheaper than ``flatten_one_level``; every other node goes through jax's registry."""
+    if type(obj) in _BUILTIN_NODES:
+        kids = list(obj.values()) if type(obj) is dict else list(obj)
+        return kids, [sys.getrefcount(c) for c in kids], _BASE_KID_BUILTIN
+    return _registry_kid_refcounts(obj)
+
+
+def _registry_counts(obj) -> tuple[list, list[int], int, bool]:
+    """``(children, their counts, the count of the children's container, container is obj)``."""
     kids, _ = flatten_one_level(obj)
-    return kids is obj, list(kids), [sys.getrefcount(c) for c in kids]
+    return list(kids), [sys.getrefcount(c) for c in kids], sys.getrefcount(kids), kids is obj
 
 
-def _calibrate_kids() -> tuple[int, int]:
-    same, _, counts_same = _kid_refcounts([object()])
-    new, _, counts_new = _kid_refcounts({"a": object()})
-    assert same and not new
-    # ``list(kids)`` in _kid_refcounts adds one reference to each child in both cases.
-    return counts_same[0], counts_new[0]
+def _registry_kid_refcounts(obj) -> tuple[list, list[int], int]:
+    kids, counts, container, same = _registry_counts(obj)
+    if same:  # a list node: jax returns the node itself as its children
+        return kids, counts, _BASE_KID_SAME
+    if container == _FRESH_CONTAINER:  # a new container: the node holds each child itself
+        return kids, counts, _BASE_KID_NEW
+    if container == _FRESH_CONTAINER + 1:  # the node's own stored container (``b.parts``)
+        return kids, counts, _BASE_KID_STORED
+    # The container the node flattens to is reachable from elsewhere, and the leaves with it.
+    return kids, counts, -1
 
 
-_BASE_KID_SAME, _BASE_KID_NEW = _calibrate_kids()
+_BASE_KID_SAME = _BASE_KID_NEW = _BASE_KID_BUILTIN = _BASE_KID_STORED = _FRESH_CONTAINER = 0
+
+
+def _calibrate_kids() -> tuple[int, int, int, int, int]:
+    """Each path of ``_kid_refcounts`` on a fresh child: its count when only the node holds it,
+    and the count of a container the flatten function built afresh."""
+
+    class Fresh:  # flattens to a new list; holds its child itself
+        def __init__(self, kid):
+            self.kid = kid
+
+    class Stored:  # flattens to the list it stores (``lambda b: (b.parts, None)``)
+        def __init__(self, kid):
+            self.parts = [kid]
+
+    jax.tree_util.register_pytree_node(Fresh, lambda n: ([n.kid], None),
+                                       lambda _, kids: Fresh(*kids))
+    jax.tree_util.register_pytree_node(Stored, lambda n: (n.parts, None),
+                                       lambda _, kids: Stored(*kids))
+    _, same_counts, _, same = _registry_counts([object()])
+    assert same  # flatten_one_level returns a list node itself as its children
+    _, new_counts, fresh, _ = _registry_counts(Fresh(object()))
+    _, stored_counts, stored, _ = _registry_counts(Stored(object()))
+    assert stored == fresh + 1
+    builtin = _kid_refcounts({"a": object()})[1][0]
+    return same_counts[0], new_counts[0], builtin, stored_counts[0], fresh
+
+
+(_BASE_KID_SAME, _BASE_KID_NEW, _BASE_KID_BUILTIN, _BASE_KID_STORED,
+ _FRESH_CONTAINER) = _calibrate_kids()
 
 
 # The concrete array type jax returns from every computation: checked with ``type(x) is`` first,
@@ -197,31 +341,40 @@ _HOST_SCALARS = (np.ndarray, np.generic, int, float, complex, bool)
 _NO_ARRAYS = (int, float, complex, bool, str, type(None))
 
 
+def _array_problem(obj, seen: set[int]) -> str | None:
+    if obj.is_deleted():
+        return "it was already deleted (donated earlier)"
+    if id(obj) in seen:
+        return "the same array appears twice in the arguments"
+    seen.add(id(obj))
+    return None
+
+
 def _leaf_problem(obj, seen: set[int], check_refs: bool = True) -> str | None:
     """Why the pytree ``obj`` (whose own refcount was checked) cannot be donated, or None.
 
     ``check_refs=False`` (``donate="auto"``: the caller promised not to reuse the argument)
     skips the reference counts of the parts but keeps every other check."""
-    if type(obj) is _ARRAY_IMPL or (isinstance(obj, jax.Array) and not is_tracer(obj)):
-        if obj.is_deleted():
-            return "it was already deleted (donated earlier)"
-        if id(obj) in seen:
-            return "the same array appears twice in the arguments"
-        seen.add(id(obj))
-        return None
-    if isinstance(obj, jax.Array):
-        return "it is traced by an enclosing transformation"
-    if getattr(type(obj), "_autoopt_never_donate", False):
-        return "it holds an autoopt.constant, whose device copy every call shares"
-    if isinstance(obj, _HOST_SCALARS):
-        return ("it holds a NumPy array or Python scalar; jax copies those to the device "
-                "on every call, so donating saves nothing")
+    t = type(obj)
+    if t is _ARRAY_IMPL:
+        return _array_problem(obj, seen)
+    if t not in _BUILTIN_NODES:  # plain containers skip these checks (~1 us of ABC lookups)
+        if isinstance(obj, jax.Array):
+            if is_tracer(obj):
+                return "it is traced by an enclosing transformation"
+            return _array_problem(obj, seen)
+        if getattr(t, "_autoopt_never_donate", False):
+            return "it holds an autoopt.constant, whose device copy every call shares"
+        if isinstance(obj, _HOST_SCALARS):
+            return ("it holds a NumPy array or Python scalar; jax copies those to the device "
+                    "on every call, so donating saves nothing")
     try:
-        same, kids, counts = _kid_refcounts(obj)
+        kids, counts, base = _kid_refcounts(obj)
     except ValueError:
         return f"it holds a leaf of type {type(obj).__name__} that is not a jax.Array"
-    base = _BASE_KID_SAME if same else _BASE_KID_NEW
     for kid, count in zip(kids, counts):
+        if kid is None:  # an empty node (a None field): no buffer, and None is shared by all
+            continue
         if check_refs and count > base:
             return "a part of it is also referenced from elsewhere"
         why = _leaf_problem(kid, seen, check_refs)
@@ -238,25 +391,45 @@ def _add_leaf_ids(value, seen: set[int]) -> None:
         seen.update(map(id, jax.tree_util.tree_leaves(value)))
 
 
-def donation_checks(args: tuple, kwargs: dict, positions, names, *, check_refs: bool):
+def _repeated_array_ids(args: tuple, kwargs: dict) -> set[int]:
+    """Identities of the arrays that occur more than once anywhere in the arguments."""
+    once: set[int] = set()
+    twice: set[int] = set()
+    for leaf in jax.tree_util.tree_leaves((args, kwargs)):
+        if isinstance(leaf, jax.Array):
+            (twice if id(leaf) in once else once).add(id(leaf))
+    return twice
+
+
+def donation_checks(args: tuple, kwargs: dict, positions, names, *, check_refs: bool,
+                    bases: tuple[int, int, int] | None = None,
+                    exclude: frozenset[int] = frozenset()):
     """Filter the candidate arguments down to those safe to donate now.
 
     Returns ``(positions, names, reasons)``. ``check_refs`` is the ``"safe"`` policy's proof that
-    no other reference exists; ``"auto"`` skips it (the caller promised). Never raises.
+    no other reference exists; ``"auto"`` skips it (the caller promised). ``bases``: the
+    reference-count baselines of the call shape (``BOUND_BASES`` for a decorated method).
+    ``exclude``: identities of arrays never to donate (the program's own constants). Never
+    raises.
     """
     ok_pos, ok_names, reasons = [], [], []
-    seen: set[int] = set()
-    base_pos = _BASE_POS_KW if kwargs else _BASE_POS
-    # Identities of every array in the non-candidate arguments: donating a buffer that is also
-    # passed elsewhere would delete an input the program still reads.
+    base_only, base_with_kw, base_kw = bases or (_BASE_POS, _BASE_POS_KW, _BASE_KW)
+    base_pos = base_with_kw if kwargs else base_only
+    # Identities of every array in the non-candidate arguments, and of every array passed twice
+    # among the candidates: donating a buffer that is also passed elsewhere would delete an input
+    # the program still reads (XLA refuses the call). Under "safe" the reference counts already
+    # rule out the second case; "auto" has only this.
     candidates = set(positions) | set(names)
+    seen: set[int] = set(exclude) if check_refs else _repeated_array_ids(args, kwargs) | exclude
     if len(candidates) < len(args) + len(kwargs):
-        for i, a in enumerate(args):
+        # Indexing, not ``for a in args``: a loop variable left bound to the last argument is
+        # one more reference to it, and the check below would refuse it.
+        for i in range(len(args)):
             if i not in candidates:
-                _add_leaf_ids(a, seen)
-        for k, v in kwargs.items():
+                _add_leaf_ids(args[i], seen)
+        for k in kwargs:
             if k not in candidates:
-                _add_leaf_ids(v, seen)
+                _add_leaf_ids(kwargs[k], seen)
     for key in positions:
         if key >= len(args):
             continue
@@ -272,7 +445,7 @@ def donation_checks(args: tuple, kwargs: dict, positions, names, *, check_refs: 
     for key in names:
         if key not in kwargs:
             continue
-        if check_refs and sys.getrefcount(kwargs[key]) > _BASE_KW:
+        if check_refs and sys.getrefcount(kwargs[key]) > base_kw:
             reasons.append((key, "another reference to the same object exists"))
             continue
         why = _leaf_problem(kwargs[key], seen, check_refs)
@@ -281,3 +454,101 @@ def donation_checks(args: tuple, kwargs: dict, positions, names, *, check_refs: 
         else:
             reasons.append((key, why))
     return tuple(ok_pos), tuple(ok_names), tuple(reasons)
+
+
+# --- the fast path's checks ------------------------------------------------------------------
+# A call site that rebinds its arguments calls with the same signature again and again.
+# ``OptimizedFunction`` caches the static half of the donation decision per site and signature
+# (the program's aliasing, the site's proof), and ``fast_hit`` re-checks only the run-time half:
+# ~1 us for flat arguments (each a jax array or a Python scalar), a few us for pytrees, instead
+# of the general path's 5-12 us (benchmarks/overhead.py).
+
+_FLAT_SCALARS = (int, float, bool, complex)
+
+
+def flat_signature(args: tuple) -> tuple:
+    """The signature of flat positional arguments, as ``fast_hit`` computes it.
+
+    ``aval`` is a stored attribute of a jax array, and the same object across the outputs of one
+    executable, so building and hashing this tuple costs ~0.3 us. Only signatures of flat
+    arguments are stored under it, so a pytree argument (its type here) never finds an entry.
+    """
+    return tuple([a.aval if type(a) is _ARRAY_IMPL else type(a) for a in args])
+
+
+def tree_signature(args: tuple) -> tuple[tuple, list] | None:
+    """``(signature, leaves)`` of pytree positional arguments, or None when a leaf is neither a
+    jax array nor a Python scalar (NumPy, tracers, anything else: the general path decides)."""
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    sig = []
+    for x in leaves:
+        t = type(x)
+        if t is _ARRAY_IMPL:
+            sig.append(x.aval)
+        elif t in _FLAT_SCALARS:
+            sig.append(t)
+        else:
+            return None
+    return (treedef, tuple(sig)), leaves
+
+
+def is_array(x) -> bool:
+    return type(x) is _ARRAY_IMPL
+
+
+def is_flat(args: tuple) -> bool:
+    """Every argument is a concrete jax array or a Python scalar (no pytree, tracer, NumPy)."""
+    return all(type(a) is _ARRAY_IMPL or type(a) in _FLAT_SCALARS for a in args)
+
+
+def all_array_leaves(x) -> bool:
+    """``x`` is a pytree with at least one leaf, and every leaf a concrete jax array."""
+    leaves = jax.tree_util.tree_leaves(x)
+    return bool(leaves) and all(type(v) is _ARRAY_IMPL for v in leaves)
+
+
+def _distinct_arrays(values, exclude: frozenset[int]) -> bool:
+    """No array occurs twice in ``values``, and none is in ``exclude`` (a program's constants)."""
+    ids = [id(a) for a in values if type(a) is _ARRAY_IMPL]
+    unique = set(ids)
+    return len(unique) == len(ids) and unique.isdisjoint(exclude)
+
+
+def fast_hit(fast: dict, args: tuple, check_refs: bool):
+    """The site's cached ``(jit object, donated positions, placer, program constants)`` for this
+    call, or None when the call must take the general path.
+
+    Re-checks the run-time half of ``donation_checks``: with ``check_refs`` (``donate="safe"``)
+    every donated argument, and every container and leaf inside it, is referenced only by the
+    call (so no array appears anywhere else in the arguments either); without it (``"auto"``)
+    identities are compared instead. Never under ``jax_debug_nans``/``jax_debug_infs`` (jax
+    re-runs the inputs op by op on a NaN).
+    """
+    hit = fast.get(tuple([a.aval if type(a) is _ARRAY_IMPL else type(a) for a in args]))
+    if hit is not None:  # flat: each donated argument is one array
+        for p in hit[1]:
+            # Measured before binding a local name, exactly as ``_measure`` does.
+            if (check_refs and sys.getrefcount(args[p]) > _BASE_POS) or args[p].is_deleted():
+                return None
+        if not check_refs and hit[1] and not _distinct_arrays(args, hit[3]):
+            return None
+    else:
+        tree = tree_signature(args)
+        if tree is None:
+            return None
+        hit = fast.get(tree[0])
+        if hit is None:
+            return None
+        if not check_refs and hit[1] and not _distinct_arrays(tree[1], hit[3]):
+            return None
+        # The leaves list holds a reference to every leaf: gone before the counts are read.
+        del tree
+        seen: set[int] = set()
+        for p in hit[1]:
+            if check_refs and sys.getrefcount(args[p]) > _BASE_POS:
+                return None
+            if _leaf_problem(args[p], seen, check_refs) is not None:
+                return None
+    if debug_nans_enabled():
+        return None
+    return hit

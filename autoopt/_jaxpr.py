@@ -79,6 +79,18 @@ def iter_eqns(jaxpr: ClosedJaxpr | Jaxpr, path: tuple = (), *, into_opaque: bool
             yield from iter_eqns(sub, path + ((eqn.primitive.name, name),), into_opaque=into_opaque)
 
 
+def const_ids(closed: ClosedJaxpr) -> frozenset[int]:
+    """Identities of the jax arrays a program holds as constants, in every sub-jaxpr too.
+
+    A function that reads a global array while it is traced captures that very object; an
+    argument that is the same object must never be donated (the cached program reads it again).
+    """
+    closed_jaxprs = [closed] + [sub for site in iter_eqns(closed, into_opaque=True)
+                                for _name, _i, sub in subjaxprs(site.eqn)
+                                if isinstance(sub, ClosedJaxpr)]
+    return frozenset(id(v) for c in closed_jaxprs for v in c.consts if isinstance(v, jax.Array))
+
+
 def count_primitives(jaxpr: ClosedJaxpr | Jaxpr) -> dict[str, int]:
     counts: dict[str, int] = {}
     for site in iter_eqns(jaxpr):

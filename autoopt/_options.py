@@ -169,8 +169,8 @@ def make_options(**kwargs: Any) -> Options:
     placement = ours.get("placement", "auto")
     if placement not in PLACEMENTS:
         raise ValueError(f"placement={placement!r}: use 'auto' (cache read-only host constants, "
-                         "report transfers), 'pack' (also pack many small NumPy leaves into one "
-                         "transfer) or 'off'.")
+                         "pass large constants as arguments, pack many small NumPy leaves into "
+                         "one transfer where measured faster), 'pack' (always pack) or 'off'.")
     fallback = ours.get("fallback", "warn")
     if fallback not in FALLBACKS:
         raise ValueError(

@@ -4,18 +4,32 @@ Host-to-device traffic is what autoopt exists to cut; this module removes what i
 call path and counts what is left.
 
 * **Host inputs.** A call that passes NumPy leaves makes ``jax.jit`` transfer each one. On XLA:CPU
-  (jax 0.10.2, this repository's CI machine) that costs ~2 us of per-leaf overhead plus a copy of
-  every buffer that is not 64-byte aligned; a 64-byte aligned, C-contiguous buffer is aliased
-  instead (zero copy). So autoopt packs the NumPy leaves of each dtype into one fresh 64-byte
-  aligned host buffer and the program slices them back apart: a step fed 64 leaves of f32[64,64]
-  went from 155 us to ~45 us a call, most of it the one host copy. Measured alternatives that
-  lost: ``jax.device_put(list)`` (26 us a leaf, Python-side), per-leaf ``device_put``, and a
-  separate jitted unpack whose 64 outputs cost ~4 us each. Choose by measurement on a new backend.
+  (jax 0.10.2, this repository's CI machine) that costs ~3.6 us a leaf (~2.7 us when the buffer
+  is 64-byte aligned, which XLA:CPU aliases instead of copying): 64 leaves of f32[64,64] add
+  ~230 us to a call whose device-array version takes ~50 us. Packing the leaves of each dtype
+  into one pooled, aligned host buffer costs one memcpy (~40 us a MiB) and one argument, and the
+  program slices the leaves back apart: free where XLA fuses a slice into its consumer, but a
+  slice feeding a concatenate, a dot or a reduction becomes its own kernel (~3-10 us each), which
+  can cost more than the transfer it saved (a concatenate-into-matmul step: 0.4-0.9x). So
+  ``placement="auto"`` measures: the first calls of each packable layout (4+ leaves of a dtype)
+  alternate, in runs of 4 pipelined calls timed to completion, between packing and jit's own
+  per-leaf transfer, and the layout keeps packing only when it was clearly faster (10%) than jit
+  (``_Layout.strategy``); ``placement="pack"`` always packs. Measured alternatives that lost: ``jax.device_put(list)`` (~17 us a leaf),
+  per-leaf ``device_put`` (~28 us), ``jnp.from_dlpack`` per leaf (~36 us), a separate jitted
+  unpack (its 64 outputs cost ~4 us each). A call structure seen before takes a fast path: the
+  last full scan's decision, checked with a few list comparisons (types of every leaf; shapes,
+  dtypes and writeable flags of the host arrays) instead of a Python loop a leaf.
 * **Host constants.** A read-only NumPy argument (``flags.writeable == False`` on it and on every
   array it views) or an ``autoopt.constant`` is placed once and reused; the cache holds the host
   array, so its ``id`` cannot be reused, and drops the device copy once nothing but the cache refers
-  to the host array (checked with reference counts; NumPy arrays cannot be weakly referenced).
-  Writeable arrays are never cached.
+  to the host array (checked with reference counts). A 64-byte aligned host array is copied before
+  placing: XLA:CPU would alias it, and the "copy" would see later writes and keep it alive.
+  Writeable arrays are never cached. On the fast path a constant costs an identity lookup.
+* **Large closed-over constants** (1 MiB and up) are passed to the program as device arguments,
+  placed once, instead of being embedded into the HLO (a 4 MiB constant is 8.4 M characters of
+  HLO; first call 158 -> 73 ms). The wrapper's trace stops at them (``HoistConstants``), the
+  placer places them and calls again with them under a hidden keyword; calls that reach jit
+  without the placer (AOT ``.lower``) embed them as before.
 * **Scalars.** Python scalars are left to ``jax.jit`` (it transfers them in C++ for ~1 us); with
   ``canonicalize_scalars=True`` each scalar argument keeps the type of its first call (when the
   value converts exactly), so ``f(x, 2.0)``, ``f(x, 2)``, ``f(x, np.float32(2))`` compile once.
@@ -42,6 +56,7 @@ import os
 import queue
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -67,6 +82,9 @@ __all__ = [
     "findings_for",
     "constant_cache_size",
     "sweep_constants",
+    "HOISTED",
+    "HoistConstants",
+    "with_hoisted_consts",
 ]
 
 # The keyword under which packed host buffers travel to the jitted wrapper (never a user's name).
@@ -239,9 +257,14 @@ def _cached_constant(host: np.ndarray, device) -> tuple[Any, bool]:
     if e is not None and e.host is host and not e.device.is_deleted():
         return e.device, False
     sweep_constants()
+    # XLA:CPU aliases an aligned host buffer instead of copying it (even with may_alias=False,
+    # jax 0.10.2): the "device copy" would then see later writes to the host array and keep it
+    # alive (the sweep could never drop it). Place a private copy instead: one copy, once.
+    src = np.array(host, copy=True) if _is_aligned(host) else host
     # Concrete even when called under a transformation's trace (a cached tracer would leak).
     with jax.ensure_compile_time_eval():
-        dev = jax.device_put(host, device)
+        dev = jax.device_put(src, device)
+    del src
     with _CONSTANTS_LOCK:
         _CONSTANTS[key] = _Entry(host, dev)
         _CONSTANT_IDS.add(id(host))
@@ -318,14 +341,91 @@ def constant(host_array, *, sharding=None) -> Constant:
 # --- packing host leaves into one buffer a dtype ----------------------------------------------------
 
 
+class _Pool:
+    """Reusable ``_ALIGN``-aligned host buffers of one size, for packed host leaves.
+
+    Why a pool: a fresh 1 MiB buffer a call costs ~90 page faults (~250 us of system time on
+    XLA:CPU), because jax frees the previous one from its own thread. Why reference counts:
+    XLA:CPU reads a NumPy argument after the call has returned (it aliases aligned buffers and
+    copies unaligned ones asynchronously), and jax keeps a reference to the array (C++ dispatch)
+    or to a view of it (first-call Python path) until it is done. A buffer is handed out again
+    only when the pool's references are the only ones left, to it and to its allocation.
+    """
+
+    __slots__ = ("dtype", "total", "bufs", "lock", "size")
+
+    def __init__(self, dtype, total: int, size: int | None = None):
+        self.dtype = np.dtype(dtype)
+        self.total = total
+        self.bufs: list[np.ndarray] = []
+        self.lock = threading.Lock()
+        self.size = _POOL_SIZE if size is None else size
+
+    def get(self) -> np.ndarray:
+        """A buffer no computation is reading: a pooled free one, or a fresh one (kept in the
+        pool up to ``_POOL_SIZE`` buffers and ``_POOL_MAX_BYTES``)."""
+        with self.lock:  # two threads never get the same free buffer
+            for buf in self.bufs:
+                # jax may hold the array itself (its C++ dispatch path) or a view of it, whose
+                # base is the allocation (its first-call Python path): test both.
+                if (sys.getrefcount(buf) <= _POOL_FREE_REFS
+                        and sys.getrefcount(buf.base) <= _POOL_FREE_BASE_REFS):
+                    return buf
+            buf = aligned_empty(self.total, self.dtype)
+            if (len(self.bufs) + 1) * buf.nbytes <= _POOL_MAX_BYTES and len(self.bufs) < self.size:
+                self.bufs.append(buf)
+            return buf
+
+    def __len__(self) -> int:
+        return len(self.bufs)
+
+
+def _calibrate_pool_refs() -> tuple[int, int]:
+    """References to a free pooled buffer and to its allocation, as ``_Pool.get`` sees them."""
+    bufs = [aligned_empty(1, np.float32)]
+    for buf in bufs:
+        return sys.getrefcount(buf), sys.getrefcount(buf.base)
+    raise AssertionError
+
+
+_POOL_FREE_REFS, _POOL_FREE_BASE_REFS = _calibrate_pool_refs()
+# Buffers a pool keeps: as many as steps a loop that never blocks keeps in flight (measured: a
+# 64-leaf feed with 4 buffers still faulted ~60 pages a call; 16 brought it to ~10), capped in
+# bytes so a large batch keeps fewer.
+_POOL_SIZE = 16
+_POOL_MAX_BYTES = 256 << 20
+
+# placement="auto" times both ways of feeding a layout on its first calls (see _Layout.strategy):
+# runs of _TUNE_RUN calls, alternating jit and pack; one warm-up run each (it compiles), then
+# _TUNE_SAMPLES timed runs each. Calls within a run are not waited for (the host work of one
+# overlaps the device work of the previous, as in the user's loop); the run's outputs are waited
+# for at its end, so a run's time a call is the loop's throughput, not one call's latency.
+# Packing is kept only when its fastest run beats _TUNE_MARGIN times jit's fastest (ties go to
+# plain jit). The minimum, not the median: on a shared machine the noise only ever adds time.
+_TUNE_RUN = 4
+_TUNE_SAMPLES = 3
+_TUNE_MARGIN = 0.9
+# ... and only for a dtype group of at least this many leaves: with fewer, packing saves a few
+# microseconds at most and still costs a second compile.
+_AUTO_PACK_MIN_LEAVES = 4
+
+
 class _Layout:
     """Where each packed leaf lives in the packed buffers. Interned per placer and compared by
-    identity: it is the aux data of a pytree node, so jit's signature check hashes it per call."""
+    identity: it is the aux data of a pytree node, so jit's signature check hashes it per call.
+
+    ``mode`` is "pack" (pack every call), "jit" (leave the leaves to jit) or "tune": under
+    placement="auto" whether packing pays depends on the program (XLA fuses the unpacking slices
+    into elementwise consumers, but a slice feeding a concatenate or a dot becomes its own kernel,
+    ~10 us each on XLA:CPU) and on the machine, so the first calls measure both (``strategy``).
+    """
 
     __slots__ = ("treedef", "n", "kept", "groups", "static_argnums", "static_argnames", "nargs",
-                 "leaves_packed", "bytes_packed", "pools")
+                 "leaves_packed", "bytes_packed", "pools", "mode", "trials", "timings", "run",
+                 "run_t0", "run_ok")
 
-    def __init__(self, treedef, n, kept, groups, static_argnums, static_argnames, nargs):
+    def __init__(self, treedef, n, kept, groups, static_argnums, static_argnames, nargs,
+                 mode="pack"):
         self.treedef = treedef
         self.n = n
         self.kept = kept  # leaf indices passed to jit as they are
@@ -336,50 +436,47 @@ class _Layout:
         self.nargs = nargs
         self.leaves_packed = sum(len(g[2]) for g in groups)
         self.bytes_packed = sum(g[1] * np.dtype(g[0]).itemsize for g in groups)
-        self.pools: tuple[list, ...] = tuple([] for _ in groups)  # reusable host buffers a group
+        self.pools = tuple(_Pool(g[0], g[1]) for g in groups)  # reusable host buffers a group
+        self.mode = mode
+        self.trials = 0  # trial calls handed out while tuning
+        self.timings: dict[str, list[float]] = {"jit": [], "pack": []}
+        self.run: list = []  # outputs of the timed run in progress (see _time_trial)
+        self.run_t0 = 0.0
+        self.run_ok = False
 
     def buffer(self, g: int) -> np.ndarray:
-        """A host buffer for group ``g`` that no computation is reading: a pooled one whose only
-        references are the pool's, or a fresh one (kept in the pool up to ``_POOL_SIZE``).
+        """A host buffer for group ``g`` that no computation is reading (see ``_Pool``)."""
+        return self.pools[g].get()
 
-        Why a pool: a fresh 1 MiB buffer a call costs ~90 page faults (~250 us of system time
-        on XLA:CPU), because jax frees the previous one from its own thread. Why reference
-        counts: XLA:CPU reads a NumPy argument after the call has returned (it aliases aligned
-        buffers and copies unaligned ones asynchronously), and jax keeps a reference to the
-        array (C++ dispatch) or to a view of it (first-call Python path) until it is done.
-        """
-        dtype, total, _ = self.groups[g]
-        pool = self.pools[g]
-        for buf in pool:
-            # The loop variable's reference is taken before the test, so two threads never both
-            # see the same buffer free. jax may hold the array itself (its C++ dispatch path) or
-            # a view of it, whose base is the allocation (its first-call Python path): test both.
-            if (sys.getrefcount(buf) <= _POOL_FREE_REFS
-                    and sys.getrefcount(buf.base) <= _POOL_FREE_BASE_REFS):
-                return buf
-        buf = aligned_empty(total, dtype)
-        if (len(pool) + 1) * buf.nbytes <= _POOL_MAX_BYTES and len(pool) < _POOL_SIZE:
-            pool.append(buf)
-        return buf
+    def strategy(self) -> tuple[str, int]:
+        """``("pack" or "jit", position in the timed run or -1)`` for this call. While tuning,
+        alternates runs (jit first: the plain program is usually compiled already)."""
+        mode = self.mode
+        if mode != "tune":
+            return mode, -1
+        n = self.trials
+        self.trials = n + 1
+        run, pos = divmod(n, _TUNE_RUN)
+        if run >= 2 * (_TUNE_SAMPLES + 1) + 8:  # timings never came back (traced calls): stop
+            self.mode = "jit"
+            return "jit", -1
+        return ("jit" if run % 2 == 0 else "pack"), pos
+
+    def record(self, strategy: str, seconds: float) -> None:
+        """One timed run's time a call (the first run of each strategy warms up: dropped)."""
+        if self.mode != "tune":
+            return
+        t = self.timings[strategy]
+        t.append(seconds)
+        jit, pack = self.timings["jit"], self.timings["pack"]
+        if len(jit) > _TUNE_SAMPLES and len(pack) > _TUNE_SAMPLES:
+            j, p = min(jit[1:]), min(pack[1:])
+            self.mode = "pack" if p < _TUNE_MARGIN * j else "jit"
+            log.debug("autoopt: %s: packed %.1f us, per-leaf jit %.1f us a call: %s", self,
+                      p * 1e6, j * 1e6, self.mode)
 
     def __repr__(self) -> str:
         return f"<packed layout: {self.leaves_packed} leaves in {len(self.groups)} buffers>"
-
-
-def _calibrate_pool_refs() -> tuple[int, int]:
-    """References to a free pooled buffer and to its allocation, as ``_Layout.buffer`` sees them."""
-    pool = [aligned_empty(1, np.float32)]
-    for buf in pool:
-        return sys.getrefcount(buf), sys.getrefcount(buf.base)
-    raise AssertionError
-
-
-_POOL_FREE_REFS, _POOL_FREE_BASE_REFS = _calibrate_pool_refs()
-# Buffers a group keeps: as many as steps a loop that never blocks keeps in flight (measured: a
-# 64-leaf feed with 4 buffers still faulted ~60 pages a call; 16 brought it to ~10), capped in
-# bytes so a large batch keeps fewer.
-_POOL_SIZE = 16
-_POOL_MAX_BYTES = 256 << 20
 
 
 class _Packed:
@@ -458,6 +555,100 @@ class TransferStats:
     first_host_site: str | None = None
 
 
+# --- the fast path's memory of a call structure -------------------------------------------------------
+
+
+@dataclasses.dataclass(eq=False)
+class _Feed:
+    """What a full scan decided for one argument structure: the type of every leaf, which leaves
+    were host arrays (and their shapes, dtypes and writeable flags), all to check the next call
+    against; which were served from the constant cache; which are packed into which buffer."""
+
+    arrays: tuple
+    types: list
+    shapes: list
+    dtypes: list
+    writeable: list
+    consts: tuple
+    layout: Any
+    pack: tuple
+    group_leaves: tuple
+    call_jit: CallTransfers
+    call_pack: CallTransfers
+    # How to rebuild each positional argument (None: the full tree, see _rebuild)
+    args_jit: tuple | None = None
+    args_pack: tuple | None = None
+
+
+_MISS = object()
+_KEEP = object()  # an argument passed as the caller passed it
+
+
+def _rebuild(arg_plan, args: tuple, kwargs: dict, leaves: list, treedef, statics, nargs: int):
+    """The arguments to call jit with, ``leaves`` holding the placed leaves (None for packed ones).
+
+    With an ``arg_plan`` (one entry a positional argument: ``_KEEP``, None for an argument whose
+    leaves are all packed, or ``(treedef, start, end)`` to rebuild it), only the arguments that
+    changed are rebuilt, and an argument packed whole is passed as None: jit then flattens and
+    checks one leaf where it would check a container of 64 Nones (~11 us on XLA:CPU), and the
+    rebuild costs nothing for the arguments that did not change. ``unpack`` reads both forms the
+    same way (None flattens to no leaves).
+    """
+    if arg_plan is None:
+        new_dyn = tree_util.tree_unflatten(treedef, leaves)
+        new_args, new_kwargs = _trace.merge_args(new_dyn, statics, nargs) if statics else new_dyn
+        return tuple(new_args), new_kwargs
+    out = []
+    for a, step in zip(args, arg_plan):
+        if step is _KEEP:
+            out.append(a)
+        elif step is None:
+            out.append(None)
+        else:
+            td, start, end = step
+            out.append(tree_util.tree_unflatten(td, leaves[start:end]))
+    return tuple(out), kwargs
+
+
+def _arg_plan(args: tuple, changed: set, packed: set, n_leaves: int):
+    """The ``_rebuild`` plan for positional ``args`` when the leaves ``changed`` are replaced
+    (``packed``: those passed in a packed buffer), or None when a keyword leaf changed."""
+    plan, start = [], 0
+    for a in args:
+        td = tree_util.tree_structure(a)
+        end = start + td.num_leaves
+        mine = [i for i in changed if start <= i < end]
+        if not mine:
+            plan.append(_KEEP)
+        elif len(mine) == end - start and all(i in packed for i in mine):
+            plan.append(None)
+        else:
+            plan.append((td, start, end))
+        start = end
+    if any(i >= start for i in changed) or start > n_leaves:
+        return None
+    return tuple(plan)
+
+
+def _time_trial(trial, out, t0: float) -> None:
+    """Keep a tuning call's outputs; at the end of its run, wait for all of them and record the
+    run's wall time a call on the layout. A run with a call under a transformation (traced
+    outputs) is not recorded."""
+    layout, strategy, pos = trial
+    leaves = tree_util.tree_leaves(out)
+    if pos == 0:
+        layout.run, layout.run_t0, layout.run_ok = [], t0, True
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+        layout.run_ok = False
+    else:
+        layout.run.append(leaves)
+    if pos == _TUNE_RUN - 1:
+        run, layout.run = layout.run, []
+        if layout.run_ok and len(run) == _TUNE_RUN:
+            jax.block_until_ready(run)
+            layout.record(strategy, (time.perf_counter() - layout.run_t0) / _TUNE_RUN)
+
+
 # --- the placer ----------------------------------------------------------------------------------------
 
 
@@ -475,24 +666,36 @@ class Placer:
         self._static_argnames = options.static_argnames
         self._has_statics = bool(self._static_argnums or self._static_argnames)
         on = options.placement in ("auto", "pack")
-        # Packing is opt-in (placement="pack"): measured on XLA:CPU it wins on many tiny leaves
-        # fed to a cheap step (64 x f32[64,64]: 155 -> 46 us a call) but loses on realistic feeds
-        # (4..64 leaves of f32[256,16] into a matmul step: 0.69-0.94x of plain jax.jit; see
-        # benchmarks/RESULTS.md), so "auto" leaves host arrays to jit's own transfer.
+        # Packing many host leaves into one buffer: on every call under placement="pack"; under
+        # "auto" only for a layout whose first calls measured it faster than jit's own per-leaf
+        # transfer (_Layout.strategy). Measured on XLA:CPU it wins on many small leaves whose
+        # unpacking slices fuse into their consumers (64 x f32[64,64] into a feed-bound step:
+        # 270 -> ~100 us a call) and loses where each slice becomes its own kernel (9..64 leaves
+        # of f32[256,16] concatenated into a matmul: 0.6-0.9x of plain jax.jit). See
+        # benchmarks/RESULTS.md and benchmarks/pack_threshold.py.
         # jit refuses keyword arguments when in_shardings is given, and in_shardings names the
         # user's leaves: packing would break both, so only constants are cached then.
-        self._pack = options.placement == "pack" and options.jit_kwargs.get("in_shardings") is None
+        self._pack = on and options.jit_kwargs.get("in_shardings") is None
+        self._tune = options.placement == "auto"
         self._cache = on
         guard = options.transfer_guard
         self._guard = guard if guard in ("log", "disallow") else None
         self._canon = options.canonicalize_scalars
         self._device = options.jit_kwargs.get("device")
         self._cpu = backend == "cpu"
-        self._always = bool(self._guard or self._canon)
+        self._always = bool(self._guard or self._canon)  # every call takes the full scan
+        self._stay = self._always  # every call takes _call_placed (never the lean path)
         self._active = self._always
         self._calls = 0
         self._idle = 0  # scanned calls in a row with no host array, while active
-        self._layouts: dict[tuple, _Layout] = {}
+        self._layouts: dict[tuple, tuple] = {}
+        # Large closed-over constants passed as device arguments (see with_hoisted_consts):
+        # id(host const) -> (host const, device copy); the node every call passes, or None.
+        self._hoist_on = on
+        self._hoist_consts: dict[int, tuple] = {}
+        self._hoisted: _Hoisted | None = None
+        # treedef -> _Feed: what the last full scan of that argument structure decided
+        self._feeds: dict[Any, _Feed] = {}
         self._scalar_types: dict[tuple, Any] = {}
         self._logged_sites: set[str] = set()
         self._warned = False
@@ -507,16 +710,75 @@ class Placer:
         return self._call_placed(jitted, args, kwargs)
 
     def _call_placed(self, jitted, args: tuple, kwargs: dict):
-        plan = None
+        t0 = time.perf_counter()
+        plan = trial = None
         try:
             plan = self._plan(args, kwargs)
         except Exception as e:  # noqa: BLE001 - placement is an optimization; never break the call
             self._fall_back(e)
         if plan is not None:
-            args, kwargs = plan
-        if self._guard is None:
-            return jitted(*args, **kwargs)
-        return self._call_guarded(jitted, args, kwargs)
+            new_args, new_kwargs, trial = plan
+            if new_args is not None:  # None: a timed call with the arguments as they are
+                args, kwargs = new_args, new_kwargs
+        if self._hoist_on:
+            out = self._call_hoisting(jitted, args, kwargs)
+        elif self._guard is None:
+            out = jitted(*args, **kwargs)
+        else:
+            out = self._call_guarded(jitted, args, kwargs)
+        if trial is not None:
+            _time_trial(trial, out, t0)
+        return out
+
+    def _call_hoisting(self, jitted, args: tuple, kwargs: dict):
+        """Call with the hoisted constants passed; when the trace finds new large constants
+        (``HoistConstants``), place them once and call again (the trace is cut short before
+        anything is lowered or compiled)."""
+        for _ in range(4):
+            call_kwargs = kwargs
+            if self._hoisted is not None:
+                call_kwargs = dict(kwargs)
+                call_kwargs[HOISTED] = self._hoisted
+            outer, _TLS.retry = getattr(_TLS, "retry", False), True
+            try:
+                if self._guard is None:
+                    return jitted(*args, **call_kwargs)
+                return self._call_guarded(jitted, args, call_kwargs)
+            except HoistConstants as e:
+                self._hoist(e.consts)
+            finally:
+                _TLS.retry = outer
+        return jitted(*args, **kwargs)  # (never reached in practice) embed, as plain jit
+
+    def trace_only(self, jitted, args: tuple, kwargs: dict) -> None:
+        """``jitted.trace(...)`` for the program alone (the caller reads it from its cache).
+        A trace that stops at large constants to hoist (``HoistConstants``) is left uncached by
+        jax, so the real call traces again, through ``_call_hoisting``, and passes them."""
+        if not self._hoist_on:
+            jitted.trace(*args, **kwargs)
+            return
+        outer, _TLS.retry = getattr(_TLS, "retry", False), True
+        try:
+            jitted.trace(*args, **kwargs)
+        except HoistConstants as e:
+            self._hoist(e.consts)
+        finally:
+            _TLS.retry = outer
+
+    def hoists(self, program) -> bool:
+        """Whether calls of ``program`` must go through the placer: it has large constants the
+        placer passes as device arguments (the jit signature includes them)."""
+        return self._hoist_on and program is not None and bool(_large_consts(program.final))
+
+    def _hoist(self, consts: list) -> None:
+        with jax.ensure_compile_time_eval():
+            for c in consts:
+                if id(c) not in self._hoist_consts:
+                    self._hoist_consts[id(c)] = (c, jax.device_put(np.asarray(c), self._device))
+        keys = tuple(self._hoist_consts)
+        self._hoisted = _Hoisted(keys, tuple(self._hoist_consts[k][1] for k in keys))
+        # Every call must now pass them (the same jit signature): stay off the lean path.
+        self._stay = self._active = True
 
     def _fall_back(self, error: BaseException) -> None:
         if not self._warned:
@@ -530,12 +792,75 @@ class Placer:
     # --- planning one call -------------------------------------------------------------------------
 
     def _plan(self, args: tuple, kwargs: dict):
-        """``(args, kwargs)`` to call jit with, or None to call with the originals."""
+        """``(args, kwargs, trial)`` to call jit with (``trial``: a tuning call to time, or None;
+        args and kwargs None for the originals), or None to call with the originals."""
         if self._has_statics:
             dyn, statics = _trace.split_args(args, kwargs, self._static_argnums, self._static_argnames)
         else:
             dyn, statics = (args, kwargs), ()
         leaves, treedef = tree_util.tree_flatten(dyn)
+        feed = self._feeds.get(treedef)
+        # One call in 64 takes the full scan anyway: it sweeps the constant cache and sees a
+        # leaf that became a NumPy array where the feed had none.
+        if feed is not None and (self.stats.calls_scanned + 1) & 63:
+            plan = self._plan_fast(feed, args, kwargs, leaves, treedef, statics, len(args))
+            if plan is not _MISS:
+                return plan
+        return self._plan_full(args, kwargs, dyn, statics, leaves, treedef, len(args))
+
+    def _plan_fast(self, feed: _Feed, args, kwargs, leaves: list, treedef, statics, nargs: int):
+        """The last full scan's decision, when this call's host arrays match it: a few list
+        comparisons (C loops) instead of the scan's Python loop a leaf (~1 us a leaf)."""
+        if [type(x) for x in leaves] != feed.types:  # every leaf: a new NumPy leaf is seen
+            return _MISS
+        xs = [leaves[i] for i in feed.arrays]
+        if ([x.shape for x in xs] != feed.shapes
+                or [x.dtype for x in xs] != feed.dtypes
+                or [x.flags.writeable for x in xs] != feed.writeable):
+            return _MISS
+        device, constants = self._device, _CONSTANTS
+        for i in feed.consts:  # an identity lookup a constant: the array the cache holds
+            x = leaves[i]
+            e = constants.get((id(x), device))
+            if e is None or e.host is not x or e.device.is_deleted():
+                return _MISS
+            leaves[i] = e.device
+        layout = feed.layout
+        trial = None
+        strategy = "jit"
+        if layout is not None:
+            strategy, pos = layout.strategy()
+            if pos >= 0:
+                trial = (layout, strategy, pos)
+        self.stats.calls_scanned += 1
+        if strategy == "pack":
+            self._record(feed.call_pack)
+            bufs = []
+            for g, idxs in enumerate(feed.group_leaves):
+                buf = layout.pools[g].get()
+                np.concatenate([leaves[i] for i in idxs], axis=None, out=buf)
+                bufs.append(buf)
+                del buf  # the pool's free test counts references
+            for i in feed.pack:
+                leaves[i] = None
+        else:
+            self._record(feed.call_jit)
+            if not feed.consts:
+                if trial is None and not self._stay:
+                    self._active = False  # nothing to place here: back to the lean path
+                    self._calls = _WATCH_FIRST
+                    return None
+                return None if trial is None else (None, None, trial)
+        new_args, new_kwargs = _rebuild(feed.args_pack if strategy == "pack" else feed.args_jit,
+                                        args, kwargs, leaves, treedef, statics, nargs)
+        if strategy == "pack":
+            new_kwargs = dict(new_kwargs)
+            new_kwargs[PACKED] = _Packed(layout, bufs)
+        return new_args, new_kwargs, trial
+
+    def _plan_full(self, args, kwargs, dyn, statics, leaves: list, treedef, nargs: int):
+        """Scan every leaf: place constants, pack or leave host arrays, canonicalize scalars,
+        count; remember the decision for ``_plan_fast``."""
         arrays: list[int] = []
         scalars: list[int] = []
         ndarray_types, scalar_types = _NDARRAY_TYPES, _SCALAR_TYPES
@@ -555,18 +880,20 @@ class Placer:
             changed = self._canonicalize(leaves, treedef, scalars)
         implicit = list(scalars)
         layout = None
+        trial = None
+        strategy = "jit"
         bufs: list = []
-        if not arrays and self._active and not self._always:
+        consts: list[int] = []
+        pack: list[int] = []
+        xs = [leaves[i] for i in arrays]
+        types = [type(x) for x in leaves]  # before constants and packing replace leaves
+        if not arrays and self._active and not self._stay:
             self._idle += 1
             if self._idle >= _IDLE_CALLS:  # host arrays stopped coming: back to the lean path
                 self._active, self._idle, self._calls = False, 0, _WATCH_FIRST
         if arrays:
             if stats.first_host_site is None:
                 stats.first_host_site = _user_location()
-            if self._cache or self._pack:
-                self._active, self._idle = True, 0
-            pack: list[int] = []
-            # ~0.3 us a leaf: this loop and the layout key are the placer's per-leaf cost.
             pack_on, cache_on, ids = self._pack, self._cache, _CONSTANT_IDS
             zero_copy_min = _ZERO_COPY_MIN_BYTES if self._cpu and not self._guard else None
             for i in arrays:
@@ -577,6 +904,7 @@ class Placer:
                 elif cache_on and is_read_only(x):
                     dev, placed = _cached_constant(x, self._device)
                     leaves[i] = dev
+                    consts.append(i)
                     call.cached += 1
                     stats.constants_placed += placed
                     changed = True
@@ -589,9 +917,15 @@ class Placer:
                         continue
                 implicit.append(i)
             if pack:
-                layout, pack, left = self._layout_for(leaves, treedef, pack, len(args))
+                layout, pack, left = self._layout_for(leaves, treedef, pack, nargs)
                 implicit.extend(left)
             if layout is not None:
+                strategy, pos = layout.strategy()
+                if pos >= 0:
+                    trial = (layout, strategy, pos)
+                if strategy != "pack":
+                    implicit.extend(pack)
+            if strategy == "pack":
                 for g, (_dtype, _total, members) in enumerate(layout.groups):
                     buf = layout.buffer(g)
                     np.concatenate([leaves[m[0]] for m in members], axis=None, out=buf)
@@ -602,6 +936,10 @@ class Placer:
                 call.packed_leaves = layout.leaves_packed
                 call.packed_bytes = layout.bytes_packed
                 changed = True
+            if consts or trial is not None or strategy == "pack":
+                self._active, self._idle = True, 0
+            elif not self._stay:  # nothing to place: leave this feed to the lean path
+                self._active, self._calls = False, max(self._calls, _WATCH_FIRST)
         if bufs:
             if self._guard:
                 with jax.ensure_compile_time_eval():
@@ -611,16 +949,51 @@ class Placer:
                 call.implicit += len(bufs)
         call.implicit += len(implicit)
         if implicit and (self._guard or log.isEnabledFor(logging.DEBUG)):
-            call.implicit_names = self._names(dyn, statics, len(args), sorted(implicit))
+            call.implicit_names = self._names(dyn, statics, nargs, sorted(implicit))
         self._record(call)
+        if arrays and not self._always:
+            feed = self._remember(args, treedef, types, arrays, xs, consts, layout, pack, call,
+                                  len(scalars))
+        else:
+            feed = None
         if not changed:
-            return None
-        new_dyn = tree_util.tree_unflatten(treedef, leaves)
-        new_args, new_kwargs = _trace.merge_args(new_dyn, statics, len(args)) if statics else new_dyn
-        if layout is not None:
+            return None if trial is None else (None, None, trial)
+        # The same call structure as _plan_fast builds (one jit signature, one compile).
+        arg_plan = None if feed is None else (
+            feed.args_pack if strategy == "pack" else feed.args_jit)
+        new_args, new_kwargs = _rebuild(arg_plan, args, kwargs, leaves, treedef, statics, nargs)
+        if strategy == "pack":
             new_kwargs = dict(new_kwargs)
             new_kwargs[PACKED] = _Packed(layout, bufs)
-        return tuple(new_args), new_kwargs
+        return tuple(new_args), new_kwargs, trial
+
+    def _remember(self, args, treedef, types, arrays, xs, consts, layout, pack, call,
+                  n_scalars) -> _Feed:
+        """Store this scan's decision for the next calls with the same structure (_plan_fast)."""
+        if len(self._feeds) >= 64:  # a function called with ever new structures: start over
+            self._feeds.clear()
+        n_arrays = len(arrays)
+        jit_call = CallTransfers(before=call.before, cached=len(consts),
+                                 implicit=n_scalars + n_arrays - len(consts))
+        pack_call = jit_call
+        group_leaves: tuple = ()
+        if layout is not None:
+            group_leaves = tuple(tuple(m[0] for m in members) for _d, _t, members in layout.groups)
+            pack_call = CallTransfers(
+                before=call.before, cached=len(consts), packed_leaves=layout.leaves_packed,
+                packed_bytes=layout.bytes_packed,
+                implicit=n_scalars + n_arrays - len(consts) - len(pack) + len(layout.groups))
+        args_jit = args_pack = None
+        if not self._has_statics:
+            n = len(types)
+            args_jit = _arg_plan(args, set(consts), set(), n)
+            args_pack = _arg_plan(args, set(consts) | set(pack), set(pack), n)
+        feed = self._feeds[treedef] = _Feed(
+            arrays=tuple(arrays), types=types, shapes=[x.shape for x in xs],
+            dtypes=[x.dtype for x in xs], writeable=[x.flags.writeable for x in xs],
+            consts=tuple(consts), layout=layout, pack=tuple(pack), group_leaves=group_leaves,
+            call_jit=jit_call, call_pack=pack_call, args_jit=args_jit, args_pack=args_pack)
+        return feed
 
     def _layout_for(self, leaves: list, treedef, pack: list[int], nargs: int):
         """``(layout or None, packed leaf indices, leaf indices left to jit)``."""
@@ -632,10 +1005,15 @@ class Placer:
         by_dtype: dict[Any, list[int]] = {}
         for i in pack:
             by_dtype.setdefault(leaves[i].dtype, []).append(i)
+        tune = self._tune and not self._guard  # under a guard, packing makes transfers explicit
         groups, packed, left = [], [], []
         for dtype, idxs in by_dtype.items():
             nbytes = sum(leaves[i].nbytes for i in idxs)
-            if not self._guard and len(idxs) < _PACK_MIN_LEAVES and nbytes < _PACK_MIN_BYTES:
+            if tune:
+                if len(idxs) < _AUTO_PACK_MIN_LEAVES:
+                    left.extend(idxs)
+                    continue
+            elif not self._guard and len(idxs) < _PACK_MIN_LEAVES and nbytes < _PACK_MIN_BYTES:
                 left.extend(idxs)
                 continue
             members, off = [], 0
@@ -650,7 +1028,7 @@ class Placer:
         layout = None
         if groups:
             layout = _Layout(treedef, len(leaves), kept, tuple(groups), self._static_argnums,
-                             self._static_argnames, nargs)
+                             self._static_argnames, nargs, mode="tune" if tune else "pack")
         hit = (layout, packed, left)
         self._layouts[key] = hit
         return hit
@@ -744,7 +1122,9 @@ def findings_for(optimized, program, args: tuple, kwargs: dict) -> list:
     leaves = tree_util.tree_leaves(dyn)
     names, _ = _trace.leaf_names_and_args(fn, dyn, statics, len(args))
     on = o.placement in ("auto", "pack")
-    pack_on = o.placement == "pack"
+    # placement="auto" packs a layout only where its first calls measured packing faster
+    pack_on = o.placement == "pack" or bool(
+        stats is not None and stats.last is not None and stats.last.packed_leaves)
     cpu = optimized._backend == "cpu"
 
     arrays = [i for i, x in enumerate(leaves) if isinstance(x, np.ndarray)]
@@ -774,9 +1154,10 @@ def findings_for(optimized, program, args: tuple, kwargs: dict) -> list:
         else:
             msg = (f"NumPy argument leaves {shown} ({_nbytes_str(nbytes)}) are transferred on "
                    "every call by jit" + ("" if on else " (placement='off')") + ". Place them "
-                   "ahead with autoopt.prefetch(batches) in the loop that feeds this call; "
-                   "placement='pack' packs many small leaves into one transfer (it pays only "
-                   "for tiny leaves and cheap steps: see benchmarks/RESULTS.md).")
+                   "ahead with autoopt.prefetch(batches) in the loop that feeds this call. "
+                   "placement='auto' packs 4+ small leaves of a dtype into one transfer where "
+                   "its first calls measure that faster (it was not, or not yet measured, here); "
+                   "placement='pack' always packs.")
             avoided = 0
         big = [i for i in writeable if leaves[i].nbytes >= _LARGE_CONSTANT_BYTES]
         if big:
@@ -797,7 +1178,7 @@ def findings_for(optimized, program, args: tuple, kwargs: dict) -> list:
                         "pass jax arrays.")),
             details={"leaves": [names[i] for i in scalars], "strategy": "scalar"}))
     out.extend(_recompile_findings(optimized, site))
-    out.extend(_closed_constant_findings(program))
+    out.extend(_closed_constant_findings(program, hoist=on))
     if stats is not None and stats.last is not None:
         last = stats.last
         out.append(Finding(
@@ -817,9 +1198,9 @@ def _recompile_findings(optimized, site) -> list:
 
     groups: dict[tuple, list] = {}
     for key, program in list(optimized._programs.items()):
-        in_tree, statics, nargs, types = key
+        in_tree, statics, nargs, types, context = key  # _trace.signature_key
         shapes = tuple(getattr(t, "shape", None) for t in types)
-        groups.setdefault((in_tree, statics, nargs, shapes), []).append((types, program))
+        groups.setdefault((in_tree, statics, nargs, shapes, context), []).append((types, program))
     out = []
     for members in groups.values():
         if len(members) < 2:
@@ -840,8 +1221,9 @@ def _recompile_findings(optimized, site) -> list:
     return out
 
 
-def _closed_constant_findings(program) -> list:
-    """Large constants closed over by the function: embedded into the compiled program."""
+def _closed_constant_findings(program, hoist: bool = False) -> list:
+    """Large constants closed over by the function: passed as device arguments placed once
+    (``hoist``: placement on, and at least ``_HOIST_MIN_BYTES``) or embedded into the program."""
     from autoopt import _jaxpr
     from autoopt.explain._finding import Finding
 
@@ -856,14 +1238,81 @@ def _closed_constant_findings(program) -> list:
             if any(v is var for v in site.eqn.invars):
                 where = _jaxpr.user_location(site.eqn)
                 break
+        what = f"a closed-over constant {getattr(c, 'dtype', '')}{list(getattr(c, 'shape', ()))}"
+        hoisted = hoist and nbytes >= _HOIST_MIN_BYTES
         out.append(Finding(
-            kind="placement", applied=False, location=where, bytes_saved=None,
-            message=(f"a closed-over constant {getattr(c, 'dtype', '')}{list(getattr(c, 'shape', ()))} "
-                     f"({_nbytes_str(nbytes)}) is embedded into the compiled program: it slows "
-                     "compilation and is copied into every executable. Pass it as an argument "
-                     "(wrapped in autoopt.constant(...) so it is placed once)."),
+            kind="placement", applied=hoisted, location=where, bytes_saved=None,
+            message=(f"{what} ({_nbytes_str(nbytes)}) is passed to the compiled program as a "
+                     "device argument, placed once, instead of being embedded into it (calls "
+                     "that reach jit without autoopt's placer still embed it)." if hoisted else
+                     f"{what} ({_nbytes_str(nbytes)}) is embedded into the compiled program: it "
+                     "slows compilation and is copied into every executable. Pass it as an "
+                     "argument (wrapped in autoopt.constant(...) so it is placed once)."),
             details={"bytes": nbytes, "strategy": "closed_constant"}))
     return out
+
+
+# --- large closed-over constants: device arguments instead of HLO constants ---------------------------
+
+# The keyword under which hoisted constants travel to the jitted wrapper (never a user's name).
+HOISTED = "_autoopt_hoisted"
+# Top-level consts of the optimized program at least this large are passed as device arguments,
+# placed once, instead of being embedded in the HLO (a 4 MiB constant is 8.4 M characters of HLO
+# text and is copied into every executable). jax 0.10.2's own hoisting
+# (jax_use_simplified_jaxpr_constants) still embeds them when lowering.
+_HOIST_MIN_BYTES = 1 << 20
+_TLS = threading.local()  # .retry: the placer will retry a call whose trace asks to hoist
+
+
+class HoistConstants(Exception):
+    """Raised out of jit's trace of the wrapper when the program has large constants the call
+    did not pass as arguments; the placer places them and calls again. Never reaches the user."""
+
+    def __init__(self, consts: list):
+        super().__init__("autoopt: large constants to pass as arguments")
+        self.consts = consts
+
+
+class _Hoisted:
+    """Pytree node: the device copies of a function's large constants (children), keyed by the
+    ``id`` of the program's host constant (static aux data, so a new constant is a new signature).
+    """
+
+    __slots__ = ("keys", "devs")
+
+    def __init__(self, keys: tuple, devs: tuple):
+        self.keys = keys
+        self.devs = devs
+
+
+tree_util.register_pytree_node(
+    _Hoisted, lambda h: (h.devs, h.keys), lambda keys, devs: _Hoisted(keys, tuple(devs)))
+
+
+def _large_consts(closed) -> list:
+    return [c for c in closed.consts
+            if getattr(c, "ndim", 0) > 0 and int(getattr(c, "nbytes", 0) or 0) >= _HOIST_MIN_BYTES
+            and not isinstance(c, jax.core.Tracer)]
+
+
+def with_hoisted_consts(closed, hoisted: _Hoisted | None):
+    """``closed`` with each large constant replaced by the argument ``hoisted`` carries for it.
+
+    Runs inside jit's trace of the wrapper. When a large constant was not passed: raises
+    ``HoistConstants`` if the placer is waiting to retry this call, else embeds it as before.
+    """
+    large = _large_consts(closed)
+    if not large:
+        return closed
+    passed = {} if hoisted is None else dict(zip(hoisted.keys, hoisted.devs))
+    missing = [c for c in large if id(c) not in passed]
+    if missing:
+        if getattr(_TLS, "retry", False):
+            raise HoistConstants(missing)
+        if not passed:
+            return closed
+    consts = [passed.get(id(c), c) for c in closed.consts]
+    return closed.replace(consts=consts)
 
 
 # --- prefetch ---------------------------------------------------------------------------------------------
@@ -885,6 +1334,20 @@ def _unpacker(members: tuple):
 
 
 _UNPACKERS: dict[tuple, Any] = {}
+# A small ring of host buffers a layout, reused once jax has let go of them (_Pool): a fresh
+# buffer a batch costs page faults on every batch.
+_PREFETCH_POOLS: dict[tuple, _Pool] = {}
+_PREFETCH_POOL_SIZE = 4
+
+
+def _prefetch_pool(members: tuple, dtype, total: int) -> _Pool:
+    key = (members, np.dtype(dtype))
+    pool = _PREFETCH_POOLS.get(key)
+    if pool is None:
+        if len(_PREFETCH_POOLS) >= 16:  # ever new layouts: keep memory bounded
+            _PREFETCH_POOLS.clear()
+        pool = _PREFETCH_POOLS[key] = _Pool(dtype, total, _PREFETCH_POOL_SIZE)
+    return pool
 # Many tiny leaves: one packed buffer and a jitted split beat one jit argument a leaf
 # (1000 leaves of f32[256]: 2.0 ms against 5.2 ms on XLA:CPU).
 _PREFETCH_PACK_MIN_LEAVES = 16
@@ -911,9 +1374,11 @@ def place_batch(batch, sharding=None):
         for i, x in enumerate(xs):
             members.append((i, off, int(x.size), tuple(x.shape)))
             off += int(x.size)
-        buf = aligned_empty(off, xs[0].dtype)
+        members = tuple(members)
+        buf = _prefetch_pool(members, xs[0].dtype, off).get()
         np.concatenate(xs, axis=None, out=buf)
-        placed = _unpacker(tuple(members))(buf)
+        placed = _unpacker(members)(buf)
+        del buf  # the pool's free test counts references
     else:
         placed = _identity(*xs)
     for i, p in zip(host, placed):

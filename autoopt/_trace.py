@@ -60,7 +60,10 @@ def leaf_type(x: Any):
 
 
 def signature_key(dyn_leaves: Sequence[Any], in_tree, statics, nargs: int) -> tuple:
-    return (in_tree, statics, nargs, tuple(leaf_type(x) for x in dyn_leaves))
+    # The trace context as jax.jit's own cache key has it: enable_x64 or a dtype-promotion mode
+    # switched after a call changes the program, so it must find a new one.
+    return (in_tree, statics, nargs, tuple(leaf_type(x) for x in dyn_leaves),
+            _compat.trace_context())
 
 
 def _param_names(fn: Callable) -> tuple[list[str], str | None]:

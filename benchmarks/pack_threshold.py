@@ -1,7 +1,11 @@
-"""When does packing NumPy leaves into one transfer pay? (placement="pack" vs plain jax.jit)
+"""When does packing NumPy leaves into one transfer pay? (plain jax.jit, autoopt's default
+placement="auto", which times both ways on a layout's first calls and keeps the faster, and
+placement="pack", which always packs)
 
 A step concatenating N NumPy f32[256,16] leaves into a matmul, 9 interleaved rounds of 100 calls,
-medians. Behind the decision to make packing opt-in (benchmarks/RESULTS.md).
+medians. Packing loses here from N=9 on: each unpacking slice feeds the concatenate and becomes
+its own XLA:CPU kernel (~10 us each), more than jit's per-leaf transfer (~3.6 us). The default
+must never be meaningfully slower than plain jax.jit on this feed (benchmarks/RESULTS.md).
 
     python benchmarks/pack_threshold.py
 """
@@ -30,21 +34,26 @@ def loop(f, w0, cols, k=100):
 
 
 def main() -> None:
-    print("| N leaves | jax.jit us | autoopt placement='pack' us | speedup |")
-    print("|---:|---:|---:|---:|")
+    print("| N leaves | jax.jit us | autoopt (auto) us | auto speedup | auto chose "
+          "| autoopt placement='pack' us | pack speedup |")
+    print("|---:|---:|---:|---:|---|---:|---:|")
     for n in (4, 9, 16, 32, 64):
         cols = [np.random.rand(256, 16).astype(np.float32) for _ in range(n)]
         w0 = jnp.zeros((16 * n, 1))
         fj = jax.jit(step)
-        fa = autoopt.optimize(step, donate="off", placement="pack")
-        loop(fj, w0, cols)
-        loop(fa, w0, cols)
-        r = {"jit": [], "pack": []}
+        fa = autoopt.optimize(step, donate="off")
+        fp = autoopt.optimize(step, donate="off", placement="pack")
+        for f in (fj, fa, fp):
+            loop(f, w0, cols)
+        r = {"jit": [], "auto": [], "pack": []}
         for _ in range(9):
             r["jit"].append(loop(fj, w0, cols))
-            r["pack"].append(loop(fa, w0, cols))
-        j, a = statistics.median(r["jit"]), statistics.median(r["pack"])
-        print(f"| {n} | {j:.1f} | {a:.1f} | {j / a:.2f}x |")
+            r["auto"].append(loop(fa, w0, cols))
+            r["pack"].append(loop(fp, w0, cols))
+        j, a, p = (statistics.median(r[k]) for k in ("jit", "auto", "pack"))
+        modes = {hit[0].mode for hit in fa._placer._layouts.values() if hit[0] is not None}
+        chose = "/".join(sorted(modes)) or "jit (too few leaves)"
+        print(f"| {n} | {j:.1f} | {a:.1f} | {j / a:.2f}x | {chose} | {p:.1f} | {j / p:.2f}x |")
 
 
 if __name__ == "__main__":

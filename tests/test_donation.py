@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import threading
 import warnings
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -300,3 +303,271 @@ def test_auto_policy_donates_containers_whose_parts_are_referenced_elsewhere():
     w = jnp.ones(3) + 0
     fast({"w": w})
     assert w.is_deleted()
+
+
+# --- the fast path: a call site's cached decision for flat arguments ----------------------------
+# After the first call of a signature at a site, later calls take OptimizedFunction.__call__'s
+# fast path, which re-checks only the run-time half of the proof. Each test below calls the same
+# statement in a loop, so every iteration after the first exercises that path.
+
+
+def _fast_entries(fast_fn) -> int:
+    return sum(len(site.fast or {}) for site in fast_fn._sites.values()) + len(fast_fn._auto_fast or {})
+
+
+def test_fast_path_keeps_donating_in_a_loop_and_values_match():
+    f = autoopt.optimize(lambda x, i: x.at[i].add(1.0))
+    x, expected = jnp.zeros((4, 3)), jnp.zeros((4, 3))
+    pointer = None
+    for i in range(12):
+        x = f(x, i % 4)
+        expected = jax.jit(lambda x, i: x.at[i].add(1.0))(expected, i % 4)
+        pointer = pointer or x.unsafe_buffer_pointer()
+        assert x.unsafe_buffer_pointer() == pointer
+    assert _fast_entries(f) == 1
+    np.testing.assert_array_equal(x, expected)
+
+
+def test_fast_path_refuses_when_a_later_iteration_keeps_another_reference():
+    f = autoopt.optimize(lambda x: x * 2)
+    x = jnp.ones(3) + 0
+    kept = []
+    for i in range(6):
+        if i == 4:
+            kept.append(x)  # from here the old x is still referenced: never donate it
+        x = f(x)
+    assert _fast_entries(f) == 1  # the decision was cached, and still the check refused
+    np.testing.assert_array_equal(kept[0], 16 * np.ones(3))
+    np.testing.assert_array_equal(x, 64 * np.ones(3))
+
+
+def test_fast_path_follows_a_change_of_signature():
+    f = autoopt.optimize(lambda x: x + 1)
+    for shape in [(3,), (3,), (2, 2), (2, 2), (3,)]:
+        x = jnp.zeros(shape)
+        for _ in range(3):
+            x = f(x)
+        np.testing.assert_array_equal(x, 3 * np.ones(shape))
+    assert _fast_entries(f) == 2
+
+
+def test_fast_path_does_not_donate_an_argument_without_matching_output():
+    f = autoopt.optimize(lambda x, y: (x + y).sum())  # scalar output: nothing aliases x
+    x = jnp.ones(3) + 0
+    for _ in range(4):
+        s = f(x, x)
+        x = f(x, x) + x  # x rebound in an expression, still read: fine, never donated
+    assert not x.is_deleted() and float(s) > 0
+
+
+def test_fast_path_never_donates_under_debug_nans_switched_on_later():
+    f = autoopt.optimize(lambda x: x + 1)
+    x = jnp.ones(3) + 0
+    for _ in range(3):
+        x = f(x)  # the site's decision is cached here
+    with jax.debug_nans(True):
+        for _ in range(3):
+            before = x.unsafe_buffer_pointer()
+            x = f(x)
+            assert x.unsafe_buffer_pointer() != before
+    np.testing.assert_array_equal(x, 7 * np.ones(3))
+
+
+def test_fast_path_raises_jax_error_on_a_deleted_array():
+    f = autoopt.optimize(lambda x: x + 1)
+    x = jnp.ones(3) + 0
+    for _ in range(3):
+        x = f(x)
+    x.delete()
+    with pytest.raises(RuntimeError, match="deleted"):
+        x = f(x)
+
+
+def test_fast_path_auto_policy_never_donates_the_same_array_twice():
+    f = autoopt.optimize(lambda a, b: (a + b, a - b), donate="auto")
+    a, b = jnp.ones(3) + 0, jnp.ones(3) + 0
+    for _ in range(3):
+        a, b = f(a, b)  # distinct arrays: both donated, decision cached
+    c = a
+    del a
+    c, d = f(c, c)  # the same array twice: the fast path must not donate it
+    np.testing.assert_array_equal(c, 2 * np.asarray(c) / 2)
+    np.testing.assert_array_equal(d, np.zeros(3))
+
+
+def test_fast_path_with_python_scalar_arguments_matches_jit_and_donates():
+    g = lambda x, s, k: x * s + k  # noqa: E731
+    f = autoopt.optimize(g)
+    x, expected = jnp.ones(4) + 0, jnp.ones(4)
+    for j in range(5):
+        before = x.unsafe_buffer_pointer()
+        x = f(x, 0.5, j)
+        expected = jax.jit(g)(expected, 0.5, j)
+        assert x.unsafe_buffer_pointer() == before
+    np.testing.assert_array_equal(x, expected)
+
+
+# --- decorated methods ---------------------------------------------------------------------------
+
+
+class _Trainer:
+    """A class whose step is a decorated method; the instance is static (hashable)."""
+
+    lr = 0.5
+
+    @autoopt.optimize(static_argnums=0)
+    def step(self, state, batch):
+        return _step(state, batch * self.lr)
+
+
+@dataclasses.dataclass
+class _Params:
+    """An instance that is itself a pytree of arrays (as equinox modules are)."""
+
+    w: jax.Array
+
+    @autoopt.optimize
+    def apply(self, x):
+        return x * self.w
+
+
+jax.tree_util.register_dataclass(_Params, data_fields=["w"], meta_fields=[])
+
+
+def test_decorated_method_donates_the_state_its_caller_rebinds():
+    t = _Trainer()
+    batch = jnp.ones((2, 2))
+    expected = _state()
+    for _ in range(3):
+        expected = jax.jit(_step)(expected, batch * 0.5)
+    state = t.step(_state(), batch)
+    pointers = _pointers(state)
+    for _ in range(2):
+        state = t.step(state, batch)
+        assert _pointers(state) == pointers
+    assert_trees_equivalent(expected, state, exact=True)
+    state = t.step(state=state, batch=batch)  # by keyword too
+    assert _pointers(state) == pointers
+
+
+def test_decorated_method_keeps_state_that_is_used_again():
+    t = _Trainer()
+    state = t.step(_state(), jnp.ones((2, 2)))
+    new = t.step(state, jnp.ones((2, 2)))  # not rebound
+    kept = state
+    state = t.step(state, jnp.ones((2, 2)))  # rebound, but `kept` refers to it
+    assert not any(x.is_deleted() for x in _leaves(kept))
+    assert_trees_equivalent(new, state, exact=True)
+
+
+def test_method_instance_that_is_a_pytree_is_never_donated():
+    p = _Params(jnp.full(3, 2.0))
+    x = jnp.ones(3) + 0
+    for _ in range(3):
+        before = x.unsafe_buffer_pointer()
+        x = p.apply(x)
+        assert x.unsafe_buffer_pointer() == before  # x, which the caller rebinds, is donated
+    assert not p.w.is_deleted()
+    np.testing.assert_array_equal(x, 8 * np.ones(3))
+
+
+# --- the fast path with pytree arguments --------------------------------------------------------
+
+
+class _Carry(NamedTuple):  # a registered node that is not a plain dict/list/tuple (as optax's)
+    w: jax.Array
+    n: jax.Array
+
+
+def test_pytree_fast_path_keeps_donating_and_values_match():
+    step = autoopt.optimize(_step)
+    batch = jnp.ones((2, 2))
+    expected = _state()
+    state = step(_state(), batch)
+    expected = jax.jit(_step)(expected, batch)
+    pointers = _pointers(state)
+    for _ in range(6):
+        state = step(state, batch)
+        expected = jax.jit(_step)(expected, batch)
+        assert _pointers(state) == pointers
+    assert _fast_entries(step) == 1
+    assert_trees_equivalent(expected, state, exact=True)
+
+
+def test_pytree_fast_path_refuses_when_one_leaf_is_held_elsewhere():
+    step = autoopt.optimize(_step)
+    state = step(_state(), jnp.ones((2, 2)))
+    for i in range(5):
+        if i == 3:
+            w = state["w"]  # one leaf is referenced from outside: keep the whole argument
+        state = step(state, jnp.ones((2, 2)))
+    assert not w.is_deleted()
+    assert _fast_entries(step) == 1
+
+
+def test_state_with_a_none_entry_is_donated():
+    f = autoopt.optimize(lambda s: {"w": s["w"] * 2, "aux": None})
+    state = {"w": jnp.ones(3) + 0, "aux": None}
+    pointer = state["w"].unsafe_buffer_pointer()
+    for _ in range(3):
+        state = f(state)
+        assert state["w"].unsafe_buffer_pointer() == pointer
+    np.testing.assert_array_equal(state["w"], 8 * np.ones(3))
+
+
+def test_named_tuple_state_is_donated_through_the_registry_path():
+    f = autoopt.optimize(lambda c, x: _Carry(c.w + x, c.n + 1))
+    carry = _Carry(jnp.zeros(3), jnp.int32(0))
+    carry = f(carry, jnp.ones(3))
+    pointers = _pointers(carry)
+    for _ in range(3):
+        carry = f(carry, jnp.ones(3))
+        assert _pointers(carry) == pointers
+    np.testing.assert_array_equal(carry.w, 4 * np.ones(3))
+    assert int(carry.n) == 4
+
+
+def test_pytree_fast_path_auto_never_donates_a_leaf_shared_between_arguments():
+    f = autoopt.optimize(lambda s, t: ({"v": s["v"] + t["v"]}, {"v": s["v"] - t["v"]}),
+                         donate="auto")
+    s, t = {"v": jnp.ones(3) + 0}, {"v": jnp.ones(3) + 0}
+    for _ in range(3):
+        s, t = f(s, t)  # distinct leaves: donated, decision cached
+    shared = {"v": s["v"]}
+    s, t = f(s, shared)  # the same array in both arguments
+    np.testing.assert_array_equal(t["v"], np.zeros(3))
+
+
+# --- the call must be to this function, with the arguments as written ---------------------------
+
+_GLOBAL_STEP = autoopt.optimize(lambda x, k: x + k)
+
+
+def test_star_arguments_donate_when_the_called_name_is_a_global():
+    rest = (1.0,)
+    x = jnp.zeros(3) + 0
+    pointer = x.unsafe_buffer_pointer()
+    x = _GLOBAL_STEP(x, *rest)  # the name resolves to the function itself: positions are sure
+    assert x.unsafe_buffer_pointer() == pointer
+
+
+def test_star_arguments_with_a_local_name_are_not_donated_and_say_why():
+    step = autoopt.optimize(lambda x, k: x + k)
+    rest = (1.0,)
+    x = jnp.zeros(3) + 0
+    kept = [x]
+    x = step(x, *rest)
+    assert not kept[0].is_deleted()
+    [site] = step._sites.values()
+    assert not site.donates
+    assert "`*` unpacking" in site.proof.reasons[0][1]
+
+
+def test_a_call_with_another_shape_than_written_is_not_donated():
+    f = autoopt.optimize(lambda w, x: x + w)
+    g = functools.partial(f, jnp.ones(3))  # local: unresolvable, so the shape check decides
+    x = jnp.zeros(3) + 0
+    for _ in range(3):
+        x = g(x)  # f receives (w, x): two positional arguments where one was written
+    assert not g.args[0].is_deleted()
+    np.testing.assert_array_equal(x, 3 * np.ones(3))

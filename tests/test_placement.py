@@ -152,10 +152,11 @@ def test_static_arguments_and_numpy_keyword_arguments():
     assert_trees_equivalent(jax.jit(f, static_argnums=1)(x, 2, **kw), opt(x, 2, **kw))
 
 
-def test_packed_inputs_compose_with_grad_vmap_and_disable_jit():
-    feats = _feats(n=3, shape=(4, 4))
+@pytest.mark.parametrize("placement", ["auto", "pack"])
+def test_packed_inputs_compose_with_grad_vmap_and_disable_jit(placement):
+    feats = _feats(n=6, shape=(4, 4))
     w = jnp.eye(4)
-    opt = autoopt.optimize(_step, fallback="raise")
+    opt = autoopt.optimize(_step, placement=placement, fallback="raise")
     assert_trees_equivalent(jax.grad(jax.jit(_step))(w, feats), jax.grad(opt)(w, feats))
     ws = jnp.stack([w, 2 * w])
     assert_trees_equivalent(jax.vmap(jax.jit(_step), (0, None))(ws, feats),
@@ -187,7 +188,8 @@ def test_placement_off_leaves_numpy_to_jit(capfd):
 
 
 def test_device_only_calls_are_scanned_only_while_watching_then_sampled():
-    f = autoopt.optimize(lambda x: x + 1)
+    # donate="off": a donating call of device arrays only skips the placer altogether (_api).
+    f = autoopt.optimize(lambda x: x + 1, donate="off")
     x = jnp.zeros(3)
     for _ in range(200):
         x = f(x)
@@ -201,6 +203,88 @@ def test_device_only_calls_are_scanned_only_while_watching_then_sampled():
     for _ in range(_placement._IDLE_CALLS):
         x = f(x)
     assert not f._placer._active  # host arrays stopped coming: lean again
+
+
+def _tune_with(monkeypatch, opt, args, jit_s, pack_s):
+    """Run ``opt`` through its tuning calls with fake timings (seconds a call a strategy),
+    checking every call's values against jax.jit."""
+    def fake(trial, out, t0):
+        layout, strategy, pos = trial
+        if pos == _placement._TUNE_RUN - 1:  # the end of a run
+            layout.record(strategy, jit_s if strategy == "jit" else pack_s)
+
+    monkeypatch.setattr(_placement, "_time_trial", fake)
+    ref = jax.jit(_step)(*args)
+    for _ in range(2 * (_placement._TUNE_SAMPLES + 1) * _placement._TUNE_RUN):
+        assert_trees_equivalent(ref, opt(*args))
+    (layout,) = [hit[0] for hit in opt._placer._layouts.values() if hit[0] is not None]
+    return layout
+
+
+def test_auto_packs_a_feed_whose_first_calls_measured_packing_faster(capfd, monkeypatch):
+    w, feats = jnp.eye(8), _feats(n=16)
+    opt = autoopt.optimize(_step, donate="off", fallback="raise")
+    layout = _tune_with(monkeypatch, opt, (w, feats), jit_s=1.0, pack_s=0.5)
+    assert layout.mode == "pack"
+    assert _count_transfers(capfd, lambda: opt(w, feats)) == 1
+    assert opt._placer._active
+
+
+def test_auto_leaves_a_feed_to_jit_when_packing_measured_slower_and_goes_lean(capfd, monkeypatch):
+    w, feats = jnp.eye(8), _feats(n=16)
+    opt = autoopt.optimize(_step, donate="off", fallback="raise")
+    layout = _tune_with(monkeypatch, opt, (w, feats), jit_s=1.0, pack_s=0.95)  # within the margin
+    assert layout.mode == "jit"
+    assert _count_transfers(capfd, lambda: opt(w, feats)) == 16
+    assert not opt._placer._active  # nothing left to place: the lean path
+
+
+def test_auto_tuning_on_real_timings_settles_and_keeps_every_value():
+    w, feats = jnp.eye(8), _feats(n=8)
+    opt = autoopt.optimize(_step, donate="off", fallback="raise")
+    ref = jax.jit(_step)(w, feats)
+    for _ in range(2 * (_placement._TUNE_SAMPLES + 1) * _placement._TUNE_RUN):
+        assert_trees_equivalent(ref, opt(w, feats))
+    (layout,) = [hit[0] for hit in opt._placer._layouts.values() if hit[0] is not None]
+    assert layout.mode in ("jit", "pack")
+    assert all(len(t) == _placement._TUNE_SAMPLES + 1 for t in layout.timings.values())
+
+
+def test_auto_never_packs_a_few_leaves_and_never_tunes_them():
+    w, feats = jnp.eye(8), _feats(n=_placement._AUTO_PACK_MIN_LEAVES - 1)
+    opt = autoopt.optimize(_step, donate="off", fallback="raise")
+    for _ in range(3):
+        assert_trees_equivalent(jax.jit(_step)(w, feats), opt(w, feats))
+    assert all(hit[0] is None for hit in opt._placer._layouts.values())
+
+
+def test_fast_path_rechecks_shapes_dtypes_and_flags_of_a_remembered_feed():
+    def f(feats):
+        return [v * 2 for v in feats]
+
+    opt = autoopt.optimize(f, placement="pack", fallback="raise")
+    rng = np.random.default_rng(0)
+    calls = [[rng.standard_normal((4, 4)).astype(np.float32) for _ in range(6)],
+             [rng.standard_normal((2, 8)).astype(np.float32) for _ in range(6)],  # same sizes
+             [rng.standard_normal((4, 4)).astype(np.float64) for _ in range(6)],
+             [jnp.ones((4, 4))] + [rng.standard_normal((4, 4)).astype(np.float32)
+                                    for _ in range(5)]]
+    ro = [rng.standard_normal((4, 4)).astype(np.float32) for _ in range(6)]
+    ro[0].flags.writeable = False
+    calls.append(ro)
+    for feats in calls + calls:
+        assert_trees_equivalent(jax.jit(f)(feats), opt(feats), exact=True)
+    assert opt._placer.stats.cached == 2  # the read-only leaf, served from the constant cache
+
+
+def test_constant_served_by_the_fast_path_is_placed_again_after_explicit_donation():
+    t = _table(seed=4)
+    opt = autoopt.optimize(lambda t, x: t @ x, fallback="raise")
+    x = jnp.ones(16)
+    for _ in range(3):
+        opt(t, x)
+    _placement._CONSTANTS[(id(t), None)].device.delete()
+    assert_trees_equivalent(jax.jit(lambda t, x: t @ x)(t, x), opt(t, x))
 
 
 @given(st.lists(st.tuples(st.sampled_from(["float32", "int32", "bool", "float16", "uint8"]),
@@ -423,6 +507,65 @@ def test_large_closed_over_constant_is_reported_at_its_line():
     assert found and found[0].location.endswith(f":{_line_of('# closed-over use')}")
 
 
+def _hlo_chars(opt, *args, **kwargs) -> int:
+    return len(opt._plain.lower(*args, **kwargs).as_text())
+
+
+def test_large_closed_over_constant_is_passed_as_a_device_argument_not_embedded(caplog):
+    big = np.random.default_rng(5).standard_normal((1024, 1024)).astype(np.float32)  # 4 MiB
+
+    def f(x):
+        return jnp.tanh(x @ big).sum(0) + big[0]
+
+    x = jnp.ones((2, 1024))
+    opt = autoopt.optimize(f, fallback="raise")
+    ref = jax.jit(f)(x)
+    with caplog.at_level(logging.WARNING), jax.log_compiles():
+        for _ in range(3):
+            assert_trees_equivalent(ref, opt(x))
+    compiles = [r for r in caplog.records if "Finished XLA compilation of jit(f)" in r.getMessage()]
+    assert len(compiles) == 1  # the cut-short trace compiled nothing
+    hoisted = opt._placer._hoisted
+    assert hoisted is not None and len(hoisted.devs) == 1
+    assert _hlo_chars(opt, x, _autoopt_hoisted=hoisted) < 100_000  # the program, not the data
+    assert _hlo_chars(autoopt.optimize(f, placement="off"), x) > 4_000_000  # embedded as before
+    found = [f for f in autoopt.explain(f, x).by_kind("placement")
+             if f.details.get("strategy") == "closed_constant"]
+    assert found and found[0].applied
+
+
+def test_hoisted_constants_compose_with_grad_vmap_disable_jit_and_donation(caplog):
+    big = np.random.default_rng(6).standard_normal((512, 512)).astype(np.float32) * 0.01
+    big = np.concatenate([big, big])  # 2 MiB
+
+    def loss(w):
+        return jnp.tanh(w @ big.T).sum()
+
+    w = jnp.ones((3, 512))
+    opt = autoopt.optimize(loss, fallback="raise")
+    assert_trees_equivalent(jax.grad(jax.jit(loss))(w), jax.grad(opt)(w))
+    ws = jnp.stack([w, 2 * w])
+    assert_trees_equivalent(jax.vmap(jax.jit(loss))(ws), jax.vmap(opt)(ws))
+    with jax.disable_jit():
+        assert_trees_equivalent(jax.jit(loss)(w), opt(w))
+    assert_trees_equivalent(jax.jit(loss)(w), jax.jit(opt)(w))  # inside an outer trace
+
+    def step(w):
+        return w - 0.1 * (w @ big.T @ big)
+
+    opt_step = autoopt.optimize(step, donate="auto", fallback="raise")
+    ref, got = w, w + 0
+    for _ in range(4):
+        ref = jax.jit(step)(ref)
+    with caplog.at_level(logging.WARNING), jax.log_compiles():
+        for _ in range(4):  # the donating fast path keeps passing the constants: one compile
+            got = opt_step(got)
+    assert_trees_equivalent(ref, got)
+    assert opt_step._placer._hoisted is not None
+    assert sum("Finished XLA compilation of jit(step)" in r.getMessage()
+               for r in caplog.records) == 1
+
+
 # --- the transfer guard --------------------------------------------------------------------------------
 
 
@@ -456,3 +599,23 @@ def test_guard_log_reports_implicit_transfers_once_per_call_site(caplog):
             opt(x, 0.5)
     lines = [r for r in caplog.records if "implicit host-to-device" in r.getMessage()]
     assert len(lines) == 1 and "lr" in lines[0].getMessage()
+
+
+def test_cached_copy_of_an_aligned_host_array_neither_aliases_it_nor_keeps_it_alive():
+    table = _placement.aligned_empty(64 * 16, np.float32).reshape(64, 16)  # XLA:CPU would alias
+    table[...] = 1.0
+    table.flags.writeable = False
+    opt = autoopt.optimize(lambda t: t.sum(), fallback="raise")
+    assert float(opt(table)) == 1024.0
+    entry = _placement._CONSTANTS[(id(table), None)]
+    jax.block_until_ready(entry.device)
+    table.flags.writeable = True
+    table[...] = 2.0  # the promise broken behind the cache's back: the copy must not change
+    assert float(entry.device.sum()) == 1024.0
+    table.flags.writeable = False
+    host = weakref.ref(table.base)
+    del entry, table
+    gc.collect()
+    _placement.sweep_constants()
+    gc.collect()
+    assert host() is None

@@ -157,3 +157,29 @@ def test_bad_size_is_refused_with_advice(size):
 def test_bad_sharding_is_refused_with_advice():
     with pytest.raises(TypeError, match="NamedSharding"):
         autoopt.prefetch([], sharding="data")
+
+
+def test_packed_prefetch_reuses_a_small_ring_of_host_buffers_and_keeps_every_batch():
+    from autoopt import _placement
+
+    n = 40
+    src = [{"x": [np.full((8,), 100 * i + j, np.float32) for j in range(n)]} for i in range(24)]
+    got = list(autoopt.prefetch(iter(src), size=3))
+    for b, expected in zip(got, src):  # every batch still holds its own values (no overwrite)
+        assert_trees_equivalent(expected, b, exact=True)
+    pools = [p for (members, _), p in _placement._PREFETCH_POOLS.items() if len(members) == n]
+    assert len(pools) == 1
+    assert 1 <= len(pools[0]) <= _placement._PREFETCH_POOL_SIZE  # reused, not one a batch
+
+
+def test_a_pooled_buffer_a_device_array_still_holds_is_never_handed_out_again():
+    from autoopt import _placement
+
+    pool = _placement._Pool(np.float32, 16, size=2)
+    a = pool.get()
+    held = a  # stands for jax's reference while a computation reads the buffer
+    del a
+    b = pool.get()
+    assert b is not held
+    del b
+    assert pool.get() is not held

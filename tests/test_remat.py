@@ -11,7 +11,7 @@ import autoopt
 from autoopt import _remat_plan
 from autoopt._options import make_options
 from autoopt.passes import PassContext
-from autoopt.passes.remat import CPU_FLAGS, jit_options, remat
+from autoopt.passes.remat import CPU_FLAGS, fence_for, jit_options, remat
 from autoopt.testing import assert_trees_equivalent
 
 L, N, D = 6, 2048, 64  # 512 KiB per activation, ~6 MiB of residuals
@@ -57,14 +57,15 @@ def _remat_findings(fn, *args, **opts):
     return autoopt.explain(fn, *args, fallback="raise", **opts).by_kind("remat")
 
 
-def _planned(fn, *args, exact=False, **opts):
+def _planned(fn, *args, exact=False, default=False, **opts):
     """Run the pass on ``fn``'s program, check the rewrite type-checks and computes what
     ``jax.jit(fn)`` computes (compiled as autoopt compiles it), and return the findings.
-    Cheaper than going through ``optimize`` + ``explain``: no report compiles."""
+    Cheaper than going through ``optimize`` + ``explain``: no report compiles. ``default``:
+    without the XLA:CPU opt-in flag."""
     closed = jax.make_jaxpr(fn)(*args)
-    result = remat(closed, _ctx(**opts))
+    result = remat(closed, _ctx(default=default, **opts))
     jax.extend.core.check_jaxpr(result.jaxpr.jaxpr)
-    flags = CPU_FLAGS if jax.default_backend() == "cpu" else None
+    flags = CPU_FLAGS if jax.default_backend() == "cpu" and not default else None
     got = jax.jit(jax.extend.core.jaxpr_as_fun(result.jaxpr), compiler_options=flags)(
         *jax.tree_util.tree_leaves(args))
     expected = jax.tree_util.tree_leaves(jax.jit(fn)(*args))
@@ -84,8 +85,9 @@ def _peak(fn, *args):
 OPT_IN = {"compiler_options": CPU_FLAGS} if jax.default_backend() == "cpu" else {}
 
 
-def _ctx(**opts):
-    return PassContext(options=make_options(**{**OPT_IN, **opts}), backend=jax.default_backend())
+def _ctx(default=False, **opts):
+    return PassContext(options=make_options(**({} if default else OPT_IN), **opts),
+                       backend=jax.default_backend())
 
 
 # --- the backend flag ----------------------------------------------------------------------------
@@ -108,6 +110,84 @@ def test_remat_off_asks_for_no_compiler_options():
     assert jit_options(make_options(remat="auto"), "gpu") == {}
     # Not even by default on CPU: the flag aborts XLA:CPU on barriers inside scan bodies.
     assert jit_options(make_options(), "cpu") == {}
+
+
+def test_fence_is_a_conditional_on_cpu_by_default_and_a_barrier_with_the_flag_or_elsewhere():
+    assert fence_for("cpu", None) == "cond"
+    assert fence_for("cpu", {"xla_disable_hlo_passes": "foo,cse_barrier_expander"}) == "barrier"
+    assert fence_for("gpu", None) == fence_for("tpu", None) == "barrier"
+
+
+# --- XLA:CPU by default: recomputation inside conditionals ----------------------------------------
+
+def _cpu_only():
+    if jax.default_backend() != "cpu":
+        pytest.skip("the default XLA:CPU mechanism")
+
+
+def test_cpu_default_training_step_drops_compiled_memory_with_equal_gradients():
+    _cpu_only()
+    ps, x = _blocks()
+
+    def step(ps, x):
+        return jax.value_and_grad(block_loss)(ps, x)
+
+    opt = autoopt.optimize(step, fallback="raise", donate="off")
+    (f,) = opt.explain(ps, x).by_kind("remat")
+    assert f.applied and "conditionals" in f.details["mechanism"], f.message
+    assert f.details["recomputed_matmuls"] == 0
+    # The figure the pass measured is the figure of the program that runs.
+    assert _peak(opt, ps, x) <= 0.8 * _peak(jax.jit(step), ps, x)
+    assert " conditional(" in opt.lower(ps, x).compile().as_text()
+    assert_trees_equivalent(jax.jit(step)(ps, x), opt(ps, x))
+    assert_trees_equivalent(jax.jit(jax.grad(lambda ps: step(ps, x)[0]))(ps),
+                            jax.jit(jax.grad(lambda ps: opt(ps, x)[0]))(ps))
+
+
+def test_cpu_default_budget_recomputes_matmuls_with_bit_identical_weights():
+    _cpu_only()
+    ws, x = _params()
+    opt = autoopt.optimize(train_step, fallback="raise", memory_budget=1, donate="off")
+    assert _peak(opt, ws, x) <= 0.9 * _peak(jax.jit(train_step), ws, x)
+    (loss0, ws0), (loss1, ws1) = jax.jit(train_step)(ws, x), opt(ws, x)
+    assert_trees_equivalent(ws0, ws1, exact=True)
+    assert_trees_equivalent(loss0, loss1)
+
+
+def test_cpu_default_leaves_a_step_with_nothing_within_the_rule_alone():
+    _cpu_only()
+    ws, x = _params()
+    closed = jax.make_jaxpr(train_step)(ws, x)
+    result = remat(closed, _ctx(default=True))
+    assert result.jaxpr is closed and not result.changed
+    assert all(not f.applied for f in result.findings)
+
+
+def test_cpu_default_conditionals_inside_loops_branches_and_custom_vjp_run_and_match():
+    _cpu_only()
+    ws, x = _params(layers=4)
+    xs = jnp.stack([x, x * 0.5])
+
+    def in_scan(ws, xs):
+        return jax.lax.scan(lambda ws, xb: train_step(ws, xb)[::-1], ws, xs)
+
+    def in_cond(ws, x, p):
+        return jax.lax.cond(p, lambda: train_step(ws, x)[1], lambda: ws)
+
+    def custom(ws, x):
+        return jax.value_and_grad(_mixed_loss)(ws, x)
+
+    for fn, args in [(in_scan, (ws, xs)), (in_cond, (ws, x, jnp.bool_(True))), (custom, (ws, x))]:
+        # A forced policy applies without measuring: the conditionals are there to run.
+        fs = _planned(fn, *args, remat="nothing_saveable", default=True)
+        assert fs and fs[0].applied, (fn.__name__, fs)
+        assert "conditionals" in fs[0].details["mechanism"]
+    # Under an outer jit and grad: the conditionals are differentiated and batched like any.
+    opt = autoopt.optimize(train_step, fallback="raise", memory_budget=1, donate="off")
+    outer = jax.jit(jax.grad(lambda ws: opt(ws, x)[0]))
+    assert_trees_equivalent(jax.jit(jax.grad(lambda ws: train_step(ws, x)[0]))(ws), outer(ws))
+    assert_trees_equivalent(jax.vmap(lambda x: train_step(ws, x)[0])(xs[:, :64]),
+                            jax.vmap(lambda x: opt(ws, x)[0])(xs[:, :64]))
 
 
 # --- a training step that differentiates inside ---------------------------------------------------
@@ -299,15 +379,18 @@ def _clipped_bwd(y, g):
 _clipped_tanh.defvjp(_clipped_fwd, _clipped_bwd)
 
 
+def _mixed_loss(ws, x):
+    """Layers alternating a custom_vjp activation and tanh plus a stop_gradient term."""
+    h = x
+    for i, w in enumerate(ws):
+        z = h @ w
+        h = _clipped_tanh(z) if i % 2 else jnp.tanh(z) + jax.lax.stop_gradient(jnp.sin(z))
+    return jnp.mean(h**2)
+
+
 def test_custom_vjp_and_stop_gradient_keep_their_gradients():
     ws, x = _params()
-
-    def loss(ws, x):
-        h = x
-        for i, w in enumerate(ws):
-            z = h @ w
-            h = _clipped_tanh(z) if i % 2 else jnp.tanh(z) + jax.lax.stop_gradient(jnp.sin(z))
-        return jnp.mean(h**2)
+    loss = _mixed_loss
 
     def step(ws, x):
         return jax.value_and_grad(loss)(ws, x)

@@ -83,6 +83,21 @@ def test_memory_before_and_after_come_from_the_compiled_program():
     assert "+64.0 KiB" in change  # the alias column
 
 
+def test_explain_runs_the_users_python_once_and_keeps_static_arguments():
+    calls = []
+
+    def f(x, scale, *, shift):
+        calls.append(1)  # a Python side effect: runs at trace time only
+        return x * scale + shift
+
+    fast = autoopt.optimize(f, static_argnums=1, static_argnames="shift")
+    report = fast.explain(jnp.ones((64, 64)), 3.0, shift=1.0)
+    assert len(calls) == 1
+    assert report.memory["before"]["output_bytes"] == 64 * 64 * 4
+    fast(jnp.ones((64, 64)), 3.0, shift=1.0)  # the same signature: no new trace
+    assert len(calls) == 1
+
+
 def test_report_without_arguments_has_no_memory_section():
     assert "compiled memory" not in Report(findings=[]).render(color=False)
 

@@ -255,6 +255,27 @@ def _with_call_sites(findings: list[Finding], optimized) -> list[Finding]:
     return out
 
 
+def _replay_original(optimized, program):
+    """A function with the user's signature that evaluates the traced, unoptimized program."""
+    import functools
+
+    from jax import tree_util
+
+    from autoopt import _jaxpr, _trace
+
+    closed, out_tree = program.traced.closed, program.traced.out_tree
+    static_argnums, static_argnames = optimized._static_argnums, optimized._static_argnames
+
+    def replay(*args, **kwargs):
+        dyn, _statics = _trace.split_args(args, kwargs, static_argnums, static_argnames)
+        outs = _jaxpr.eval_closed(closed, *tree_util.tree_leaves(dyn))
+        return tree_util.tree_unflatten(out_tree, outs)
+
+    # jax.jit reads static_argnames/donate_argnames from the signature, through __wrapped__.
+    functools.update_wrapper(replay, optimized.__wrapped__, updated=())
+    return replay
+
+
 def _memory_before_after(optimized, args: tuple, kwargs: dict) -> dict[str, dict[str, int]]:
     import jax
 
@@ -263,9 +284,12 @@ def _memory_before_after(optimized, args: tuple, kwargs: dict) -> dict[str, dict
     out: dict[str, dict[str, int]] = {}
     jit_kwargs = {k: v for k, v in optimized._options.jit_kwargs.items()}
     try:
-        before = compiled_memory(jax.jit(optimized.__wrapped__, **jit_kwargs)
-                                 .lower(*args, **kwargs).compile())
         program = optimized._program_concrete(args, kwargs)
+        # "before": the program as traced, before any pass, under the user's own jit options.
+        # Replayed from the traced jaxpr rather than by tracing the user's function again, so
+        # explain() runs the function's Python (and its side effects) once, as a call does.
+        before = compiled_memory(jax.jit(_replay_original(optimized, program), **jit_kwargs)
+                                 .lower(*args, **kwargs).compile())
         if optimized._explicit_donation:
             jitted = optimized._plain
         else:

@@ -13,6 +13,14 @@ Where decisions are made:
    (sqrt(n) carries kept). A training step inside a ``scan``/``while``/``cond`` body is planned
    at that level.
 
+Keeping the recomputation apart from the forward, per backend (``fence_for``): behind
+``optimization_barrier``s on GPU/TPU, and on XLA:CPU inside ``lax.cond``s whose two branches are
+the same recomputation (``_remat_plan._cond_fenced``), because XLA:CPU expands barriers away
+before CSE (jax-ml/jax#19822) but does not CSE across computations nor fold the runtime
+predicate. A user who compiles with ``CPU_FLAGS`` gets barriers on CPU too. Forward programs
+(case 2) use ``jax.checkpoint``, whose barriers on CPU survive only in loop bodies or with the
+flag; candidates are always measured with the options the final program gets.
+
 Rule (``remat="auto"``): keep a plan only when the compiled peak (argument + output + temp -
 alias bytes, ``memory_analysis()``) drops by at least 20% for at most 10% more FLOPs
 (``cost_analysis()``), or when ``memory_budget`` requires it; with a budget, take the plan with
@@ -54,8 +62,9 @@ MIN_RESIDUAL_BYTES = 1 << 20
 MAX_COMPILES = 6            # candidates compiled per decision, the original not counted
 
 # XLA:CPU expands optimization barriers away before CSE (jax-ml/jax#19822), which merges every
-# recomputation back into the forward. Disabling that one pass keeps barriers, but it is NOT
-# applied by default: with it, XLA:CPU aborts the process (a C++ CHECK in
+# recomputation back into the forward; by default plans there recompute inside conditionals
+# instead (fence_for). Disabling that one pass keeps barriers, but it is NOT applied by
+# default: with it, XLA:CPU aborts the process (a C++ CHECK in
 # IrEmitter::HandleOptimizationBarrier) on a barrier inside a scan body, e.g. the gradient of a
 # user's own checkpointed scan (tests/regressions/test_remat_cpu_flag_aborts_on_checkpointed_scan.py).
 # A user may opt in with optimize(..., compiler_options=CPU_FLAGS); candidates are always
@@ -65,6 +74,16 @@ CPU_FLAGS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
 
 _POLICY_FACTORIES_WITHOUT_ARGS = ("save_only_these_names", "save_any_names_but_these",
                                   "save_anything_except_these_names")
+
+
+def fence_for(backend: str, compiler_options) -> str:
+    """How recomputation in the backward is kept apart from the forward on ``backend``:
+    ``"barrier"`` (``optimization_barrier``) where barriers survive, ``"cond"`` on XLA:CPU
+    unless the user compiles with ``CPU_FLAGS`` (see ``_remat_plan._cond_fenced``)."""
+    if backend != "cpu":
+        return "barrier"
+    disabled = str((compiler_options or {}).get("xla_disable_hlo_passes", ""))
+    return "barrier" if "cse_barrier_expander" in disabled.split(",") else "cond"
 
 
 def jit_options(options, backend: str) -> dict:
@@ -246,7 +265,7 @@ def _auto_order(cands: list[Candidate], est_base: float, total_flops: float) -> 
 # --- case 1: a program with its own backward ----------------------------------------------------
 
 def _joint_candidates(closed: ClosedJaxpr, g: _remat_plan.JointGraph, total: float,
-                      budget: int | None) -> tuple[list[Candidate], float]:
+                      budget: int | None, fence: str = "barrier") -> tuple[list[Candidate], float]:
     base = _remat_plan.cheap_plan(g)
     if budget is None:
         # Without a budget, never recompute a matmul or a reduction (as AOTAutograd's
@@ -262,8 +281,8 @@ def _joint_candidates(closed: ClosedJaxpr, g: _remat_plan.JointGraph, total: flo
     est_base = _remat_plan.estimate(g, [_remat_plan.Plan("none", frozenset())])[0].est_peak
 
     def cand(p: _remat_plan.Plan) -> Candidate:
-        return Candidate(p.name, lambda: _remat_plan.apply(closed, g, p.recompute), p.est_peak,
-                         p.est_flops, lambda: _remat_plan.describe(g, p.recompute))
+        return Candidate(p.name, lambda: _remat_plan.apply(closed, g, p.recompute, fence),
+                         p.est_peak, p.est_flops, lambda: _remat_plan.describe(g, p.recompute))
 
     cands = [cand(p) for p in plans if p.recompute]
     pairs = _remat_plan.scan_pairs(g) if budget is not None else []
@@ -282,26 +301,29 @@ def _joint_candidates(closed: ClosedJaxpr, g: _remat_plan.JointGraph, total: flo
 def _plan_joint(closed: ClosedJaxpr, g, ctx: PassContext, where: str) -> tuple[ClosedJaxpr, list[Finding]]:
     options = ctx.options
     total = _remat_plan.jaxpr_flops(closed)
-    measure = functools.partial(_measure_closed,
-                                compiler_options=ctx.options.jit_kwargs.get("compiler_options"))
+    compiler_options = ctx.options.jit_kwargs.get("compiler_options")
+    measure = functools.partial(_measure_closed, compiler_options=compiler_options)
+    fence = fence_for(ctx.backend, compiler_options)
+    mechanism = ("recompute in the backward behind optimization barriers" if fence == "barrier"
+                 else "recompute in the backward inside conditionals (XLA:CPU)")
     if options.remat not in ("auto", "off"):
         plan = _remat_plan.policy_plan(g, _policy(options.remat))
         if not plan.recompute:
             return closed, [Finding("remat", False, f"policy {options.remat!r} saves every "
                                     f"residual of {where}; nothing to recompute",
                                     location=ctx.fn_location)]
-        new = _remat_plan.apply(closed, g, plan.recompute)
-        details = {**_remat_plan.describe(g, plan.recompute), "policy": options.remat}
+        new = _remat_plan.apply(closed, g, plan.recompute, fence)
+        details = {**_remat_plan.describe(g, plan.recompute), "policy": options.remat,
+                   "mechanism": mechanism}
         before, after = _safe(measure, closed), _safe(measure, new)
         return new, [_finding(True, f"remat={options.remat!r} forced", where, ctx, before, after,
                               details, "policy", None)]
     if g.residual_bytes < MIN_RESIDUAL_BYTES and options.memory_budget is None:
         return closed, []
-    cands, est_base = _joint_candidates(closed, g, total, options.memory_budget)
+    cands, est_base = _joint_candidates(closed, g, total, options.memory_budget, fence)
     dec = _choose(_auto_order(cands, est_base, total), _pareto(cands), measure, closed,
                   options.memory_budget)
-    return _finish(closed, dec, where, ctx, mechanism="recompute in the backward behind "
-                   "optimization barriers")
+    return _finish(closed, dec, where, ctx, mechanism=mechanism)
 
 
 # --- case 2 and 3: a forward the user differentiates --------------------------------------------
