@@ -603,6 +603,7 @@ class OptimizedFunction:
         proof); the run-time half (no other reference, not deleted, no array twice) is
         re-checked on every fast call by ``_callsite.fast_hit``.
         """
+        host = False
         if _callsite.is_flat(args):
             sig = _callsite.flat_signature(args)
             is_donatable = _callsite.is_array
@@ -610,7 +611,7 @@ class OptimizedFunction:
             tree = _callsite.tree_signature(args)
             if tree is None:
                 return
-            sig = tree[0]
+            sig, host = tree[0], _callsite.has_host_leaves(tree[1])
             is_donatable = _callsite.all_array_leaves
         arrays = tuple(p for p in positions if p < len(args) and is_donatable(args[p]))
         pos: tuple = ()
@@ -623,10 +624,10 @@ class OptimizedFunction:
                 pos = program.donatable(arrays, ())[0]
             exclude = program.const_ids
         jitted = (self._jits.get((pos, ())) or self._jit_for(pos, ())) if pos else self._plain
-        # No leaf is a NumPy array, so the placer has nothing to place; it only counts Python
-        # scalars as implicit transfers, which this first (general) call already did. So the
-        # fast path skips it unless an option makes it act on every call (~0.3 us a call).
-        placer = self._placer if self._placer_every_call else None
+        # Without a NumPy leaf the placer has nothing to place; it only counts Python scalars as
+        # implicit transfers, which this first (general) call already did. So the fast path
+        # skips it unless an option makes it act on every call (~0.3 us a call).
+        placer = self._placer if self._placer_every_call or host else None
         # ... or when the program has large constants the placer passes as arguments
         if placer is None and self._placer is not None and self._placer.hoists(
                 program or self._program_concrete(args, {})):

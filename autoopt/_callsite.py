@@ -476,9 +476,14 @@ def flat_signature(args: tuple) -> tuple:
     return tuple([a.aval if type(a) is _ARRAY_IMPL else type(a) for a in args])
 
 
+_HOST_LEAVES = (np.ndarray, np.float32, np.float64, np.int32, np.int64, np.bool_, np.float16)
+
+
 def tree_signature(args: tuple) -> tuple[tuple, list] | None:
-    """``(signature, leaves)`` of pytree positional arguments, or None when a leaf is neither a
-    jax array nor a Python scalar (NumPy, tracers, anything else: the general path decides)."""
+    """``(signature, leaves)`` of pytree positional arguments, or None when a leaf is not a jax
+    array, a Python scalar, or a NumPy array or scalar (tracers, anything else: the general path
+    decides). NumPy leaves are never donated; they are in the signature by shape and dtype, as
+    jax.jit sees them (a batch fed from the host to a step that rebinds its state)."""
     leaves, treedef = jax.tree_util.tree_flatten(args)
     sig = []
     for x in leaves:
@@ -487,9 +492,15 @@ def tree_signature(args: tuple) -> tuple[tuple, list] | None:
             sig.append(x.aval)
         elif t in _FLAT_SCALARS:
             sig.append(t)
+        elif t in _HOST_LEAVES:
+            sig.append((t, x.shape, x.dtype))
         else:
             return None
     return (treedef, tuple(sig)), leaves
+
+
+def has_host_leaves(leaves: list) -> bool:
+    return any(type(x) in _HOST_LEAVES for x in leaves)
 
 
 def is_array(x) -> bool:

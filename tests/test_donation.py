@@ -571,3 +571,19 @@ def test_a_call_with_another_shape_than_written_is_not_donated():
         x = g(x)  # f receives (w, x): two positional arguments where one was written
     assert not g.args[0].is_deleted()
     np.testing.assert_array_equal(x, 3 * np.ones(3))
+
+
+def test_fast_path_with_numpy_batches_donates_the_state_and_keeps_placing():
+    f = autoopt.optimize(lambda w, b, table: w + b["x"].sum() + table.sum())
+    table = np.ones((8, 8), np.float32)
+    table.flags.writeable = False  # a read-only host constant: placed once, by the placer
+    w = jnp.zeros(3) + 0
+    pointer = w.unsafe_buffer_pointer()
+    for i in range(6):
+        b = {"x": np.full((4,), float(i), np.float32)}
+        w = f(w, b, table)
+        assert w.unsafe_buffer_pointer() == pointer
+    assert _fast_entries(f) == 1
+    assert f._placer.stats.constants_placed == 1
+    assert f._placer.stats.cached >= 6  # every call served the table from the cache
+    np.testing.assert_allclose(w, (4 * sum(range(6)) + 6 * 64) * np.ones(3))
