@@ -31,5 +31,6 @@ def __getattr__(name):
     if name in ("prefetch", "constant"):
         import importlib
 
-        return getattr(importlib.import_module("autoopt._placement"), name)
+        module = "autoopt._prefetch" if name == "prefetch" else "autoopt._placement"
+        return getattr(importlib.import_module(module), name)
     raise AttributeError(f"module 'autoopt' has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""Host inputs, host constants, prefetch and transfer accounting.
+"""Host inputs, host constants and transfer accounting (``autoopt.prefetch``: ``_prefetch``).
 
 Host-to-device traffic is what autoopt exists to cut; this module removes what it can from the
 call path and counts what is left.
@@ -43,9 +43,8 @@ The call path stays lean: a function whose calls have shown no host arrays is ch
 calls and then one call in 32 (an increment and a mask test otherwise); once host arrays are seen,
 every call is scanned (a flatten and a type test a leaf, far cheaper than the transfer it saves).
 
-NB: the analogues are flax's ``jax_utils.prefetch_to_device`` and the JAX training cookbook's
-double-buffered input pipeline (for ``prefetch``), and ``torch.utils.data``'s pinned-memory
-collation (for packing host batches into one buffer).
+NB: the analogue is ``torch.utils.data``'s pinned-memory collation (packing host batches into
+one buffer).
 """
 
 from __future__ import annotations
@@ -53,12 +52,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import queue
 import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 import jax
@@ -70,7 +67,6 @@ from autoopt import _trace
 log = logging.getLogger("autoopt")
 
 __all__ = [
-    "prefetch",
     "constant",
     "Constant",
     "Placer",
@@ -1313,198 +1309,3 @@ def with_hoisted_consts(closed, hoisted: _Hoisted | None):
             return closed
     consts = [passed.get(id(c), c) for c in closed.consts]
     return closed.replace(consts=consts)
-
-
-# --- prefetch ---------------------------------------------------------------------------------------------
-
-# One jitted identity places every host leaf of a batch in one dispatch through jit's C++ argument
-# path: ~5.6 us a leaf on XLA:CPU, against ~26 us a leaf for jax.device_put(list).
-_identity = jax.jit(lambda *xs: xs)
-
-
-def _unpacker(members: tuple):
-    """A jitted function slicing one packed buffer back into its leaves (cached per layout)."""
-    fn = _UNPACKERS.get(members)
-    if fn is None:
-        def split(buf):
-            return tuple(jax.lax.slice(buf, (off,), (off + size,)).reshape(shape)
-                         for _i, off, size, shape in members)
-        fn = _UNPACKERS[members] = jax.jit(split)
-    return fn
-
-
-_UNPACKERS: dict[tuple, Any] = {}
-# A small ring of host buffers a layout, reused once jax has let go of them (_Pool): a fresh
-# buffer a batch costs page faults on every batch.
-_PREFETCH_POOLS: dict[tuple, _Pool] = {}
-_PREFETCH_POOL_SIZE = 4
-
-
-def _prefetch_pool(members: tuple, dtype, total: int) -> _Pool:
-    key = (members, np.dtype(dtype))
-    pool = _PREFETCH_POOLS.get(key)
-    if pool is None:
-        if len(_PREFETCH_POOLS) >= 16:  # ever new layouts: keep memory bounded
-            _PREFETCH_POOLS.clear()
-        pool = _PREFETCH_POOLS[key] = _Pool(dtype, total, _PREFETCH_POOL_SIZE)
-    return pool
-# Many tiny leaves: one packed buffer and a jitted split beat one jit argument a leaf
-# (1000 leaves of f32[256]: 2.0 ms against 5.2 ms on XLA:CPU).
-_PREFETCH_PACK_MIN_LEAVES = 16
-_PREFETCH_PACK_MAX_MEAN_BYTES = 8 * 1024
-
-
-def place_batch(batch, sharding=None):
-    """``batch`` with every NumPy leaf on the device (or split over ``sharding``), in one batched
-    placement. jax arrays and Python scalars are returned as they are."""
-    leaves, treedef = tree_util.tree_flatten(batch)
-    host = [i for i, x in enumerate(leaves)
-            if type(x) in _NDARRAY_TYPES or isinstance(x, np.generic)]
-    if not host:
-        return batch
-    xs = [leaves[i] for i in host]
-    if sharding is not None:
-        placed = jax.device_put(xs, sharding)
-    elif len(xs) == 1:
-        placed = [jax.device_put(xs[0])]
-    elif (len(xs) >= _PREFETCH_PACK_MIN_LEAVES
-          and sum(x.nbytes for x in xs) / len(xs) <= _PREFETCH_PACK_MAX_MEAN_BYTES
-          and len({x.dtype for x in xs}) == 1):
-        members, off = [], 0
-        for i, x in enumerate(xs):
-            members.append((i, off, int(x.size), tuple(x.shape)))
-            off += int(x.size)
-        members = tuple(members)
-        buf = _prefetch_pool(members, xs[0].dtype, off).get()
-        np.concatenate(xs, axis=None, out=buf)
-        placed = _unpacker(members)(buf)
-        del buf  # the pool's free test counts references
-    else:
-        placed = _identity(*xs)
-    for i, p in zip(host, placed):
-        leaves[i] = p
-    return tree_util.tree_unflatten(treedef, leaves)
-
-
-class _End:
-    pass
-
-
-class _Failure:
-    __slots__ = ("error",)
-
-    def __init__(self, error: BaseException):
-        self.error = error
-
-
-_END = _End()
-
-
-def _prefetch_worker(source: Iterator, q: queue.Queue, stop: threading.Event, sharding) -> None:
-    """Pull, place, enqueue; never holds a reference to the consumer's iterator object, so the
-    consumer can be garbage-collected (which stops this thread)."""
-
-    def put(item) -> bool:
-        while not stop.is_set():
-            try:
-                q.put(item, timeout=0.05)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    try:
-        while not stop.is_set():
-            try:
-                batch = next(source)
-            except StopIteration:
-                put(_END)
-                return
-            if not put(place_batch(batch, sharding)):
-                return
-    except BaseException as e:  # noqa: BLE001 - surfaces in the consumer, with its traceback
-        put(_Failure(e))
-    finally:
-        close = getattr(source, "close", None)
-        if stop.is_set() and callable(close):
-            try:
-                close()
-            except Exception:  # noqa: BLE001 - the consumer is gone; nothing to report to
-                pass
-
-
-class Prefetch(Iterator):
-    """The iterator ``prefetch`` returns. Iterate it; ``close()`` (or leaving a ``with`` block,
-    or dropping it) stops the background thread."""
-
-    def __init__(self, source: Iterator, size: int, sharding):
-        self._queue: queue.Queue = queue.Queue(maxsize=size)
-        self._stop = threading.Event()
-        self._done = False
-        self.thread = threading.Thread(
-            target=_prefetch_worker, args=(source, self._queue, self._stop, sharding),
-            name="autoopt-prefetch", daemon=True)
-        self.thread.start()
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        if self._done:
-            raise StopIteration
-        item = self._queue.get()
-        if item is _END:
-            self._done = True
-            raise StopIteration
-        if isinstance(item, _Failure):
-            self._done = True
-            self.close()
-            raise item.error
-        return item
-
-    def close(self) -> None:
-        """Stop the background thread; pending placed batches are dropped."""
-        self._done = True
-        self._stop.set()
-        try:
-            while True:
-                self._queue.get_nowait()
-        except queue.Empty:
-            pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        stop = getattr(self, "_stop", None)
-        if stop is not None:
-            stop.set()
-
-
-def prefetch(iterable: Iterable, size: int = 2, sharding=None) -> Prefetch:
-    """Iterate ``iterable`` with its batches placed on the device ``size`` batches ahead.
-
-    A background thread pulls each batch (any pytree), places its NumPy leaves in one batched
-    placement (on the default device, or split over ``sharding``, a ``jax.sharding.Sharding`` or
-    ``jax.Device``, e.g. ``NamedSharding(mesh, P("data"))`` to split the batch dimension across a
-    mesh), and queues it, while the consumer's previous step runs. Order is preserved; an
-    exception raised by the source iterator (or by placement) is raised in the consumer at the
-    batch where it happened; the thread ends when the source is exhausted, when the consumer calls
-    ``close()`` or leaves a ``with`` block, or when the iterator is garbage-collected (a ``break``
-    out of a ``for`` loop over it). jax arrays and Python scalars in a batch pass through as they
-    are.
-
-    As flax's ``jax_utils.prefetch_to_device`` and the JAX training cookbook's input pipeline, in
-    a thread: the source's own Python work (decoding, augmentation) also overlaps the step.
-    Transfer guards apply as usual; note that device-to-host guards do not fire on XLA:CPU.
-    """
-    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        raise ValueError(f"prefetch(size={size!r}): size is how many batches to place ahead; "
-                         "pass an int >= 1 (2 double-buffers).")
-    if sharding is not None and not isinstance(sharding, jax.sharding.Sharding | jax.Device):
-        raise TypeError(f"prefetch(sharding={sharding!r}): pass a jax.sharding.Sharding (e.g. "
-                        "NamedSharding(mesh, P('data'))), a jax.Device, or None.")
-    return Prefetch(iter(iterable), size, sharding)

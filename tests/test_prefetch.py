@@ -160,16 +160,16 @@ def test_bad_sharding_is_refused_with_advice():
 
 
 def test_packed_prefetch_reuses_a_small_ring_of_host_buffers_and_keeps_every_batch():
-    from autoopt import _placement
+    from autoopt import _prefetch
 
     n = 40
     src = [{"x": [np.full((8,), 100 * i + j, np.float32) for j in range(n)]} for i in range(24)]
     got = list(autoopt.prefetch(iter(src), size=3))
     for b, expected in zip(got, src):  # every batch still holds its own values (no overwrite)
         assert_trees_equivalent(expected, b, exact=True)
-    pools = [p for (members, _), p in _placement._PREFETCH_POOLS.items() if len(members) == n]
+    pools = [p for (members, _), p in _prefetch._PREFETCH_POOLS.items() if len(members) == n]
     assert len(pools) == 1
-    assert 1 <= len(pools[0]) <= _placement._PREFETCH_POOL_SIZE  # reused, not one a batch
+    assert 1 <= len(pools[0]) <= _prefetch._PREFETCH_POOL_SIZE  # reused, not one a batch
 
 
 def test_a_pooled_buffer_a_device_array_still_holds_is_never_handed_out_again():
