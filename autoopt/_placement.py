@@ -1194,9 +1194,8 @@ def _recompile_findings(optimized, site) -> list:
 
     groups: dict[tuple, list] = {}
     for key, program in list(optimized._programs.items()):
-        in_tree, statics, nargs, types, context = key  # _trace.signature_key
-        shapes = tuple(getattr(t, "shape", None) for t in types)
-        groups.setdefault((in_tree, statics, nargs, shapes, context), []).append((types, program))
+        shapes = tuple(getattr(t, "shape", None) for t in key.types)  # key: _trace.Signature
+        groups.setdefault(key._replace(types=shapes), []).append((key.types, program))
     out = []
     for members in groups.values():
         if len(members) < 2:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from jax import tree_util
@@ -59,11 +59,21 @@ def leaf_type(x: Any):
     return jax.typeof(x)
 
 
-def signature_key(dyn_leaves: Sequence[Any], in_tree, statics, nargs: int) -> tuple:
+class Signature(NamedTuple):
+    """What one traced program is for (a key of ``OptimizedFunction._programs``)."""
+
+    in_tree: Any
+    statics: tuple
+    nargs: int
+    types: tuple  # one ShapedArray (or Python scalar type) a dynamic leaf
     # The trace context as jax.jit's own cache key has it: enable_x64 or a dtype-promotion mode
     # switched after a call changes the program, so it must find a new one.
-    return (in_tree, statics, nargs, tuple(leaf_type(x) for x in dyn_leaves),
-            _compat.trace_context())
+    context: Any
+
+
+def signature_key(dyn_leaves: Sequence[Any], in_tree, statics, nargs: int) -> Signature:
+    return Signature(in_tree, statics, nargs, tuple(leaf_type(x) for x in dyn_leaves),
+                     _compat.trace_context())
 
 
 def _param_names(fn: Callable) -> tuple[list[str], str | None]:
