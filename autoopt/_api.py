@@ -596,8 +596,8 @@ class OptimizedFunction:
 
     def _remember_fast(self, fast: dict, program: _Program | None, positions: tuple,
                        args: tuple, unpack: int | None) -> None:
-        """Record, for a call of positional arguments whose leaves are all jax arrays or Python
-        scalars, which of ``positions`` this signature donates.
+        """Record, for a call of positional arguments whose leaves are all jax arrays, Python
+        scalars or NumPy arrays, which of ``positions`` this signature donates.
 
         Only the static half of the decision is cached (the program's aliasing, the call site's
         proof); the run-time half (no other reference, not deleted, no array twice) is
@@ -613,28 +613,22 @@ class OptimizedFunction:
                 return
             sig, host = tree[0], _callsite.has_host_leaves(tree[1])
             is_donatable = _callsite.all_array_leaves
+        program = program or self._program_concrete(args, {})
+        if program is None:
+            return  # the program captured an outer tracer: never cached
         arrays = tuple(p for p in positions if p < len(args) and is_donatable(args[p]))
-        pos: tuple = ()
-        exclude: frozenset[int] = frozenset()
-        if arrays:
-            program = program or self._program_concrete(args, {})
-            if program is None:
-                return  # the program captured an outer tracer: never cached
-            if program.unpacks_to(unpack):
-                pos = program.donatable(arrays, ())[0]
-            exclude = program.const_ids
+        pos = program.donatable(arrays, ())[0] if arrays and program.unpacks_to(unpack) else ()
         jitted = (self._jits.get((pos, ())) or self._jit_for(pos, ())) if pos else self._plain
-        # Without a NumPy leaf the placer has nothing to place; it only counts Python scalars as
-        # implicit transfers, which this first (general) call already did. So the fast path
-        # skips it unless an option makes it act on every call (~0.3 us a call).
-        placer = self._placer if self._placer_every_call or host else None
-        # ... or when the program has large constants the placer passes as arguments
-        if placer is None and self._placer is not None and self._placer.hoists(
-                program or self._program_concrete(args, {})):
-            placer = self._placer
-        # ``exclude``: the program's own constants, never donated; under "safe" the reference
-        # counts already refuse them (the program holds one), "auto" compares identities.
-        fast[sig] = (jitted, pos, placer, exclude)
+        # The placer stays in the call for NumPy leaves, for large constants it passes as
+        # arguments, and when an option makes it act on every call. Otherwise it has nothing to
+        # do: it only counts Python scalars as implicit transfers, which this first (general)
+        # call already did, so the fast path skips it (~0.3 us a call).
+        placer = self._placer
+        if placer is not None and not (self._placer_every_call or host or placer.hoists(program)):
+            placer = None
+        # The program's own constants are never donated: under "safe" the reference counts
+        # already refuse them (the program holds one); "auto" compares identities (fast_hit).
+        fast[sig] = (jitted, pos, placer, program.const_ids)
 
     def _concrete_key(self, args: tuple, kwargs: dict) -> tuple:
         """Signature of concrete arguments, for finding their program without tracing.

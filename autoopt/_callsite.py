@@ -49,14 +49,11 @@ class CallSiteProof:
     def any(self) -> bool:
         return bool(self.positions or self.names)
 
-    def matches(self, args: tuple, kwargs: dict, shift: int = 0) -> bool:
-        """This call passes what the statement wrote (``shift``: a bound instance in front)."""
-        if self.n_positional is not None and len(args) != self.n_positional + shift:
+    def matches(self, args: tuple, kwargs: dict) -> bool:
+        """This call passes what the statement wrote (for a method: without the instance)."""
+        if self.n_positional is not None and len(args) != self.n_positional:
             return False
         return self.keywords is None or self.keywords == kwargs.keys()
-
-
-NO_PROOF = CallSiteProof()
 
 
 def _target_names(target: ast.AST) -> set[str]:

@@ -146,6 +146,13 @@ def set_subjaxpr(params: dict, name: str, idx: int | None, new_sub) -> None:
         params[name] = tuple(seq)
 
 
+def initial_env(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> dict[Any, Any]:
+    """Var -> value for a jaxpr's constants and inputs: where every evaluation loop starts."""
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    return env
+
+
 def interpret(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any],
               rules: Mapping[Primitive, Rule], state: _State | None = None) -> list[Any]:
     """Evaluate ``jaxpr`` in the current trace, applying ``rules``.
@@ -154,7 +161,7 @@ def interpret(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any],
     sub-jaxprs are rewritten with the same rules.
     """
     state = state or _State()
-    env: dict[Any, Any] = {}
+    env = initial_env(jaxpr, consts, args)
 
     def read(v):
         return v.val if isinstance(v, Literal) else env[v]
@@ -163,10 +170,6 @@ def interpret(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any],
         if not isinstance(v, jax.extend.core.DropVar):
             env[v] = val
 
-    for v, val in zip(jaxpr.constvars, consts):
-        write(v, val)
-    for v, val in zip(jaxpr.invars, args):
-        write(v, val)
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
         new_params = _rewritten_params(eqn, rules)

@@ -106,11 +106,7 @@ def checkpoint_segments(closed: ClosedJaxpr, bounds: Sequence[int], policy,
         later_uses[s_idx] = used
 
     def fn(*args):
-        env: dict = {}
-        for v, val in zip(j.constvars, closed.consts):
-            env[v] = val
-        for v, val in zip(j.invars, args):
-            env[v] = val
+        env = _jaxpr.initial_env(j, closed.consts, args)
 
         def read(v, local=None):
             if isinstance(v, Literal):

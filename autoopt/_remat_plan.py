@@ -631,7 +631,7 @@ def apply(closed: ClosedJaxpr, g: JointGraph, recompute: Iterable[int],
                     escaping.add(u)
 
     def fn(*args):
-        env: dict = {}
+        env = _jaxpr.initial_env(j, closed.consts, args)
         renv: dict = {}
 
         def read(v, recomputed: bool):
@@ -641,10 +641,6 @@ def apply(closed: ClosedJaxpr, g: JointGraph, recompute: Iterable[int],
                 return renv[v]
             return env[v]
 
-        for v, val in zip(j.constvars, closed.consts):
-            env[v] = val
-        for v, val in zip(j.invars, args):
-            env[v] = val
         skip: set = set()
         for t, e in enumerate(eqns):
             if t in s.dead or t in skip:
@@ -909,11 +905,7 @@ def apply_scan_checkpoints(closed: ClosedJaxpr, g: JointGraph, pairs: Sequence[S
     by_bwd = {p.bwd: p for p in pairs}
 
     def fn(*args):
-        env: dict = {}
-        for v, val in zip(j.constvars, closed.consts):
-            env[v] = val
-        for v, val in zip(j.invars, args):
-            env[v] = val
+        env = _jaxpr.initial_env(j, closed.consts, args)
 
         def read(v):
             return v.val if isinstance(v, Literal) else env[v]
