@@ -851,21 +851,30 @@ def describe(g: JointGraph, recompute: Iterable[int], limit: int = 8) -> dict[st
     for b in s.blocks.values():
         kept.extend(v for v in b.externals if v in g.producer and v not in kept)
 
-    def lines(vs, what):
+    recomputed_eqns = sorted({p for b in s.blocks.values() for p in b.eqns})
+
+    def lines(vs, what, run=()):
+        # Per source line: the values (and bytes) the backward reads, the primitives and FLOPs
+        # of every equation ``run`` there (a recomputed matmul whose output the backward never
+        # reads itself still shows, with its cost).
         out: dict[str, list] = {}
         for v in vs:
-            loc = g.location(g.producer[v]) or "?"
-            entry = out.setdefault(loc, [0, 0, set()])
+            entry = out.setdefault(g.location(g.producer[v]) or "?", [0, 0, set(), 0.0])
             entry[0] += 1
             entry[1] += aval_bytes(v.aval)
-            entry[2].add(eqns[g.producer[v]].primitive.name)
-        rows = sorted(out.items(), key=lambda kv: -kv[1][1])[:limit]
-        return [{"location": loc, "values": n, "bytes": b, "primitives": sorted(p), "what": what}
-                for loc, (n, b, p) in rows]
+            if not run:
+                entry[2].add(eqns[g.producer[v]].primitive.name)
+        for p in run:
+            entry = out.setdefault(g.location(p) or "?", [0, 0, set(), 0.0])
+            entry[2].add(eqns[p].primitive.name)
+            entry[3] += g.flops[p]
+        rows = sorted(out.items(), key=lambda kv: (-kv[1][1], -kv[1][3]))[:limit]
+        return [{"location": loc, "values": n, "bytes": b, "primitives": sorted(p), "what": what,
+                 **({"flops": f} if run else {})}
+                for loc, (n, b, p, f) in rows]
 
-    recomputed_eqns = sorted({p for b in s.blocks.values() for p in b.eqns})
     return {
-        "recomputed": lines(rec_res, "recomputed"),
+        "recomputed": lines(rec_res, "recomputed", recomputed_eqns),
         "kept": lines(kept, "kept"),
         "recomputed_bytes": sum(aval_bytes(v.aval) for v in rec_res),
         "kept_bytes": sum(aval_bytes(v.aval) for v in set(kept)),

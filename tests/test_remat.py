@@ -133,10 +133,19 @@ def test_cpu_default_training_step_drops_compiled_memory_with_equal_gradients():
         return jax.value_and_grad(block_loss)(ps, x)
 
     opt = autoopt.optimize(step, fallback="raise", donate="off")
-    (f,) = opt.explain(ps, x).by_kind("remat")
+    report = opt.explain(ps, x)
+    (f,) = report.by_kind("remat")
     assert f.applied and "conditionals" in f.details["mechanism"], f.message
     # Matmuls may be recomputed without a budget, within the rule's FLOPs cap only.
     assert f.details["after"]["flops"] <= 1.1 * f.details["before"]["flops"]
+    # The report names every recomputed operation by source line with the FLOPs it adds: a
+    # recomputed matmul shows (the codemod reads these primitives to choose its policy).
+    rows = f.details["recomputed"]
+    assert all(r["flops"] > 0 and "test_remat.py" in r["location"] for r in rows)
+    assert any("dot_general" in r["primitives"] for r in rows) == (
+        f.details["recomputed_matmuls"] > 0)
+    text = report.render(color=False)
+    assert "what the backward recomputes and keeps" in text and "added FLOPs" in text
     # The figure the pass measured is the figure of the program that runs.
     assert _peak(opt, ps, x) <= 0.8 * _peak(jax.jit(step), ps, x)
     assert " conditional(" in opt.lower(ps, x).compile().as_text()

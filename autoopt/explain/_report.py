@@ -319,6 +319,7 @@ def _render(report: Report, console: Any) -> None:
         console.print(Text(f"fell back to plain jax.jit: {report.fallback}", style="red"))
     _render_summary(report, console)
     _render_memory(report, console)
+    _render_remat(report, console)
     diff = report.diff
     if diff:
         console.print()
@@ -387,6 +388,41 @@ def _render_summary(report: Report, console: Any) -> None:
             f.message,
         )
     console.print(table)
+
+
+def _render_remat(report: Report, console: Any) -> None:
+    """Per remat decision: what the backward recomputes and what it keeps, by source line, with
+    the bytes and the FLOPs the recomputation adds (from the finding's details)."""
+    from rich.table import Table
+    from rich.text import Text
+
+    for f in report.findings:
+        rows = [*(f.details.get("recomputed") or ()), *(f.details.get("kept") or ())]
+        if f.kind != "remat" or not f.applied or not rows:
+            continue
+        console.print()
+        plan = f.details.get("plan", "?")
+        console.print(Text(f"remat plan {plan} ({f.details.get('mechanism', '?')}): what the "
+                           "backward recomputes and keeps", style="bold"))
+        table = Table(box=None, pad_edge=False, expand=False, show_edge=False)
+        for col, right in (("", False), ("source line", False), ("values", True),
+                           ("bytes", True), ("added FLOPs", True)):
+            table.add_column(col, justify="right" if right else "left", no_wrap=True)
+        table.add_column("operations", overflow="fold", ratio=1)
+        for r in rows:
+            flops = r.get("flops")
+            table.add_row(r.get("what", ""), _short_loc(r.get("location")),
+                          str(r.get("values", "")), _fmt_bytes(r.get("bytes") or 0),
+                          "-" if flops is None else _fmt_count(flops),
+                          "/".join(r.get("primitives", ())))
+        console.print(table)
+
+
+def _fmt_count(n: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f}"
 
 
 def _render_memory(report: Report, console: Any) -> None:
