@@ -31,6 +31,6 @@ def __getattr__(name):
     if name in ("prefetch", "constant"):
         import importlib
 
-        module = "autoopt._prefetch" if name == "prefetch" else "autoopt._placement"
+        module = "autoopt._prefetch" if name == "prefetch" else "autoopt._host_constants"
         return getattr(importlib.import_module(module), name)
     raise AttributeError(f"module 'autoopt' has no attribute {name!r}")

@@ -353,10 +353,10 @@ class OptimizedFunction:
         fn = self.__wrapped__
 
         def wrapper(*args, **kwargs):
-            # large constants the placer passes as device arguments (see _placement)
+            # large constants the placer passes as device arguments (see _hoist)
             hoisted = kwargs.pop("_autoopt_hoisted", None) if kwargs else None
             if "_autoopt_packed" in kwargs:  # host leaves the placer packed: slice them back
-                from autoopt._placement import unpack
+                from autoopt._packing import unpack
 
                 args, kwargs = unpack(args, kwargs)
             if _compat.jit_disabled():
@@ -438,8 +438,8 @@ class OptimizedFunction:
 
     def _evaluate(self, program: _Program, leaves: list, hoisted=None) -> list:
         final, original = program.final, program.traced.closed
-        if self._placer is not None:  # large constants become device arguments (_placement)
-            from autoopt._placement import with_hoisted_consts
+        if self._placer is not None:  # large constants become device arguments (_hoist)
+            from autoopt._hoist import with_hoisted_consts
 
             final = with_hoisted_consts(final, hoisted)
         try:
@@ -658,7 +658,7 @@ class OptimizedFunction:
                 # jax.jit may answer .trace from its own cache without running our wrapper, so
                 # take the program from the trace-side cache first, then from this thread's last.
                 self._tls.last_program = None
-                if self._placer is not None:  # may stop at large constants (see _placement)
+                if self._placer is not None:  # may stop at large constants (see _hoist)
                     self._placer.trace_only(self._plain, args, kwargs)
                 else:
                     self._plain.trace(*args, **kwargs)
@@ -729,7 +729,7 @@ class OptimizedFunction:
             raise ValueError("explain() cannot run on arguments traced by an enclosing "
                              "transformation; call it with concrete arrays.")
         report = Report.from_program(self, program, args=args, kwargs=kwargs)
-        from autoopt._placement import findings_for
+        from autoopt._placement_findings import findings_for
 
         report.add_findings(findings_for(self, program, args, kwargs))
         return report

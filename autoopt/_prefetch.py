@@ -23,7 +23,8 @@ import jax
 import numpy as np
 from jax import tree_util
 
-from autoopt._placement import _NDARRAY_TYPES, _Pool
+from autoopt._host_arrays import _NDARRAY_TYPES
+from autoopt._packing import _Pool
 
 __all__ = ["prefetch", "Prefetch", "place_batch"]
 

@@ -1,4 +1,5 @@
-"""Host inputs, host constants, scalar canonicalization and the transfer guard (autoopt._placement).
+"""Host inputs, host constants, scalar canonicalization and the transfer guard (autoopt._placement,
+_packing, _host_constants, _hoist).
 
 Reference is always the original function under ``jax.jit``. Transfer counts are read from JAX's
 own transfer-guard log (``jax.transfer_guard_host_to_device("log")`` writes one line a transfer
@@ -21,7 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import autoopt
-from autoopt import _placement
+from autoopt import _host_arrays, _host_constants, _packing, _placement
 from autoopt.testing import assert_trees_equivalent
 
 
@@ -94,7 +95,7 @@ def test_pooled_host_buffers_are_never_overwritten_under_a_running_step():
     for b, out in zip(batches, outs):
         assert_trees_equivalent(jax.jit(slow)(b), out)
     (layout, _, _), = [v for v in opt._placer._layouts.values() if v[0] is not None]
-    assert 1 <= len(layout.pools[0]) <= _placement._POOL_SIZE  # reused, not one a call
+    assert 1 <= len(layout.pools[0]) <= _packing._POOL_SIZE  # reused, not one a call
 
 
 def test_strided_zero_dim_and_scalar_numpy_leaves_keep_their_values():
@@ -111,7 +112,7 @@ def test_strided_zero_dim_and_scalar_numpy_leaves_keep_their_values():
 
 
 def test_large_aligned_array_is_left_to_jits_zero_copy_path():
-    big = _placement.aligned_empty(1 << 18, np.float32).reshape(512, 512)
+    big = _host_arrays.aligned_empty(1 << 18, np.float32).reshape(512, 512)
     big[...] = 1.0
     small = [np.ones(3, np.float32), np.ones(3, np.float32)]
 
@@ -210,12 +211,12 @@ def _tune_with(monkeypatch, opt, args, jit_s, pack_s):
     checking every call's values against jax.jit."""
     def fake(trial, out, t0):
         layout, strategy, pos = trial
-        if pos == _placement._TUNE_RUN - 1:  # the end of a run
+        if pos == _packing._TUNE_RUN - 1:  # the end of a run
             layout.record(strategy, jit_s if strategy == "jit" else pack_s)
 
     monkeypatch.setattr(_placement, "_time_trial", fake)
     ref = jax.jit(_step)(*args)
-    for _ in range(2 * (_placement._TUNE_SAMPLES + 1) * _placement._TUNE_RUN):
+    for _ in range(2 * (_packing._TUNE_SAMPLES + 1) * _packing._TUNE_RUN):
         assert_trees_equivalent(ref, opt(*args))
     (layout,) = [hit[0] for hit in opt._placer._layouts.values() if hit[0] is not None]
     return layout
@@ -243,11 +244,11 @@ def test_auto_tuning_on_real_timings_settles_and_keeps_every_value():
     w, feats = jnp.eye(8), _feats(n=8)
     opt = autoopt.optimize(_step, donate="off", fallback="raise")
     ref = jax.jit(_step)(w, feats)
-    for _ in range(2 * (_placement._TUNE_SAMPLES + 1) * _placement._TUNE_RUN):
+    for _ in range(2 * (_packing._TUNE_SAMPLES + 1) * _packing._TUNE_RUN):
         assert_trees_equivalent(ref, opt(w, feats))
     (layout,) = [hit[0] for hit in opt._placer._layouts.values() if hit[0] is not None]
     assert layout.mode in ("jit", "pack")
-    assert all(len(t) == _placement._TUNE_SAMPLES + 1 for t in layout.timings.values())
+    assert all(len(t) == _packing._TUNE_SAMPLES + 1 for t in layout.timings.values())
 
 
 def test_auto_never_packs_a_few_leaves_and_never_tunes_them():
@@ -283,7 +284,7 @@ def test_constant_served_by_the_fast_path_is_placed_again_after_explicit_donatio
     x = jnp.ones(16)
     for _ in range(3):
         opt(t, x)
-    _placement._CONSTANTS[(id(t), None)].device.delete()
+    _host_constants._CONSTANTS[(id(t), None)].device.delete()
     assert_trees_equivalent(jax.jit(lambda t, x: t @ x)(t, x), opt(t, x))
 
 
@@ -329,22 +330,22 @@ def test_read_only_array_is_placed_once_and_reused(capfd):
 def test_a_cached_constant_the_caller_still_holds_survives_a_sweep():
     table = _table(seed=3)
     autoopt.optimize(lambda t: t.sum())(table)
-    _placement.sweep_constants()
-    assert (id(table), None) in _placement._CONSTANTS
+    _host_constants.sweep_constants()
+    assert (id(table), None) in _host_constants._CONSTANTS
 
 
 def test_cached_copy_is_dropped_when_the_host_array_is_freed():
     opt = autoopt.optimize(lambda t: t.sum(), fallback="raise")
     table = _table(seed=2)
     opt(table).block_until_ready()
-    entry = _placement._CONSTANTS[(id(table), None)]
+    entry = _host_constants._CONSTANTS[(id(table), None)]
     device_copy = weakref.ref(entry.device)
     jax.block_until_ready(entry.device)  # a pending host-to-device copy still holds the host array
     del entry, table
     gc.collect()
     swept = 0
     for _ in range(50):  # the transfer's own reference to the host array goes when it completes
-        swept += _placement.sweep_constants()
+        swept += _host_constants.sweep_constants()
         if swept:
             break
         time.sleep(0.01)
@@ -355,13 +356,13 @@ def test_cached_copy_is_dropped_when_the_host_array_is_freed():
 
 
 def test_writeable_arrays_are_never_cached_and_changes_are_seen():
-    before = _placement.constant_cache_size()
+    before = _host_constants.constant_cache_size()
     a = np.ones((64, 4), np.float32)
     opt = autoopt.optimize(lambda a: a.sum(), fallback="raise")
     assert float(opt(a)) == 256.0
     a[:] = 2.0
     assert float(opt(a)) == 512.0
-    assert _placement.constant_cache_size() == before
+    assert _host_constants.constant_cache_size() == before
 
 
 def test_read_only_view_of_a_writeable_array_is_not_cached():
@@ -378,11 +379,11 @@ def test_read_only_view_of_a_writeable_array_is_not_cached():
 def test_read_only_reshape_of_a_private_temporary_counts_as_read_only():
     t = np.arange(12, dtype=np.float32).reshape(3, 4)  # the base is referenced only by `t`
     t.flags.writeable = False
-    assert _placement.is_read_only(t)
+    assert _host_arrays.is_read_only(t)
     base = np.arange(12, dtype=np.float32)
     shared = base.reshape(3, 4)
     shared.flags.writeable = False
-    assert not _placement.is_read_only(shared)
+    assert not _host_arrays.is_read_only(shared)
 
 
 def test_array_made_writeable_again_loses_its_cached_copy():
@@ -425,8 +426,8 @@ def test_read_only_arguments_under_grad_and_an_outer_jit_never_cache_a_tracer():
     assert_trees_equivalent(jax.grad(jax.jit(f))(w, table), jax.grad(opt)(w, table))
     assert_trees_equivalent(jax.jit(f)(w, table), jax.jit(lambda w: opt(w, table))(w))
     assert_trees_equivalent(jax.jit(f)(w, table), opt(w, table))
-    assert (id(table), None) in _placement._CONSTANTS
-    assert not any(isinstance(e.device, jax.core.Tracer) for e in _placement._CONSTANTS.values())
+    assert (id(table), None) in _host_constants._CONSTANTS
+    assert not any(isinstance(e.device, jax.core.Tracer) for e in _host_constants._CONSTANTS.values())
 
 
 def test_a_cached_copy_donated_through_explicit_donate_argnums_is_placed_again():
@@ -602,12 +603,12 @@ def test_guard_log_reports_implicit_transfers_once_per_call_site(caplog):
 
 
 def test_cached_copy_of_an_aligned_host_array_neither_aliases_it_nor_keeps_it_alive():
-    table = _placement.aligned_empty(64 * 16, np.float32).reshape(64, 16)  # XLA:CPU would alias
+    table = _host_arrays.aligned_empty(64 * 16, np.float32).reshape(64, 16)  # XLA:CPU would alias
     table[...] = 1.0
     table.flags.writeable = False
     opt = autoopt.optimize(lambda t: t.sum(), fallback="raise")
     assert float(opt(table)) == 1024.0
-    entry = _placement._CONSTANTS[(id(table), None)]
+    entry = _host_constants._CONSTANTS[(id(table), None)]
     jax.block_until_ready(entry.device)
     table.flags.writeable = True
     table[...] = 2.0  # the promise broken behind the cache's back: the copy must not change
@@ -616,6 +617,6 @@ def test_cached_copy_of_an_aligned_host_array_neither_aliases_it_nor_keeps_it_al
     host = weakref.ref(table.base)
     del entry, table
     gc.collect()
-    _placement.sweep_constants()
+    _host_constants.sweep_constants()
     gc.collect()
     assert host() is None

@@ -1,0 +1,77 @@
+"""Large closed-over constants: device arguments, placed once, instead of HLO constants.
+
+Closed-over constants of 1 MiB and up are passed to the program as device arguments, placed once,
+instead of being embedded into the HLO (a 4 MiB constant is 8.4 M characters of HLO; first call
+158 -> 73 ms). The wrapper's trace stops at them (``HoistConstants``), the placer
+(``_placement``) places them and calls again with them under a hidden keyword (``HOISTED``);
+calls that reach jit without the placer (AOT ``.lower``) embed them as before.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+from jax import tree_util
+
+__all__ = ["HOISTED", "HoistConstants", "with_hoisted_consts"]
+
+# The keyword under which hoisted constants travel to the jitted wrapper (never a user's name).
+HOISTED = "_autoopt_hoisted"
+# Top-level consts of the optimized program at least this large are passed as device arguments,
+# placed once, instead of being embedded in the HLO (a 4 MiB constant is 8.4 M characters of HLO
+# text and is copied into every executable). jax 0.10.2's own hoisting
+# (jax_use_simplified_jaxpr_constants) still embeds them when lowering.
+_HOIST_MIN_BYTES = 1 << 20
+_TLS = threading.local()  # .retry: the placer will retry a call whose trace asks to hoist
+
+
+class HoistConstants(Exception):
+    """Raised out of jit's trace of the wrapper when the program has large constants the call
+    did not pass as arguments; the placer places them and calls again. Never reaches the user."""
+
+    def __init__(self, consts: list):
+        super().__init__("autoopt: large constants to pass as arguments")
+        self.consts = consts
+
+
+class _Hoisted:
+    """Pytree node: the device copies of a function's large constants (children), keyed by the
+    ``id`` of the program's host constant (static aux data, so a new constant is a new signature).
+    """
+
+    __slots__ = ("keys", "devs")
+
+    def __init__(self, keys: tuple, devs: tuple):
+        self.keys = keys
+        self.devs = devs
+
+
+tree_util.register_pytree_node(
+    _Hoisted, lambda h: (h.devs, h.keys), lambda keys, devs: _Hoisted(keys, tuple(devs)))
+
+
+def _large_consts(closed) -> list:
+    return [c for c in closed.consts
+            if getattr(c, "ndim", 0) > 0 and int(getattr(c, "nbytes", 0) or 0) >= _HOIST_MIN_BYTES
+            and not isinstance(c, jax.core.Tracer)]
+
+
+def with_hoisted_consts(closed, hoisted: _Hoisted | None):
+    """``closed`` with each large constant replaced by the argument ``hoisted`` carries for it.
+
+    Runs inside jit's trace of the wrapper. When a large constant was not passed: raises
+    ``HoistConstants`` if the placer is waiting to retry this call, else embeds it as before.
+    """
+    large = _large_consts(closed)
+    if not large:
+        return closed
+    passed = {} if hoisted is None else dict(zip(hoisted.keys, hoisted.devs))
+    missing = [c for c in large if id(c) not in passed]
+    if missing:
+        if getattr(_TLS, "retry", False):
+            raise HoistConstants(missing)
+        if not passed:
+            return closed
+    consts = [passed.get(id(c), c) for c in closed.consts]
+    return closed.replace(consts=consts)

@@ -1,0 +1,162 @@
+"""Host constants: host arrays placed on the device once and reused by every call.
+
+A read-only NumPy argument (``flags.writeable == False`` on it and on every array it views, see
+``_host_arrays.is_read_only``) or an ``autoopt.constant`` is placed once and reused; the cache
+holds the host array, so its ``id`` cannot be reused, and drops the device copy once nothing but
+the cache refers to the host array (checked with reference counts). A 64-byte aligned host array
+is copied before placing: XLA:CPU would alias it, and the "copy" would see later writes and keep
+it alive. Writeable arrays are never cached. The placer (``_placement``) serves read-only
+arguments from this cache.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any
+
+import jax
+import numpy as np
+from jax import tree_util
+
+from autoopt._host_arrays import _is_aligned
+
+__all__ = ["constant", "Constant", "constant_cache_size", "sweep_constants"]
+
+
+class _Entry:
+    __slots__ = ("host", "device")
+
+    def __init__(self, host, device):
+        self.host = host
+        self.device = device
+
+
+_CONSTANTS: dict[tuple, _Entry] = {}  # (id(host), device) -> entry
+_CONSTANT_IDS: set[int] = set()  # id(host) of every entry: one set test a writeable leaf
+_CONSTANTS_LOCK = threading.Lock()
+
+
+def _calibrate_entry_refs() -> int:
+    e = _Entry(np.empty(1), None)
+    return sys.getrefcount(e.host)
+
+
+# References to a cached host array held by the cache itself, as ``sweep_constants`` sees them.
+_ENTRY_REFS = _calibrate_entry_refs()
+
+
+def sweep_constants() -> int:
+    """Drop cached device copies whose host array nothing but the cache refers to. Returns how
+    many were dropped. Runs on every insertion and every 64 scanned calls; call it to free device
+    memory at once."""
+    dropped = 0
+    with _CONSTANTS_LOCK:
+        for key, e in list(_CONSTANTS.items()):
+            if sys.getrefcount(e.host) <= _ENTRY_REFS:  # only the entry refers to it
+                del _CONSTANTS[key]
+                dropped += 1
+        if dropped:
+            _CONSTANT_IDS.intersection_update(k[0] for k in _CONSTANTS)
+    return dropped
+
+
+def constant_cache_size() -> int:
+    """How many host constants have a cached device copy."""
+    return len(_CONSTANTS)
+
+
+def _evict(host: np.ndarray) -> None:
+    with _CONSTANTS_LOCK:
+        for key in [k for k, e in _CONSTANTS.items() if e.host is host]:
+            del _CONSTANTS[key]
+        _CONSTANT_IDS.discard(id(host))
+
+
+def _cached_constant(host: np.ndarray, device) -> tuple[Any, bool]:
+    """``(device copy, placed_now)`` of a read-only host array, placing it once."""
+    key = (id(host), device)
+    e = _CONSTANTS.get(key)
+    # Deleted: an explicit donate_argnums handed the cached copy to XLA. Place it again.
+    if e is not None and e.host is host and not e.device.is_deleted():
+        return e.device, False
+    sweep_constants()
+    # XLA:CPU aliases an aligned host buffer instead of copying it (even with may_alias=False,
+    # jax 0.10.2): the "device copy" would then see later writes to the host array and keep it
+    # alive (the sweep could never drop it). Place a private copy instead: one copy, once.
+    src = np.array(host, copy=True) if _is_aligned(host) else host
+    # Concrete even when called under a transformation's trace (a cached tracer would leak).
+    with jax.ensure_compile_time_eval():
+        dev = jax.device_put(src, device)
+    del src
+    with _CONSTANTS_LOCK:
+        _CONSTANTS[key] = _Entry(host, dev)
+        _CONSTANT_IDS.add(id(host))
+    return dev, True
+
+
+class Constant:
+    """A host array marked as never changing: placed once, reused by every call.
+
+    What ``autoopt.constant(x)`` returns. It is a pytree node whose only leaf is the device copy,
+    so any jitted function (``jax.jit`` or ``autoopt.optimize``) receives the device array and
+    nothing is transferred per call. ``np.asarray(c)`` returns the host array (no device-to-host
+    copy); ``c.device_array`` the placed one.
+    """
+
+    # Never donated, whatever the policy: the device copy is shared by every call (and cached).
+    _autoopt_never_donate = True
+
+    __slots__ = ("host", "device_array", "__weakref__")
+
+    def __init__(self, host, device_array):
+        self.host = host
+        self.device_array = device_array
+
+    shape = property(lambda self: self.device_array.shape)
+    dtype = property(lambda self: self.device_array.dtype)
+    ndim = property(lambda self: self.device_array.ndim)
+    size = property(lambda self: self.device_array.size)
+    nbytes = property(lambda self: self.device_array.nbytes)
+    sharding = property(lambda self: self.device_array.sharding)
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self.host, dtype=dtype)
+
+    def __jax_array__(self):
+        return self.device_array
+
+    def __len__(self):
+        return len(self.device_array)
+
+    def __repr__(self) -> str:
+        return f"autoopt.constant({self.dtype}{list(self.shape)}, sharding={self.sharding})"
+
+
+tree_util.register_pytree_node(
+    Constant,
+    lambda c: ((c.device_array,), None),
+    # Inside a traced function the user sees the array itself, not the wrapper.
+    lambda _aux, children: children[0],
+)
+
+
+def constant(host_array, *, sharding=None) -> Constant:
+    """Mark ``host_array`` as never changing: place it once (on ``sharding``, a ``jax.Device`` or
+    ``jax.sharding.Sharding``; default device otherwise) and reuse the device copy on every call.
+
+    Calling it twice on the same array returns wrappers that share one device copy. The promise
+    is the caller's: a later change to the host array is not seen. (A read-only NumPy array,
+    ``x.flags.writeable = False``, passed to an optimized function is cached the same way.)
+    """
+    if isinstance(host_array, Constant):
+        return host_array
+    if isinstance(host_array, jax.core.Tracer):
+        raise TypeError("autoopt.constant() needs a concrete host array, got a traced value; "
+                        "call it once outside the jitted function and pass the result in.")
+    if isinstance(host_array, jax.Array):
+        dev = host_array if sharding is None else jax.device_put(host_array, sharding)
+        return Constant(host_array, dev)
+    host = np.asarray(host_array)
+    dev, _ = _cached_constant(host, sharding)
+    return Constant(host, dev)

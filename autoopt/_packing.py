@@ -1,0 +1,237 @@
+"""Packing host leaves into one pooled, aligned host buffer a dtype, and timing whether it pays.
+
+A call that passes NumPy leaves makes ``jax.jit`` transfer each one. On XLA:CPU (jax 0.10.2, this
+repository's CI machine) that costs ~3.6 us a leaf (~2.7 us when the buffer is 64-byte aligned,
+which XLA:CPU aliases instead of copying): 64 leaves of f32[64,64] add ~230 us to a call whose
+device-array version takes ~50 us. Packing the leaves of each dtype into one pooled, aligned host
+buffer (``_Pool``) costs one memcpy (~40 us a MiB) and one argument, and the program slices the
+leaves back apart (``unpack``): free where XLA fuses a slice into its consumer, but a slice
+feeding a concatenate, a dot or a reduction becomes its own kernel (~3-10 us each), which can cost
+more than the transfer it saved (a concatenate-into-matmul step: 0.4-0.9x). So
+``placement="auto"`` measures: the first calls of each packable layout (4+ leaves of a dtype)
+alternate, in runs of 4 pipelined calls timed to completion, between packing and jit's own
+per-leaf transfer, and the layout keeps packing only when it was clearly faster (10%) than jit
+(``_Layout.strategy``); ``placement="pack"`` always packs. Measured alternatives that lost:
+``jax.device_put(list)`` (~17 us a leaf), per-leaf ``device_put`` (~28 us), ``jnp.from_dlpack``
+per leaf (~36 us), a separate jitted unpack (its 64 outputs cost ~4 us each).
+
+The placer (``_placement``) decides which leaves to pack and builds the ``_Layout``;
+``autoopt.prefetch`` (``_prefetch``) reuses ``_Pool`` for its batches.
+
+NB: the analogue is ``torch.utils.data``'s pinned-memory collation (packing host batches into
+one buffer).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from jax import tree_util
+
+from autoopt import _trace
+from autoopt._host_arrays import aligned_empty
+
+log = logging.getLogger("autoopt")
+
+__all__ = ["PACKED", "unpack"]
+
+# The keyword under which packed host buffers travel to the jitted wrapper (never a user's name).
+PACKED = "_autoopt_packed"
+
+
+class _Pool:
+    """Reusable ``_ALIGN``-aligned host buffers of one size, for packed host leaves.
+
+    Why a pool: a fresh 1 MiB buffer a call costs ~90 page faults (~250 us of system time on
+    XLA:CPU), because jax frees the previous one from its own thread. Why reference counts:
+    XLA:CPU reads a NumPy argument after the call has returned (it aliases aligned buffers and
+    copies unaligned ones asynchronously), and jax keeps a reference to the array (C++ dispatch)
+    or to a view of it (first-call Python path) until it is done. A buffer is handed out again
+    only when the pool's references are the only ones left, to it and to its allocation.
+    """
+
+    __slots__ = ("dtype", "total", "bufs", "lock", "size")
+
+    def __init__(self, dtype, total: int, size: int | None = None):
+        self.dtype = np.dtype(dtype)
+        self.total = total
+        self.bufs: list[np.ndarray] = []
+        self.lock = threading.Lock()
+        self.size = _POOL_SIZE if size is None else size
+
+    def get(self) -> np.ndarray:
+        """A buffer no computation is reading: a pooled free one, or a fresh one (kept in the
+        pool up to ``_POOL_SIZE`` buffers and ``_POOL_MAX_BYTES``)."""
+        with self.lock:  # two threads never get the same free buffer
+            for buf in self.bufs:
+                # jax may hold the array itself (its C++ dispatch path) or a view of it, whose
+                # base is the allocation (its first-call Python path): test both.
+                if (sys.getrefcount(buf) <= _POOL_FREE_REFS
+                        and sys.getrefcount(buf.base) <= _POOL_FREE_BASE_REFS):
+                    return buf
+            buf = aligned_empty(self.total, self.dtype)
+            if (len(self.bufs) + 1) * buf.nbytes <= _POOL_MAX_BYTES and len(self.bufs) < self.size:
+                self.bufs.append(buf)
+            return buf
+
+    def __len__(self) -> int:
+        return len(self.bufs)
+
+
+def _calibrate_pool_refs() -> tuple[int, int]:
+    """References to a free pooled buffer and to its allocation, as ``_Pool.get`` sees them."""
+    bufs = [aligned_empty(1, np.float32)]
+    for buf in bufs:
+        return sys.getrefcount(buf), sys.getrefcount(buf.base)
+    raise AssertionError
+
+
+_POOL_FREE_REFS, _POOL_FREE_BASE_REFS = _calibrate_pool_refs()
+# Buffers a pool keeps: as many as steps a loop that never blocks keeps in flight (measured: a
+# 64-leaf feed with 4 buffers still faulted ~60 pages a call; 16 brought it to ~10), capped in
+# bytes so a large batch keeps fewer.
+_POOL_SIZE = 16
+_POOL_MAX_BYTES = 256 << 20
+
+# placement="auto" times both ways of feeding a layout on its first calls (see _Layout.strategy):
+# runs of _TUNE_RUN calls, alternating jit and pack; one warm-up run each (it compiles), then
+# _TUNE_SAMPLES timed runs each. Calls within a run are not waited for (the host work of one
+# overlaps the device work of the previous, as in the user's loop); the run's outputs are waited
+# for at its end, so a run's time a call is the loop's throughput, not one call's latency.
+# Packing is kept only when its fastest run beats _TUNE_MARGIN times jit's fastest (ties go to
+# plain jit). The minimum, not the median: on a shared machine the noise only ever adds time.
+_TUNE_RUN = 4
+_TUNE_SAMPLES = 3
+_TUNE_MARGIN = 0.9
+
+
+class _Layout:
+    """Where each packed leaf lives in the packed buffers. Interned per placer and compared by
+    identity: it is the aux data of a pytree node, so jit's signature check hashes it per call.
+
+    ``mode`` is "pack" (pack every call), "jit" (leave the leaves to jit) or "tune": under
+    placement="auto" whether packing pays depends on the program (XLA fuses the unpacking slices
+    into elementwise consumers, but a slice feeding a concatenate or a dot becomes its own kernel,
+    ~10 us each on XLA:CPU) and on the machine, so the first calls measure both (``strategy``).
+    """
+
+    __slots__ = ("treedef", "n", "kept", "groups", "static_argnums", "static_argnames", "nargs",
+                 "leaves_packed", "bytes_packed", "pools", "mode", "trials", "timings", "run",
+                 "run_t0", "run_ok")
+
+    def __init__(self, treedef, n, kept, groups, static_argnums, static_argnames, nargs,
+                 mode="pack"):
+        self.treedef = treedef
+        self.n = n
+        self.kept = kept  # leaf indices passed to jit as they are
+        # ((dtype, total, ((leaf index, offset, size, shape), ...)), ...): one buffer a dtype
+        self.groups = groups
+        self.static_argnums = static_argnums
+        self.static_argnames = static_argnames
+        self.nargs = nargs
+        self.leaves_packed = sum(len(g[2]) for g in groups)
+        self.bytes_packed = sum(g[1] * np.dtype(g[0]).itemsize for g in groups)
+        self.pools = tuple(_Pool(g[0], g[1]) for g in groups)  # reusable host buffers a group
+        self.mode = mode
+        self.trials = 0  # trial calls handed out while tuning
+        self.timings: dict[str, list[float]] = {"jit": [], "pack": []}
+        self.run: list = []  # outputs of the timed run in progress (see _time_trial)
+        self.run_t0 = 0.0
+        self.run_ok = False
+
+    def buffer(self, g: int) -> np.ndarray:
+        """A host buffer for group ``g`` that no computation is reading (see ``_Pool``)."""
+        return self.pools[g].get()
+
+    def strategy(self) -> tuple[str, int]:
+        """``("pack" or "jit", position in the timed run or -1)`` for this call. While tuning,
+        alternates runs (jit first: the plain program is usually compiled already)."""
+        mode = self.mode
+        if mode != "tune":
+            return mode, -1
+        n = self.trials
+        self.trials = n + 1
+        run, pos = divmod(n, _TUNE_RUN)
+        if run >= 2 * (_TUNE_SAMPLES + 1) + 8:  # timings never came back (traced calls): stop
+            self.mode = "jit"
+            return "jit", -1
+        return ("jit" if run % 2 == 0 else "pack"), pos
+
+    def record(self, strategy: str, seconds: float) -> None:
+        """One timed run's time a call (the first run of each strategy warms up: dropped)."""
+        if self.mode != "tune":
+            return
+        t = self.timings[strategy]
+        t.append(seconds)
+        jit, pack = self.timings["jit"], self.timings["pack"]
+        if len(jit) > _TUNE_SAMPLES and len(pack) > _TUNE_SAMPLES:
+            j, p = min(jit[1:]), min(pack[1:])
+            self.mode = "pack" if p < _TUNE_MARGIN * j else "jit"
+            log.debug("autoopt: %s: packed %.1f us, per-leaf jit %.1f us a call: %s", self,
+                      p * 1e6, j * 1e6, self.mode)
+
+    def __repr__(self) -> str:
+        return f"<packed layout: {self.leaves_packed} leaves in {len(self.groups)} buffers>"
+
+
+def _time_trial(trial, out, t0: float) -> None:
+    """Keep a tuning call's outputs; at the end of its run, wait for all of them and record the
+    run's wall time a call on the layout. A run with a call under a transformation (traced
+    outputs) is not recorded."""
+    layout, strategy, pos = trial
+    leaves = tree_util.tree_leaves(out)
+    if pos == 0:
+        layout.run, layout.run_t0, layout.run_ok = [], t0, True
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+        layout.run_ok = False
+    else:
+        layout.run.append(leaves)
+    if pos == _TUNE_RUN - 1:
+        run, layout.run = layout.run, []
+        if layout.run_ok and len(run) == _TUNE_RUN:
+            jax.block_until_ready(run)
+            layout.record(strategy, (time.perf_counter() - layout.run_t0) / _TUNE_RUN)
+
+
+class _Packed:
+    """Pytree node carrying the packed buffers (children) and their layout (static aux data)."""
+
+    __slots__ = ("layout", "bufs")
+
+    def __init__(self, layout: _Layout, bufs):
+        self.layout = layout
+        self.bufs = tuple(bufs)
+
+
+tree_util.register_pytree_node(
+    _Packed, lambda p: (p.bufs, p.layout), lambda layout, bufs: _Packed(layout, bufs))
+
+
+def unpack(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Inverse of the placer's packing: the arguments as the user passed them.
+
+    Runs inside jit's trace of the wrapper (buffers are tracers: static slices that XLA fuses
+    into their consumers) or, under ``jax.disable_jit``, on the host buffers (NumPy views).
+    """
+    kwargs = dict(kwargs)
+    packed = kwargs.pop(PACKED)
+    layout = packed.layout
+    dyn, statics = _trace.split_args(args, kwargs, layout.static_argnums, layout.static_argnames)
+    rest = tree_util.tree_leaves(dyn)
+    full: list[Any] = [None] * layout.n
+    for i, x in zip(layout.kept, rest):
+        full[i] = x
+    for (_dtype, _total, members), buf in zip(layout.groups, packed.bufs):
+        host = isinstance(buf, np.ndarray)
+        for idx, off, size, shape in members:
+            if host:  # a copy: the pooled buffer is reused by the next call
+                full[idx] = buf[off:off + size].reshape(shape).copy()
+            else:
+                full[idx] = jax.lax.slice(buf, (off,), (off + size,)).reshape(shape)
+    return _trace.merge_args(tree_util.tree_unflatten(layout.treedef, full), statics, layout.nargs)
