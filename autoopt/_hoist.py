@@ -9,12 +9,13 @@ calls that reach jit without the placer (AOT ``.lower``) embed them as before.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import jax
 from jax import tree_util
 
-__all__ = ["HOISTED", "HoistConstants", "with_hoisted_consts"]
+__all__ = ["HOISTED", "HoistConstants", "retrying", "with_hoisted_consts"]
 
 # The keyword under which hoisted constants travel to the jitted wrapper (never a user's name).
 HOISTED = "_autoopt_hoisted"
@@ -24,6 +25,18 @@ HOISTED = "_autoopt_hoisted"
 # (jax_use_simplified_jaxpr_constants) still embeds them when lowering.
 _HOIST_MIN_BYTES = 1 << 20
 _TLS = threading.local()  # .retry: the placer will retry a call whose trace asks to hoist
+
+
+@contextlib.contextmanager
+def retrying():
+    """While inside, a trace that meets large constants the call did not pass raises
+    ``HoistConstants`` (the placer will place them and call again) instead of embedding them.
+    Nests: the outer state is restored on exit."""
+    outer, _TLS.retry = getattr(_TLS, "retry", False), True
+    try:
+        yield
+    finally:
+        _TLS.retry = outer
 
 
 class HoistConstants(Exception):

@@ -13,6 +13,16 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal
 
 
+def format_bytes(n: int | None) -> str:
+    """``n`` bytes for a reader: "12.3 MiB", "512 B"; "-" for None."""
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
 @dataclasses.dataclass(frozen=True)
 class CompiledMemory:
     argument_bytes: int

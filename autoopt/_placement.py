@@ -46,7 +46,7 @@ import numpy as np
 from jax import tree_util
 
 from autoopt import _trace
-from autoopt._hoist import _TLS, HOISTED, HoistConstants, _Hoisted, _large_consts
+from autoopt._hoist import HOISTED, HoistConstants, _Hoisted, _large_consts, retrying
 from autoopt._host_arrays import _NDARRAY_TYPES, _SCALAR_TYPES, _is_aligned, is_read_only
 from autoopt._host_constants import (
     _CONSTANT_IDS,
@@ -318,15 +318,13 @@ class Placer:
             if self._hoisted is not None:
                 call_kwargs = dict(kwargs)
                 call_kwargs[HOISTED] = self._hoisted
-            outer, _TLS.retry = getattr(_TLS, "retry", False), True
             try:
-                if self._guard is None:
-                    return jitted(*args, **call_kwargs)
-                return self._call_guarded(jitted, args, call_kwargs)
+                with retrying():
+                    if self._guard is None:
+                        return jitted(*args, **call_kwargs)
+                    return self._call_guarded(jitted, args, call_kwargs)
             except HoistConstants as e:
                 self._hoist(e.consts)
-            finally:
-                _TLS.retry = outer
         return jitted(*args, **kwargs)  # (never reached in practice) embed, as plain jit
 
     def trace_only(self, jitted, args: tuple, kwargs: dict) -> None:
@@ -336,13 +334,11 @@ class Placer:
         if not self._hoist_on:
             jitted.trace(*args, **kwargs)
             return
-        outer, _TLS.retry = getattr(_TLS, "retry", False), True
         try:
-            jitted.trace(*args, **kwargs)
+            with retrying():
+                jitted.trace(*args, **kwargs)
         except HoistConstants as e:
             self._hoist(e.consts)
-        finally:
-            _TLS.retry = outer
 
     def hoists(self, program) -> bool:
         """Whether calls of ``program`` must go through the placer: it has large constants the

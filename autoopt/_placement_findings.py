@@ -17,6 +17,7 @@ from jax import tree_util
 from autoopt import _jaxpr, _trace
 from autoopt._hoist import _HOIST_MIN_BYTES
 from autoopt._host_arrays import _SCALAR_TYPES, _is_aligned, is_read_only
+from autoopt._memory import format_bytes
 from autoopt._placement import _PACK_MIN_LEAVES, _ZERO_COPY_MIN_BYTES
 from autoopt.explain._finding import Finding
 
@@ -56,7 +57,7 @@ def findings_for(optimized, program, args: tuple, kwargs: dict) -> list:
         out.append(Finding(
             kind="placement", applied=on, location=site, bytes_saved=None,
             transfers_avoided=1 if on else 0,
-            message=(f"`{names[i]}` ({_describe(x)}, {_nbytes_str(x.nbytes)}) is read-only: "
+            message=(f"`{names[i]}` ({_describe(x)}, {format_bytes(x.nbytes)}) is read-only: "
                      + ("placed on the device once and reused by every call (the copy is dropped "
                         "when the host array is freed)." if on else
                         "it would be placed once and reused with placement='auto'.")),
@@ -67,12 +68,12 @@ def findings_for(optimized, program, args: tuple, kwargs: dict) -> list:
         nbytes = sum(int(leaves[i].nbytes) for i in writeable)
         shown = ", ".join(f"`{names[i]}`" for i in writeable[:4]) + (" ..." if len(writeable) > 4 else "")
         if pack_on and len(small) >= _PACK_MIN_LEAVES:
-            msg = (f"{len(writeable)} NumPy argument leaves ({shown}; {_nbytes_str(nbytes)}) are "
+            msg = (f"{len(writeable)} NumPy argument leaves ({shown}; {format_bytes(nbytes)}) are "
                    f"transferred on every call: packed into one aligned host buffer per dtype, "
                    f"one transfer instead of {len(small)}.")
             avoided = len(small) - len({leaves[i].dtype for i in small})
         else:
-            msg = (f"NumPy argument leaves {shown} ({_nbytes_str(nbytes)}) are transferred on "
+            msg = (f"NumPy argument leaves {shown} ({format_bytes(nbytes)}) are transferred on "
                    "every call by jit" + ("" if on else " (placement='off')") + ". Place them "
                    "ahead with autoopt.prefetch(batches) in the loop that feeds this call. "
                    "placement='auto' packs 4+ small leaves of a dtype into one transfer where "
@@ -156,10 +157,10 @@ def _closed_constant_findings(program, hoist: bool = False) -> list:
         hoisted = hoist and nbytes >= _HOIST_MIN_BYTES
         out.append(Finding(
             kind="placement", applied=hoisted, location=where, bytes_saved=None,
-            message=(f"{what} ({_nbytes_str(nbytes)}) is passed to the compiled program as a "
+            message=(f"{what} ({format_bytes(nbytes)}) is passed to the compiled program as a "
                      "device argument, placed once, instead of being embedded into it (calls "
                      "that reach jit without autoopt's placer still embed it)." if hoisted else
-                     f"{what} ({_nbytes_str(nbytes)}) is embedded into the compiled program: it "
+                     f"{what} ({format_bytes(nbytes)}) is embedded into the compiled program: it "
                      "slows compilation and is copied into every executable. Pass it as an "
                      "argument (wrapped in autoopt.constant(...) so it is placed once)."),
             details={"bytes": nbytes, "strategy": "closed_constant"}))
@@ -176,8 +177,3 @@ def _describe(x: Any) -> str:
     return type(x).__name__
 
 
-def _nbytes_str(n: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"

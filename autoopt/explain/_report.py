@@ -20,6 +20,7 @@ from typing import Any
 
 from jax.extend.core import ClosedJaxpr
 
+from autoopt._memory import format_bytes
 from autoopt.explain._diff import equation_diff
 from autoopt.explain._finding import Finding
 
@@ -28,15 +29,6 @@ log = logging.getLogger("autoopt")
 # A printed report shows this much of the program diff; ``report.diff`` has all of it.
 _DIFF_LINES = 80
 _MEMORY_COLUMNS = ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "peak_bytes")
-
-
-def _fmt_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
 
 
 @dataclasses.dataclass
@@ -365,7 +357,7 @@ def _render_summary(report: Report, console: Any) -> None:
     transfers = sum(f.transfers_avoided or 0 for f in applied)
     head = f"{len(findings)} findings, {len(applied)} applied"
     if saved:
-        head += f"; {_fmt_bytes(saved)} saved"
+        head += f"; {format_bytes(saved)} saved"
     if transfers:
         head += f"; {transfers} transfers avoided per call"
     console.print(head)
@@ -383,7 +375,7 @@ def _render_summary(report: Report, console: Any) -> None:
             f.kind,
             _short_loc(f.location),
             Text("yes", style="green") if f.applied else Text("no", style="yellow"),
-            _fmt_bytes(f.bytes_saved) if f.bytes_saved else "-",
+            format_bytes(f.bytes_saved) if f.bytes_saved else "-",
             str(f.transfers_avoided) if f.transfers_avoided else "-",
             f.message,
         )
@@ -412,7 +404,7 @@ def _render_remat(report: Report, console: Any) -> None:
         for r in rows:
             flops = r.get("flops")
             table.add_row(r.get("what", ""), _short_loc(r.get("location")),
-                          str(r.get("values", "")), _fmt_bytes(r.get("bytes") or 0),
+                          str(r.get("values", "")), format_bytes(r.get("bytes") or 0),
                           "-" if flops is None else _fmt_count(flops),
                           "/".join(r.get("primitives", ())))
         console.print(table)
@@ -441,14 +433,14 @@ def _render_memory(report: Report, console: Any) -> None:
     for col in ("argument", "output", "alias", "temp", "peak"):
         t.add_column(col, justify="right")
     before, after = mem["before"], mem["after"]
-    t.add_row("before", *(_fmt_bytes(before[k]) for k in _MEMORY_COLUMNS))
-    t.add_row("after", *(_fmt_bytes(after[k]) for k in _MEMORY_COLUMNS))
+    t.add_row("before", *(format_bytes(before[k]) for k in _MEMORY_COLUMNS))
+    t.add_row("after", *(format_bytes(after[k]) for k in _MEMORY_COLUMNS))
     t.add_row("change", *(_signed(after[k] - before[k]) for k in _MEMORY_COLUMNS))
     console.print(t)
 
 
 def _signed(n: int) -> str:
-    return "0" if n == 0 else ("+" if n > 0 else "-") + _fmt_bytes(abs(n))
+    return "0" if n == 0 else ("+" if n > 0 else "-") + format_bytes(abs(n))
 
 
 def _display_path(loc: str) -> str:
