@@ -85,6 +85,13 @@ def test_rewrite_write_refuses_when_the_file_changed_since_it_was_read(tmp_path)
             return x * 2.0
 
 
+        def loop():
+            x = jnp.ones(4)
+            for _ in range(3):
+                x = step(x)
+            return x
+
+
         def make_args():
             # Someone edits the file while autoopt analyses it.
             with open(__file__, "a") as fh:

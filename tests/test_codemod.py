@@ -293,6 +293,9 @@ def test_jit_decorator_gets_donate_argnums():
         @jax.jit
         def step(state, batch):
             return state
+
+        for batch in batches:
+            state = step(state, batch)
         """, """\
         import jax
         from functools import partial
@@ -300,6 +303,9 @@ def test_jit_decorator_gets_donate_argnums():
         @partial(jax.jit, donate_argnums=(0,))
         def step(state, batch):
             return state
+
+        for batch in batches:
+            state = step(state, batch)
         """, [donate(0, 3)], function="step", function_line=3)
 
 
@@ -310,12 +316,16 @@ def test_partial_jit_and_decorator_factory_get_the_keyword_added():
         @functools.partial(jax.jit, static_argnums=2)
         def step(a, b, n):
             return a, b
+
+        a, b = step(a, b, 3, c=c)
         """, """\
         import functools, jax
 
-        @functools.partial(jax.jit, static_argnums=2, donate_argnums=(0, 1), donate_argnames=('c',))
+        @functools.partial(jax.jit, static_argnums=2, donate_argnums=(0, 1))
         def step(a, b, n):
             return a, b
+
+        a, b = step(a, b, 3, c=c)
         """, [donate(0), donate(1), donate("c")], function="step")
     assert_codemod(DonateCommand, """\
         from jax import jit
@@ -323,12 +333,16 @@ def test_partial_jit_and_decorator_factory_get_the_keyword_added():
         @jit(static_argnums=1)
         def step(a, n):
             return a
+
+        a = step(a, 2)
         """, """\
         from jax import jit
 
         @jit(static_argnums=1, donate_argnums=(0,))
         def step(a, n):
             return a
+
+        a = step(a, 2)
         """, [donate(0)], function="step")
 
 
@@ -363,6 +377,7 @@ def test_module_level_jit_call_gets_donate_argnums():
             return a
 
         step_fast = jax.jit(step, static_argnums=1)
+        a = step_fast(a, 1)
         """, """\
         import jax
 
@@ -370,6 +385,7 @@ def test_module_level_jit_call_gets_donate_argnums():
             return a
 
         step_fast = jax.jit(step, static_argnums=1, donate_argnums=(0,))
+        a = step_fast(a, 1)
         """, [donate(0)], function="step")
 
 
@@ -392,6 +408,50 @@ def test_argument_a_call_site_reuses_is_not_donated():
     assert "keeps using it" in cmd.outcomes[0]
 
 
+@pytest.mark.parametrize("calls, why", [
+    ("new_w = step(w, x)\nprint(w.sum())", "the call on line 7 (`step(w, x)`) does not show"),
+    ("w0 = w\nw = step(w, x)", "the call on line 8"),
+    ("def train(w, xs):\n    for x in xs:\n        w = step(w, x)", "the call on line 9"),
+    ("w, _ = step(w, x), 1", "the call on line 7"),
+    ("w = step(*args)", "the call on line 7"),
+    ("w = step(w, x)\nlog(step(w, x))", "the call on line 8"),
+    ("w = step(w, x)\ncallbacks.append(step)", "passed around on line 8"),
+    ("", "no call of `step` in this file"),
+])
+def test_jit_donation_needs_every_call_in_the_file_to_rebind_the_argument(calls, why):
+    # donate_argnums is a promise for every caller: a call that keeps using its argument (or
+    # callers the file does not show) would find their array deleted. The report's own example:
+    # `new_w = f(w, x)` followed by `w.sum()` raised "Array has been deleted" after the edit.
+    before = f"import jax\n\n@jax.jit\ndef step(w, x):\n    return w\n\n{calls}\n"
+    cmd = assert_unchanged(DonateCommand, before, [donate(0, 3)], function="step")
+    assert why in cmd.outcomes[0] and "--style autoopt" in cmd.outcomes[0], cmd.outcomes[0]
+    # The autoopt style is always safe: it proves donation at each call.
+    result, _ = run_command(DonateCommand, before, [donate(0, 3)], function="step",
+                            style="autoopt")
+    assert "@autoopt.optimize" in result.code
+
+
+def test_rewritten_jit_donation_runs_where_the_callers_rebind(tmp_path):
+    code = textwrap.dedent("""\
+        import jax
+        import jax.numpy as jnp
+
+        @jax.jit
+        def step(w, x):
+            return w - 0.1 * x
+
+        def train(xs):
+            w = jnp.ones(4)
+            for x in xs:
+                w = step(w, x)
+            return w
+        """)
+    new = rewrite_code(code, [donate(0, 4)], function="step").code
+    assert "donate_argnums=(0,)" in new
+    mod = _load(new, "donate_after", tmp_path)
+    np.testing.assert_allclose(mod.train([jnp.ones(4)] * 3), jnp.full(4, 0.7), rtol=1e-6)
+
+
 def test_lambda_has_no_def_to_decorate():
     cmd = assert_unchanged(DonateCommand, "import jax\nf = jax.jit(lambda x: x)\n", [donate(0)],
                            function="<lambda>")
@@ -399,7 +459,8 @@ def test_lambda_has_no_def_to_decorate():
 
 
 def test_same_name_in_another_scope_is_not_touched():
-    before = "import jax\n\n@jax.jit\ndef step(a):\n    return a\n\nclass K:\n    @jax.jit\n    def step(a):\n        return a\n"
+    before = ("import jax\n\n@jax.jit\ndef step(a):\n    return a\n\nclass K:\n    @jax.jit\n"
+              "    def step(a):\n        return a\n\na = step(a)\n")
     result, _ = run_command(DonateCommand, before, [donate(0)], function="step", function_line=8)
     assert result.code.count("donate_argnums") == 1
     assert "@partial(jax.jit, donate_argnums=(0,))\n    def step" in result.code

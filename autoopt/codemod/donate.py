@@ -2,7 +2,11 @@
 
 The donation analysis says which arguments an output can reuse (``details["aliasable"]``). An
 argument that a recorded call site keeps using after the call (a call-site finding not applied)
-is left out: donating it would invalidate the caller's array. Forms handled, for the analysed
+is left out: donating it would invalidate the caller's array. ``donate_argnums`` is a promise
+for every caller, so under ``style="jax"`` an argument is also left out unless every call of the
+function in this file rebinds the very name it passes (``state = step(state, batch)``) and the
+function is not passed around (callers elsewhere cannot be seen): the outcome says which call
+keeps using it, and ``style="autoopt"`` is the safe edit (it proves donation per call site). Forms handled, for the analysed
 function's ``def``: ``@jax.jit``, ``@jit``, ``@jax.jit(...)``, ``@partial(jax.jit, ...)`` and
 module-level ``jax.jit(fn, ...)`` calls. A function already donating, or under
 ``@autoopt.optimize`` (which donates per call site), is left alone.
@@ -14,6 +18,7 @@ which proves donation per call site instead of promising it for every caller.
 from __future__ import annotations
 
 import libcst as cst
+from libcst.metadata import ParentNodeProvider
 
 from autoopt.codemod._base import FindingCommand, comma_separated
 from autoopt.explain._finding import Finding
@@ -54,11 +59,25 @@ class DonateCommand(FindingCommand):
                 self._args.setdefault(arg, []).append(i)
         if not self._args:
             return False
+        self._unproven = {}
+        if self.style == "jax" and self.function and self.function != "<lambda>":
+            self._unproven = _unproven_callers(node, self.function, self._args, self)
         if not self.function or self.function == "<lambda>":
             what = "a lambda" if self.function else "not a plain function"
             self._done(f"the function is {what}: there is no def to decorate; {self.HINT}")
             return False
         return True
+
+    def _drop_unproven(self) -> str | None:
+        """Leave out the arguments no call in this file shows dead (``_unproven_callers``), with
+        their reason; the reason also when none is left to donate."""
+        why = None
+        for arg, reason in self._unproven.items():
+            why = (f"{reason}; donate_argnums would delete the caller's array. Use "
+                   "@autoopt.optimize (rewrite --style autoopt), which donates per call site")
+            for i in self._args.pop(arg, ()):
+                self.outcomes[i] = why
+        return why if not self._args else None
 
     def _keywords(self) -> list[cst.Arg]:
         nums = sorted(a for a in self._args if isinstance(a, int))
@@ -114,6 +133,8 @@ class DonateCommand(FindingCommand):
             if not isinstance(expr, cst.Call):  # @jax.jit
                 if self.style == "autoopt":
                     return self.ref("autoopt.optimize"), None
+                if (why := self._drop_unproven()) is not None:
+                    return None, why
                 args = comma_separated([cst.Arg(expr.deep_clone()), *self._keywords()])
                 return cst.Call(func=self.ref("functools.partial"), args=args), None
             return self._add_keywords(expr, jit_first=False)
@@ -133,6 +154,8 @@ class DonateCommand(FindingCommand):
             return cst.Call(func=opt, args=comma_separated(kept)), None
         if any(k in present for k in _DONATE_KEYWORDS):
             return None, "the jit already names the arguments it donates"
+        if (why := self._drop_unproven()) is not None:
+            return None, why
         return call.with_changes(args=comma_separated([*call.args, *self._keywords()])), None
 
     # --- module-level jax.jit(fn) calls, when the def is not decorated -------------------------
@@ -156,3 +179,164 @@ class DonateCommand(FindingCommand):
                     i, f"`{self.function}` is not jitted in this file; " + self.HINT)
         return super().leave_Module(original_node, updated_node)
 
+
+
+# --- the calls in this file: does every one rebind what it donates? --------------------------
+
+def _bound_names(target: cst.BaseExpression) -> set[str]:
+    if isinstance(target, cst.Name):
+        return {target.value}
+    if isinstance(target, cst.Tuple | cst.List):
+        return set().union(*(_bound_names(e.value) for e in target.elements)) \
+            if target.elements else set()
+    return set()
+
+
+class _Uses(cst.CSTVisitor):
+    """Every Name node spelling one of ``names``, and every assignment ``alias = jax.jit(fn)``."""
+
+    def __init__(self, fn: str, cmd) -> None:
+        self.fn, self.cmd = fn, cmd
+        self.names = {fn}
+        self.refs: list[cst.Name] = []
+        self.jit_wraps: set[int] = set()     # id of the Name wrapped by jax.jit(fn, ...)
+        self.defs: set[int] = set()          # id of a Name that a def or an alias binds
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        self.defs.add(id(node.name))
+
+    def visit_Assign(self, node: cst.Assign) -> None:
+        v = node.value
+        if (isinstance(v, cst.Call) and v.args and isinstance(v.args[0].value, cst.Name)
+                and v.args[0].value.value == self.fn
+                and self.cmd.imports.qualified(v.func) == "jax.jit"):
+            self.jit_wraps.add(id(v.args[0].value))
+            for t in node.targets:
+                for name in _bound_names(t.target):
+                    self.names.add(name)
+                if isinstance(t.target, cst.Name):
+                    self.defs.add(id(t.target))
+
+    def visit_Name(self, node: cst.Name) -> None:
+        self.refs.append(node)
+
+
+def _unproven_callers(module: cst.Module, fn: str, args, cmd) -> dict:
+    """``{arg: why}`` for the donated arguments some call in ``module`` keeps using after the
+    call, or that no call visibly rebinds."""
+    uses = _Uses(fn, cmd)
+    module.visit(uses)
+    defs = {d.name.value: d for d in module.body if isinstance(d, cst.FunctionDef)}
+    calls, escapes = [], []
+    # (scope, names): where a name refers to the function; one level of indirection through
+    # a function of this module it is passed to (`run(train_step)` calling `step(...)`).
+    todo = [(uses.refs, uses.names, True)]
+    while todo:
+        refs, names, follow = todo.pop()
+        for ref in refs:
+            if ref.value not in names or id(ref) in uses.defs or id(ref) in uses.jit_wraps:
+                continue
+            parent = cmd.get_metadata(ParentNodeProvider, ref, None)
+            if isinstance(parent, cst.Call) and parent.func is ref:
+                calls.append(parent)
+                continue
+            if isinstance(parent, cst.Decorator):
+                continue
+            param = _param_passed_to(ref, parent, defs, cmd) if follow else None
+            if param is None:
+                escapes.append(ref)
+                continue
+            callee, pname = param
+            inner = _Uses(pname, cmd)
+            callee.body.visit(inner)
+            todo.append((inner.refs, {pname}, False))
+    out = {}
+    for arg in args:
+        if escapes:
+            line = cmd.span(escapes[0])[0]
+            out[arg] = (f"`{escapes[0].value}` is passed around on line {line}, so its callers "
+                        "cannot all be seen")
+            continue
+        if not calls:
+            out[arg] = f"no call of `{fn}` in this file shows the caller rebinding the argument"
+            continue
+        for call in calls:
+            if not _rebinds(call, arg, cmd):
+                line = cmd.span(call)[0]
+                out[arg] = (f"the call on line {line} (`{cmd.code(call)}`) does not show the "
+                            "argument dead after it (it must pass a name the statement "
+                            "rebinds, that is neither a parameter of the enclosing function "
+                            "nor copied to another name)")
+                break
+    return out
+
+
+def _param_passed_to(ref: cst.Name, parent, defs: dict, cmd):
+    """``(def, parameter name)`` when ``ref`` is passed positionally to a call of a function
+    ``defs`` holds (defined at the top of this module), else None."""
+    if not isinstance(parent, cst.Arg) or parent.keyword is not None or parent.star:
+        return None
+    call = cmd.get_metadata(ParentNodeProvider, parent, None)
+    if not isinstance(call, cst.Call) or not isinstance(call.func, cst.Name):
+        return None
+    callee = defs.get(call.func.value)
+    if callee is None or any(a.star for a in call.args):
+        return None
+    k = [a for a in call.args if a.keyword is None].index(parent)
+    params = [*callee.params.posonly_params, *callee.params.params]
+    return (callee, params[k].name.value) if k < len(params) else None
+
+
+def _rebinds(call: cst.Call, arg, cmd) -> bool:
+    """Whether ``call`` passes a plain name for ``arg`` that its statement assigns again."""
+    if any(a.star for a in call.args):
+        return False
+    if isinstance(arg, int):
+        positional = [a for a in call.args if a.keyword is None]
+        passed = positional[arg].value if arg < len(positional) else None
+    else:
+        passed = next((a.value for a in call.args
+                       if a.keyword is not None and a.keyword.value == arg), None)
+    if not isinstance(passed, cst.Name):
+        return False
+    stmt = cmd.get_metadata(ParentNodeProvider, call, None)
+    if not isinstance(stmt, cst.Assign):
+        return False
+    if not any(passed.value in _bound_names(t.target) for t in stmt.targets):
+        return False
+    return _aliased(passed.value, stmt, cmd) is None
+
+
+def _aliased(name: str, node: cst.CSTNode, cmd) -> str | None:
+    """Why the value of ``name`` in the scope around ``node`` may have another holder: it is a
+    parameter of the enclosing function (the caller holds it), or the scope copies it to
+    another name (``w0 = w``). None when neither shows."""
+    scope = node
+    while scope is not None and not isinstance(scope, cst.FunctionDef | cst.Module):
+        scope = cmd.get_metadata(ParentNodeProvider, scope, None)
+    if isinstance(scope, cst.FunctionDef):
+        params = scope.params
+        every = [*params.posonly_params, *params.params, *params.kwonly_params]
+        every += [p for p in (params.star_arg, params.star_kwarg) if isinstance(p, cst.Param)]
+        if any(p.name.value == name for p in every):
+            return "parameter"
+    copies = _Copies(name)
+    scope.visit(copies)
+    return "copied" if copies.found else None
+
+
+class _Copies(cst.CSTVisitor):
+    """Finds ``other = name`` (or ``name`` inside a tuple/list/dict on the right-hand side)."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.found = name, False
+
+    def visit_Assign(self, node: cst.Assign) -> None:
+        v = node.value
+        items = [v]
+        if isinstance(v, cst.Tuple | cst.List | cst.Set):
+            items = [e.value for e in v.elements]
+        elif isinstance(v, cst.Dict):
+            items = [e.value for e in v.elements if isinstance(e, cst.DictElement)]
+        if any(isinstance(x, cst.Name) and x.value == self.name for x in items):
+            self.found = True
