@@ -68,13 +68,19 @@ def parse_bytes(value: Any, name: str = "memory_budget") -> int | None:
     if isinstance(value, int | float):
         if value <= 0:
             raise ValueError(f"{name}={value!r} must be positive; pass bytes or a string like '2GB'.")
+        if value < 1:  # a fraction would silently round to 0 bytes
+            raise ValueError(f"{name}={value!r} is less than one byte: it is a number of bytes, "
+                             "not a fraction of the original's memory; pass bytes or a string "
+                             "like '2GB'.")
         return int(value)
     if isinstance(value, str):
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
         if m and m.group(2).lower() in _UNITS:
             n = float(m.group(1)) * _UNITS[m.group(2).lower()]
-            if n > 0:
+            if n >= 1:
                 return int(n)
+            raise ValueError(f"{name}={value!r} must be at least one byte; pass a string like "
+                             "'2GB'.")
         raise ValueError(
             f"{name}={value!r} is not a size. Pass bytes (an int) or a string such as '2GB', "
             "'512MiB' or '1.5 GB'."
@@ -162,10 +168,20 @@ def make_options(**kwargs: Any) -> Options:
     if not isinstance(remat, str) or (remat not in REMAT_CHOICES and remat not in policies):
         close = difflib.get_close_matches(str(remat), REMAT_CHOICES + policies, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
+        import jax
+
+        named = [n for n in policies if getattr(jax.checkpoint_policies, n, None) is remat]
+        if named:  # the policy object itself: the option takes its name
+            hint = (" Pass the policy's name as a string: "
+                    + " or ".join(f"remat={n!r}" for n in named) + ".")
         raise ValueError(
             f"remat={remat!r} is not a remat policy.{hint} Use 'auto', 'off', or one of "
             f"jax.checkpoint_policies: {', '.join(policies)}."
         )
+    if remat == "off" and ours.get("memory_budget") is not None:
+        raise ValueError("memory_budget is only met by rematerialization, which remat='off' turns "
+                         "off: drop one of the two (remat='auto' with the budget recomputes to "
+                         "meet it).")
     placement = ours.get("placement", "auto")
     if placement not in PLACEMENTS:
         raise ValueError(f"placement={placement!r}: use 'auto' (cache read-only host constants, "
