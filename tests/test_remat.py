@@ -285,9 +285,31 @@ def test_program_with_nothing_to_gain_is_left_identical(fn, args):
     assert result.jaxpr is closed and not result.changed and not result.findings
 
 
+def test_a_large_backward_with_no_plan_within_the_rule_says_so_without_compiling():
+    # A scan over layers: its stacked residuals are large, but without a budget no plan is
+    # estimated to pass the rule (checkpointing the scan body recomputes every layer).
+    def loss(w, x):
+        h, _ = jax.lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), x, w)
+        return jnp.sum(h**2)
+
+    def step(w, x):
+        return jax.value_and_grad(loss)(w, x)
+
+    w, x = jnp.full((8, 64, 64), 0.01), jnp.ones((1024, 64))
+    closed = jax.make_jaxpr(step)(w, x)
+    result = remat(closed, _ctx(default=True))
+    (f,) = result.findings
+    assert result.jaxpr is closed and not f.applied
+    assert "not applied" in f.message and "memory_budget=" in f.message, f.message
+    assert "before" not in f.details  # nothing was compiled for it
+    # With a budget the scan body is checkpointed (the message's promise holds).
+    (g,) = _planned(step, w, x, default=True, memory_budget=1)
+    assert g.applied, g.message
+
+
 def test_remat_off_leaves_the_program_alone():
     ws, x = _params()
-    assert _remat_findings(train_step, ws, x, remat="off", memory_budget=1) == []
+    assert _remat_findings(train_step, ws, x, remat="off") == []
 
 
 # --- a forward the user differentiates -------------------------------------------------------------

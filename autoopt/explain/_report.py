@@ -393,9 +393,9 @@ def _render_remat(report: Report, console: Any) -> None:
         if f.kind != "remat" or not f.applied or not rows:
             continue
         console.print()
-        plan = f.details.get("plan", "?")
-        console.print(Text(f"remat plan {plan} ({f.details.get('mechanism', '?')}): what the "
-                           "backward recomputes and keeps", style="bold"))
+        console.print(Text("remat: what the backward recomputes and keeps", style="bold"))
+        console.print(Text(f"plan {f.details.get('plan', '?')}; "
+                           f"{f.details.get('mechanism', '?')}", style="dim"))
         table = Table(box=None, pad_edge=False, expand=False, show_edge=False)
         for col, right in (("", False), ("source line", False), ("values", True),
                            ("bytes", True), ("added FLOPs", True)):
