@@ -437,6 +437,12 @@ def _render_memory(report: Report, console: Any) -> None:
     t.add_row("after", *(format_bytes(after[k]) for k in _MEMORY_COLUMNS))
     t.add_row("change", *(_signed(after[k] - before[k]) for k in _MEMORY_COLUMNS))
     console.print(t)
+    if after.get("alias_bytes") and not before.get("alias_bytes"):
+        # _memory_before_after compiles "after" as a donating call would: say so, since a
+        # call site that keeps its arguments (donation not applied there) aliases nothing.
+        console.print("(after: as compiled for a call that donates every argument an output "
+                      "can reuse; a call site that keeps its arguments aliases nothing and "
+                      "holds the alias bytes more)")
 
 
 def _signed(n: int) -> str:
