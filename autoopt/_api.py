@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import os
 import sys
 import threading
 import warnings
@@ -294,6 +295,9 @@ class _Site:
         self.fast = fast
 
 
+_JAX_DIR = os.path.dirname(os.path.abspath(jax.__file__)) + os.sep
+
+
 class OptimizedFunction:
     """What ``optimize`` returns: call it like the ``jax.jit`` of the original function."""
 
@@ -550,7 +554,10 @@ class OptimizedFunction:
                 names=tuple(n for n in proof.names if n not in self._static_argnames))
         site = _Site(proof, {} if self._fast_ok and not shift else None)
         self._sites[key or (frame.f_code, frame.f_lasti)] = site
-        if proof.location:
+        # A call from inside jax (jax.grad, vmap calling the function) is not the user's call
+        # site: nothing is donated there (the arguments are traced), and the report should not
+        # name a line of jax's own source.
+        if proof.location and not frame.f_code.co_filename.startswith(_JAX_DIR):
             self._site_reasons[proof.location] = proof
         return site
 

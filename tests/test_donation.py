@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import threading
 import warnings
 from typing import NamedTuple
@@ -589,3 +590,17 @@ def test_fast_path_with_numpy_batches_donates_the_state_and_keeps_placing():
     assert f._placer.stats.constants_placed == 1
     assert f._placer.stats.cached >= 6  # every call served the table from the cache
     np.testing.assert_allclose(w, (4 * sum(range(6)) + 6 * 64) * np.ones(3))
+
+
+def test_calls_from_inside_jax_are_not_reported_as_call_sites():
+    # jax.grad calls the function from jax's own source: no call site of the user's to report.
+    opt = autoopt.optimize(lambda w: jnp.sum(w**2))
+    w = jnp.ones(4) + 0
+    jax.grad(opt)(w)
+    jax.vmap(opt)(jnp.ones((2, 4)))
+    y = opt(w)  # a user's call site is still recorded
+    report = opt.explain(w)
+    jax_dir = os.path.dirname(os.path.abspath(jax.__file__))
+    sites = [f.location for f in report.findings if f.location]
+    assert sites and not any(loc.startswith(jax_dir) for loc in sites), sites
+    assert float(y) == 4.0
