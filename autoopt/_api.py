@@ -321,10 +321,19 @@ class OptimizedFunction:
         nested_kwargs = {k: v for k, v in jit_kwargs.items() if k != "compiler_options"}
         self._nested_kwargs = nested_kwargs if jit_kwargs != nested_kwargs else None
         self._nested = None
+        # Eager autodiff (see _eager_ad_call): checked on every call only while remat could plan
+        # a forward for it (~0.2 us a call): until the first program is built, then only if a
+        # program was a forward remat can plan (passes.remat.forward_plannable). A training
+        # step with its own backward, or remat off, stops paying after its first call.
+        self._remat_auto = options.remat == "auto" and not options.explicit_donation
+        self._watch_autodiff = self._remat_auto
+        self._any_plannable = False
+        self._eager_ad_jit = None
         self._explicit_donation = options.explicit_donation
         self._jit_kwargs = jit_kwargs
         self._policy = "explicit" if options.explicit_donation else options.donate
         self._programs: dict[tuple, _Program] = {}  # trace-side signature -> program
+        self._eager_ad_programs: dict[tuple, _Program] = {}  # the same, for _eager_ad_call
         self._by_concrete: dict[tuple, _Program] = {}  # call-side signature -> program
         self._tls = threading.local()  # the program the last trace on this thread used
         self._has_static = bool(self._static_argnums or self._static_argnames)
@@ -353,7 +362,9 @@ class OptimizedFunction:
 
     # --- jit objects ---------------------------------------------------------------------------
 
-    def _make_wrapper(self) -> Callable:
+    def _make_wrapper(self, eager_autodiff: bool = False) -> Callable:
+        """The function jax.jit traces. ``eager_autodiff``: the wrapper of ``_eager_ad_jit``,
+        whose programs are planned for a caller that differentiates them eagerly (see there)."""
         fn = self.__wrapped__
 
         def wrapper(*args, **kwargs):
@@ -366,7 +377,7 @@ class OptimizedFunction:
             if _compat.jit_disabled():
                 # jax.jit calls us eagerly under disable_jit: run the original, as jit would.
                 return fn(*args, **kwargs)
-            program, leaves = self._program_for(args, kwargs)
+            program, leaves = self._program_for(args, kwargs, eager_autodiff)
             outs = self._evaluate(program, leaves, hoisted)
             return tree_util.tree_unflatten(program.traced.out_tree, outs)
 
@@ -393,26 +404,28 @@ class OptimizedFunction:
 
     # --- tracing and passes (runs inside jax.jit's trace) -------------------------------------
 
-    def _program_for(self, args: tuple, kwargs: dict) -> tuple[_Program, list]:
+    def _program_for(self, args: tuple, kwargs: dict,
+                     eager_autodiff: bool = False) -> tuple[_Program, list]:
         dyn_tree, statics = _trace.split_args(args, kwargs, self._static_argnums, self._static_argnames)
         leaves, in_tree = tree_util.tree_flatten(dyn_tree)
         key = _trace.signature_key(leaves, in_tree, statics, len(args))
-        program = self._programs.get(key)
+        programs = self._eager_ad_programs if eager_autodiff else self._programs
+        program = programs.get(key)
         if program is not None:
             self._tls.last_program = program
             return program, leaves
         with self._lock:
-            lock = self._key_locks.setdefault(key, threading.RLock())
+            lock = self._key_locks.setdefault((key, eager_autodiff), threading.RLock())
         with lock:
-            program = self._programs.get(key)
+            program = programs.get(key)
             if program is None:
-                program = self._build(args, kwargs)
+                program = self._build(args, kwargs, eager_autodiff)
                 if not program.traced.captures_tracers:
-                    self._programs[key] = program
+                    programs[key] = program
         self._tls.last_program = program
         return program, leaves
 
-    def _build(self, args: tuple, kwargs: dict) -> _Program:
+    def _build(self, args: tuple, kwargs: dict, eager_autodiff: bool = False) -> _Program:
         _framework_check(args, kwargs)
         # The user's own errors (shape mismatches, non-array outputs) propagate unchanged, as
         # from jax.jit: they are not autoopt's to swallow.
@@ -426,7 +439,13 @@ class OptimizedFunction:
             backend=self._backend,
             fn_name=getattr(self.__wrapped__, "__name__", "fn"),
             fn_location=self._fn_location,
+            under_autodiff=eager_autodiff,
         )
+        if self._remat_auto and not eager_autodiff:
+            from autoopt.passes.remat import forward_plannable
+
+            self._any_plannable = self._any_plannable or forward_plannable(traced.closed)
+            self._watch_autodiff = self._any_plannable
         try:
             pipeline = run_pipeline(traced.closed, ctx)
         except PassError as e:
@@ -471,6 +490,9 @@ class OptimizedFunction:
     # --- the call path -------------------------------------------------------------------------
 
     def __call__(self, *args, **kwargs):
+        if self._watch_autodiff and not _compat.trace_state_clean() and \
+                _compat.eager_autodiff((args, kwargs)):
+            return self._eager_ad_call(args, kwargs)
         if self._nested_kwargs is not None and not _compat.trace_state_clean():
             if self._nested is None:
                 self._nested = jax.jit(self._wrapper, **self._nested_kwargs)
@@ -515,6 +537,19 @@ class OptimizedFunction:
             if split is None:
                 raise
         return self._call_static_leaves(split)
+
+    def _eager_ad_call(self, args: tuple, kwargs: dict):
+        """A call differentiated eagerly (``jax.grad(f)(x)`` outside any jit): JAX runs the
+        forward and the backward as two executables and keeps the forward's residuals alive in
+        between, so remat plans for it are measured that way (``passes.remat``), in a program of
+        its own: under an outer jit the two halves are one program again, where XLA:CPU merges
+        checkpoints back (jax-ml/jax#19822). Nothing is donated (the arguments are traced)."""
+        j = self._eager_ad_jit
+        if j is None:
+            kw = {k: v for k, v in self._jit_kwargs.items()
+                  if k not in ("compiler_options", "donate_argnums", "donate_argnames")}
+            j = self._eager_ad_jit = jax.jit(self._make_wrapper(eager_autodiff=True), **kw)
+        return j(*args, **kwargs)
 
     def _static_leaf_fn(self, split: tuple) -> tuple[OptimizedFunction, tuple, dict]:
         """The optimized function for arguments with these static leaves (one per set of them)."""

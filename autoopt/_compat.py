@@ -16,6 +16,7 @@ from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import linear_util as _lu
 from jax._src import source_info_util as _siu
+from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import partial_eval as _pe
 
 __all__ = [
@@ -125,3 +126,20 @@ def trace_state_clean() -> bool:
     when it is called at the top level.
     """
     return _core.trace_state_clean()
+
+
+def eager_autodiff(tree) -> bool:
+    """Whether ``tree`` holds autodiff tracers (``jax.grad``, ``vjp``, ``jvp``) over concrete
+    arrays and nothing else traced: a transformation applied eagerly, outside any jit or vmap.
+    Reads ``.primal`` of jax's JVP and linearize tracers (jax._src.interpreters.ad)."""
+    found = False
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if not isinstance(leaf, jax.core.Tracer):
+            continue
+        x = leaf
+        while isinstance(x, jax.core.Tracer):
+            if not isinstance(x, _ad.JVPTracer | _ad.LinearizeTracer):
+                return False
+            x = x.primal
+        found = True
+    return found

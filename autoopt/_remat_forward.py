@@ -35,20 +35,15 @@ def _floating(aval) -> bool:
     return hasattr(aval, "dtype") and jax.numpy.issubdtype(aval.dtype, jax.numpy.inexact)
 
 
-def vjp_program(closed: ClosedJaxpr) -> tuple[Callable, list] | None:
-    """``(fn, avals)``: a training step built from the forward ``closed``: run it, then pull
-    back a cotangent (an extra input) for every floating output into every floating input. What
-    ``jax.grad`` of the optimized function will compile; None when nothing is differentiable."""
-    in_avals = list(closed.in_avals)
-    diff = [i for i, a in enumerate(in_avals) if _floating(a)]
+def _vjp_of(closed: ClosedJaxpr) -> Callable[[list], tuple] | None:
+    """``vjp(args) -> (floating outputs, pullback)``: ``jax.vjp`` of ``closed`` with respect to
+    its floating inputs, the others held at ``args``; None when nothing is differentiable."""
+    diff = [i for i, a in enumerate(closed.in_avals) if _floating(a)]
     outs = [k for k, a in enumerate(closed.out_avals) if _floating(a)]
     if not diff or not outs:
         return None
-    n = len(in_avals)
 
-    def step(*flat):
-        args, cts = list(flat[:n]), list(flat[n:])
-
+    def vjp(args: list):
         def f(*d):
             full = list(args)
             for i, x in zip(diff, d):
@@ -56,10 +51,46 @@ def vjp_program(closed: ClosedJaxpr) -> tuple[Callable, list] | None:
             res = _jaxpr.eval_closed(closed, *full)
             return [res[k] for k in outs]
 
-        primal, pullback = jax.vjp(f, *[args[i] for i in diff])
-        return [*primal, *pullback(cts)]
+        return jax.vjp(f, *[args[i] for i in diff])
 
-    return step, in_avals + [closed.out_avals[k] for k in outs]
+    return vjp
+
+
+def vjp_program(closed: ClosedJaxpr) -> tuple[Callable, list] | None:
+    """``(fn, avals)``: a training step built from the forward ``closed``: run it, then pull
+    back a cotangent (an extra input) for every floating output into every floating input. What
+    ``jax.grad`` of the optimized function will compile; None when nothing is differentiable."""
+    vjp = _vjp_of(closed)
+    if vjp is None:
+        return None
+    in_avals = list(closed.in_avals)
+    n = len(in_avals)
+
+    def step(*flat):
+        primal, pullback = vjp(list(flat[:n]))
+        return [*primal, *pullback(list(flat[n:]))]
+
+    out_avals = [a for a in closed.out_avals if _floating(a)]
+    return step, in_avals + out_avals
+
+
+def vjp_halves(closed: ClosedJaxpr) -> tuple[Callable, Callable, list] | None:
+    """``(forward, backward, avals)``: ``forward(*args)`` runs ``closed`` and returns its
+    floating outputs and the pullback (whose leaves are the residuals); ``backward`` takes that
+    and pulls cotangents of ones back. The two programs ``jax.grad`` of the jitted ``closed``
+    runs when applied eagerly; None when nothing is differentiable."""
+    vjp = _vjp_of(closed)
+    if vjp is None:
+        return None
+
+    def forward(*args):
+        return vjp(list(args))
+
+    def backward(fwd_out):
+        primal, pullback = fwd_out
+        return pullback([jax.numpy.ones_like(p) for p in primal])
+
+    return forward, backward, list(closed.in_avals)
 
 
 def vjp_jaxpr(closed: ClosedJaxpr) -> ClosedJaxpr | None:

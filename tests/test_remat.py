@@ -347,6 +347,42 @@ def test_scan_bodies_are_checkpointed_for_a_differentiated_scan():
     assert_trees_equivalent(jax.jit(scan_loss)(w, x), opt(w, x), exact=True)
 
 
+def _residual_bytes(f, *args):
+    """Bytes an eager ``jax.vjp`` of ``f`` keeps alive between the forward and the backward."""
+    _, pullback = jax.vjp(f, *args)
+    mine = {id(a) for a in jax.tree_util.tree_leaves(args)}
+    return sum(r.nbytes for r in jax.tree_util.tree_leaves(pullback)
+               if hasattr(r, "nbytes") and id(r) not in mine)
+
+
+def test_eager_grad_of_an_optimized_forward_keeps_fewer_residuals_and_equal_gradients():
+    # Applied eagerly, jax.grad runs the forward and the backward as two programs and keeps the
+    # forward's residuals alive in between; XLA:CPU cannot merge a checkpoint across programs,
+    # so the plan is measured, and pays off, there (no compiler flag).
+    _cpu_only()
+    ws, x = _params()
+    opt = autoopt.optimize(mlp_loss, fallback="raise", memory_budget=1)
+    got = jax.grad(opt)(ws, x)
+    assert opt._eager_ad_jit is not None  # the eager call took its own program
+    assert_trees_equivalent(jax.grad(jax.jit(mlp_loss))(ws, x), got)
+    assert _residual_bytes(opt, ws, x) <= 0.5 * _residual_bytes(jax.jit(mlp_loss), ws, x)
+    # Under an outer jit the two halves are one program again: the eager path is not taken.
+    fresh = autoopt.optimize(mlp_loss, fallback="raise", memory_budget=1)
+    assert_trees_equivalent(jax.jit(jax.grad(mlp_loss))(ws, x), jax.jit(jax.grad(fresh))(ws, x))
+    assert fresh._eager_ad_jit is None
+
+
+def test_a_training_step_stops_watching_for_eager_autodiff_after_its_first_call():
+    # The check costs ~0.2 us a call; a function with its own backward never needs it.
+    ws, x = _params(layers=2)
+    step = autoopt.optimize(train_step)
+    step(ws, x)
+    assert not step._watch_autodiff
+    loss = autoopt.optimize(mlp_loss)
+    loss(ws, x)
+    assert loss._watch_autodiff
+
+
 # --- loops, branches, custom_vjp, stop_gradient ---------------------------------------------------
 
 def test_scan_inside_a_training_step_recomputes_its_body_in_the_backward_scan():
