@@ -444,7 +444,8 @@ class OptimizedFunction:
         if self._remat_auto and not eager_autodiff:
             from autoopt.passes.remat import forward_plannable
 
-            self._any_plannable = self._any_plannable or forward_plannable(traced.closed)
+            if forward_plannable(traced.closed):
+                self._any_plannable = True  # (never reset: one plannable program keeps it)
             self._watch_autodiff = self._any_plannable
         try:
             pipeline = run_pipeline(traced.closed, ctx)
@@ -490,14 +491,14 @@ class OptimizedFunction:
     # --- the call path -------------------------------------------------------------------------
 
     def __call__(self, *args, **kwargs):
-        if self._watch_autodiff and not _compat.trace_state_clean() and \
-                _compat.eager_autodiff((args, kwargs)):
-            return self._eager_ad_call(args, kwargs)
-        if self._nested_kwargs is not None and not _compat.trace_state_clean():
-            if self._nested is None:
-                self._nested = jax.jit(self._wrapper, **self._nested_kwargs)
-            return self._nested(*args, **kwargs)
         try:  # free when nothing is raised (CPython 3.11+)
+            if self._watch_autodiff and not _compat.trace_state_clean() and \
+                    _compat.eager_autodiff((args, kwargs)):
+                return self._eager_ad_call(args, kwargs)
+            if self._nested_kwargs is not None and not _compat.trace_state_clean():
+                if self._nested is None:
+                    self._nested = jax.jit(self._wrapper, **self._nested_kwargs)
+                return self._nested(*args, **kwargs)
             policy = self._policy
             if policy == "safe":
                 frame = sys._getframe(1)
@@ -546,9 +547,12 @@ class OptimizedFunction:
         checkpoints back (jax-ml/jax#19822). Nothing is donated (the arguments are traced)."""
         j = self._eager_ad_jit
         if j is None:
-            kw = {k: v for k, v in self._jit_kwargs.items()
-                  if k not in ("compiler_options", "donate_argnums", "donate_argnames")}
-            j = self._eager_ad_jit = jax.jit(self._make_wrapper(eager_autodiff=True), **kw)
+            with self._lock:
+                if self._eager_ad_jit is None:
+                    kw = {k: v for k, v in self._jit_kwargs.items()
+                          if k not in ("compiler_options", "donate_argnums", "donate_argnames")}
+                    self._eager_ad_jit = jax.jit(self._make_wrapper(eager_autodiff=True), **kw)
+                j = self._eager_ad_jit
         return j(*args, **kwargs)
 
     def _static_leaf_fn(self, split: tuple) -> tuple[OptimizedFunction, tuple, dict]:

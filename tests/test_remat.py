@@ -372,6 +372,23 @@ def test_eager_grad_of_an_optimized_forward_keeps_fewer_residuals_and_equal_grad
     assert fresh._eager_ad_jit is None
 
 
+def test_eager_grad_with_a_function_leaf_in_the_arguments_takes_the_static_leaf_path():
+    # equinox-style: a model holding its activation function. jax.jit refuses the leaf; the
+    # static-leaf path must still catch that under eager autodiff.
+    ws, x = _params(layers=3)
+
+    def loss(model, x):
+        ws, act = model
+        for w in ws:
+            x = act(x @ w)
+        return jnp.mean(x**2)
+
+    opt = autoopt.optimize(loss, fallback="raise")
+    got = jax.grad(lambda ws: opt((ws, jnp.tanh), x))(ws)
+    want = jax.grad(lambda ws: loss((ws, jnp.tanh), x))(ws)
+    assert_trees_equivalent(want, got)
+
+
 def test_a_training_step_stops_watching_for_eager_autodiff_after_its_first_call():
     # The check costs ~0.2 us a call; a function with its own backward never needs it.
     ws, x = _params(layers=2)

@@ -543,13 +543,16 @@ def _finish(closed: ClosedJaxpr, dec: Decision, where: str, ctx: PassContext,
     budget = ctx.options.memory_budget
     if dec.chosen is None:
         msg = f"not applied: {dec.reason}"
-        if dec.base is None and budget is None:
+        if dec.base is None and budget is None and not dec.tried and \
+                dec.reason.startswith("no plan is estimated"):
             # Nothing compiled (the static estimate ruled every plan out): say so, and what a
             # budget would do, so that a user with a large backward is not left guessing.
             msg += ("; memory_budget=... lets it recompute more (matmuls, loop bodies) to meet "
                     "a budget")
             return closed, [_finding(False, msg, where, ctx, None, None,
                                      {"mechanism": mechanism}, "none", dec)]
+        if dec.base is None and budget is None:
+            return closed, []  # no memory figures from this backend: nothing to report
         if budget is not None and dec.base is not None and dec.base.peak > budget:
             msg = (f"memory budget {_mb(budget)} cannot be met: the original peak is "
                    f"{_mb(dec.base.peak)} and no plan lowers it")
