@@ -3,10 +3,14 @@
 The donation analysis says which arguments an output can reuse (``details["aliasable"]``). An
 argument that a recorded call site keeps using after the call (a call-site finding not applied)
 is left out: donating it would invalidate the caller's array. ``donate_argnums`` is a promise
-for every caller, so under ``style="jax"`` an argument is also left out unless every call of the
-function in this file rebinds the very name it passes (``state = step(state, batch)``) and the
-function is not passed around (callers elsewhere cannot be seen): the outcome says which call
-keeps using it, and ``style="autoopt"`` is the safe edit (it proves donation per call site). Forms handled, for the analysed
+for every caller, so under ``style="jax"`` an argument is also left out unless the file shows
+every caller's array dead after the call: every call of the function (directly, or through a
+function of this module it is passed to) rebinds the very name it passes
+(``state = step(state, batch)``), that name is bound only to fresh arrays (results of the
+function itself or of ``jax.numpy``/``jax.random`` constructors) and read only as the call's
+argument, as the base of an attribute or an index, or returned; and the function is not passed
+around otherwise. The outcome says which call fails that, and ``style="autoopt"`` is the safe
+edit (it proves donation per call site, at run time). Forms handled, for the analysed
 function's ``def``: ``@jax.jit``, ``@jit``, ``@jax.jit(...)``, ``@partial(jax.jit, ...)`` and
 module-level ``jax.jit(fn, ...)`` calls. A function already donating, or under
 ``@autoopt.optimize`` (which donates per call site), is left alone.
@@ -261,12 +265,12 @@ def _unproven_callers(module: cst.Module, fn: str, args, cmd) -> dict:
             out[arg] = f"no call of `{fn}` in this file shows the caller rebinding the argument"
             continue
         for call in calls:
-            if not _rebinds(call, arg, cmd):
+            if not _rebinds(call, arg, cmd, calls):
                 line = cmd.span(call)[0]
                 out[arg] = (f"the call on line {line} (`{cmd.code(call)}`) does not show the "
                             "argument dead after it (it must pass a name the statement "
-                            "rebinds, that is neither a parameter of the enclosing function "
-                            "nor copied to another name)")
+                            "rebinds, bound only to fresh arrays and read only in ways that "
+                            "keep no second holder)")
                 break
     return out
 
@@ -287,8 +291,9 @@ def _param_passed_to(ref: cst.Name, parent, defs: dict, cmd):
     return (callee, params[k].name.value) if k < len(params) else None
 
 
-def _rebinds(call: cst.Call, arg, cmd) -> bool:
-    """Whether ``call`` passes a plain name for ``arg`` that its statement assigns again."""
+def _rebinds(call: cst.Call, arg, cmd, calls: list) -> bool:
+    """Whether ``call`` passes a plain name for ``arg`` that its statement assigns again, and
+    whose every other appearance in its scope shows no second holder (``_only_fresh``)."""
     if any(a.star for a in call.args):
         return False
     if isinstance(arg, int):
@@ -304,39 +309,83 @@ def _rebinds(call: cst.Call, arg, cmd) -> bool:
         return False
     if not any(passed.value in _bound_names(t.target) for t in stmt.targets):
         return False
-    return _aliased(passed.value, stmt, cmd) is None
+    return _only_fresh(passed.value, call, calls, cmd)
 
 
-def _aliased(name: str, node: cst.CSTNode, cmd) -> str | None:
-    """Why the value of ``name`` in the scope around ``node`` may have another holder: it is a
-    parameter of the enclosing function (the caller holds it), or the scope copies it to
-    another name (``w0 = w``). None when neither shows."""
-    scope = node
+# Array constructors whose result no other name holds (jnp.asarray may return its argument).
+_FRESH_PREFIXES = ("jax.numpy.", "jax.random.")
+_NOT_FRESH = frozenset({"jax.numpy.asarray"})
+
+
+def _only_fresh(name: str, call: cst.Call, calls: list, cmd) -> bool:
+    """Whether, in the scope around ``call`` (its function, or the module), ``name`` is only
+    ever bound to a fresh array (the result of a call of the donating function or of a
+    ``jax.numpy``/``jax.random`` constructor) and only ever read as an argument of those calls,
+    as the base of an attribute or an index (``w.sum()``, ``w[0]``: new arrays), or returned.
+    Anything else (a parameter, a loop target, ``w = w0``, ``hist.append(w)``, a closure, a
+    pytree holding it) could be a second holder of the buffer, which donation would delete."""
+    scope = call
     while scope is not None and not isinstance(scope, cst.FunctionDef | cst.Module):
         scope = cmd.get_metadata(ParentNodeProvider, scope, None)
-    if isinstance(scope, cst.FunctionDef):
-        params = scope.params
-        every = [*params.posonly_params, *params.params, *params.kwonly_params]
-        every += [p for p in (params.star_arg, params.star_kwarg) if isinstance(p, cst.Param)]
-        if any(p.name.value == name for p in every):
-            return "parameter"
-    copies = _Copies(name)
-    scope.visit(copies)
-    return "copied" if copies.found else None
+    if scope is None:
+        return False
+    names = _Names(name)
+    (scope.body if isinstance(scope, cst.FunctionDef) else scope).visit(names)
+    if isinstance(scope, cst.FunctionDef) and names._shadows(scope.params):
+        return False  # a parameter: the caller holds the array too
+    ids = {id(c) for c in calls}
+    for ref in names.found:
+        parent = cmd.get_metadata(ParentNodeProvider, ref, None)
+        if isinstance(parent, cst.Arg) and parent.value is ref and \
+                id(cmd.get_metadata(ParentNodeProvider, parent, None)) in ids:
+            continue  # passed to the donating function
+        if isinstance(parent, cst.Attribute | cst.Subscript) and parent.value is ref:
+            continue  # w.sum(), w[0], w.shape: new values
+        if isinstance(parent, cst.Return):
+            continue
+        assign = _assigned_by(ref, parent, cmd)
+        if assign is not None and isinstance(assign.value, cst.Call):
+            v = assign.value
+            if id(v) in ids:
+                continue
+            q = cmd.imports.qualified(v.func) or ""
+            if q.startswith(_FRESH_PREFIXES) and q not in _NOT_FRESH:
+                continue
+        return False
+    return True
 
 
-class _Copies(cst.CSTVisitor):
-    """Finds ``other = name`` (or ``name`` inside a tuple/list/dict on the right-hand side)."""
+def _assigned_by(ref: cst.Name, parent, cmd) -> cst.Assign | None:
+    """The ``Assign`` whose target (alone or inside a tuple/list target) is ``ref``."""
+    node = parent
+    while isinstance(node, cst.Element | cst.Tuple | cst.List):
+        node = cmd.get_metadata(ParentNodeProvider, node, None)
+    if isinstance(node, cst.AssignTarget):
+        stmt = cmd.get_metadata(ParentNodeProvider, node, None)
+        return stmt if isinstance(stmt, cst.Assign) else None
+    return None
+
+
+class _Names(cst.CSTVisitor):
+    """Every Name node spelling ``name`` in this scope, nested functions and lambdas included
+    (a closure over it is a second holder) unless they take a parameter of that name (another
+    variable)."""
 
     def __init__(self, name: str) -> None:
-        self.name, self.found = name, False
+        self.name = name
+        self.found: list[cst.Name] = []
 
-    def visit_Assign(self, node: cst.Assign) -> None:
-        v = node.value
-        items = [v]
-        if isinstance(v, cst.Tuple | cst.List | cst.Set):
-            items = [e.value for e in v.elements]
-        elif isinstance(v, cst.Dict):
-            items = [e.value for e in v.elements if isinstance(e, cst.DictElement)]
-        if any(isinstance(x, cst.Name) and x.value == self.name for x in items):
-            self.found = True
+    def _shadows(self, params: cst.Parameters) -> bool:
+        every = [*params.posonly_params, *params.params, *params.kwonly_params]
+        every += [q for q in (params.star_arg, params.star_kwarg) if isinstance(q, cst.Param)]
+        return any(q.name.value == self.name for q in every)
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        return not self._shadows(node.params)
+
+    def visit_Lambda(self, node: cst.Lambda) -> bool:
+        return not self._shadows(node.params)
+
+    def visit_Name(self, node: cst.Name) -> None:
+        if node.value == self.name:
+            self.found.append(node)
