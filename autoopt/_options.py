@@ -66,6 +66,9 @@ def parse_bytes(value: Any, name: str = "memory_budget") -> int | None:
     if isinstance(value, bool):
         raise TypeError(f"{name}={value!r} is not a size; pass bytes (an int) or a string like '2GB'.")
     if isinstance(value, int | float):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ValueError(f"{name}={value!r} is not a size; pass bytes (a finite number) or "
+                             "a string like '2GB', or None for no budget.")
         if value <= 0:
             raise ValueError(f"{name}={value!r} must be positive; pass bytes or a string like '2GB'.")
         if value < 1:  # a fraction would silently round to 0 bytes
