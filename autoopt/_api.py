@@ -492,13 +492,14 @@ class OptimizedFunction:
 
     def __call__(self, *args, **kwargs):
         try:  # free when nothing is raised (CPython 3.11+)
-            if self._watch_autodiff and not _compat.trace_state_clean() and \
-                    _compat.eager_autodiff((args, kwargs)):
-                return self._eager_ad_call(args, kwargs)
-            if self._nested_kwargs is not None and not _compat.trace_state_clean():
-                if self._nested is None:
-                    self._nested = jax.jit(self._wrapper, **self._nested_kwargs)
-                return self._nested(*args, **kwargs)
+            if (self._watch_autodiff or self._nested_kwargs is not None) and \
+                    not _compat.trace_state_clean():
+                if self._watch_autodiff and _compat.eager_autodiff((args, kwargs)):
+                    return self._eager_ad_call(args, kwargs)
+                if self._nested_kwargs is not None:
+                    if self._nested is None:
+                        self._nested = jax.jit(self._wrapper, **self._nested_kwargs)
+                    return self._nested(*args, **kwargs)
             policy = self._policy
             if policy == "safe":
                 frame = sys._getframe(1)

@@ -124,8 +124,8 @@ class CallTransfers:
 class TransferStats:
     """Totals over the calls the placer scanned (every call once host arrays were seen).
 
-    ``total`` sums their ``CallTransfers`` (``implicit_names`` stays empty there); its counts also
-    read as attributes of their own (``stats.cached`` is ``stats.total.cached``).
+    ``total`` sums their ``CallTransfers`` (``implicit_names`` stays empty there);
+    ``stats.cached`` is ``stats.total.cached``, the one count read on its own.
     """
 
     calls_scanned: int = 0
@@ -134,12 +134,9 @@ class TransferStats:
     last: CallTransfers | None = None
     first_host_site: str | None = None
 
-    before = property(lambda self: self.total.before)
-    implicit = property(lambda self: self.total.implicit)
-    explicit = property(lambda self: self.total.explicit)
-    cached = property(lambda self: self.total.cached)
-    packed_leaves = property(lambda self: self.total.packed_leaves)
-    packed_bytes = property(lambda self: self.total.packed_bytes)
+    @property
+    def cached(self) -> int:
+        return self.total.cached
 
     def add(self, call: CallTransfers) -> None:
         """Count one scanned call into ``total`` and keep it as ``last``."""

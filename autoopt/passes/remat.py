@@ -141,11 +141,14 @@ def _compile(fn: Callable, avals, compiler_options) -> Measured | None:
     mem = compiled_memory(compiled)
     if mem is None:
         return None
+    return Measured(mem, _flops(compiled), time.perf_counter() - t0)
+
+
+def _flops(compiled) -> float:
     cost = compiled.cost_analysis()
     if isinstance(cost, list | tuple):
         cost = cost[0] if cost else {}
-    flops = float((cost or {}).get("flops", 0.0))
-    return Measured(mem, flops, time.perf_counter() - t0)
+    return float((cost or {}).get("flops", 0.0))
 
 
 def _measure_closed(closed: ClosedJaxpr, compiler_options) -> Measured | None:
@@ -169,13 +172,8 @@ def _measure_split_vjp(closed: ClosedJaxpr, compiler_options) -> Measured | None
     mems = [compiled_memory(f), compiled_memory(b)]
     if any(m is None for m in mems):
         return None
-    flops = 0.0
-    for c in (f, b):
-        cost = c.cost_analysis()
-        if isinstance(cost, list | tuple):
-            cost = cost[0] if cost else {}
-        flops += float((cost or {}).get("flops", 0.0))
-    return Measured(max(mems, key=lambda m: m.peak_bytes), flops, time.perf_counter() - t0)
+    return Measured(max(mems, key=lambda m: m.peak_bytes), _flops(f) + _flops(b),
+                    time.perf_counter() - t0)
 
 
 def _measure_vjp(closed: ClosedJaxpr, compiler_options) -> Measured | None:
