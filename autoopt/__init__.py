@@ -5,8 +5,9 @@ what an expert would do by hand (buffer donation, in-place updates, rematerializ
 placement), and returns a jitted callable that computes the same numbers.
 """
 
-from autoopt._api import AutooptWarning, OptimizedFunction, explain, optimize
-from autoopt.explain import Finding, Report
+from autoopt._errors import AutooptWarning
+from autoopt._jit import OptimizedFunction, explain, optimize
+from autoopt.report import Finding, Report
 
 __all__ = [
     "optimize",
@@ -31,6 +32,5 @@ def __getattr__(name):
     if name in ("prefetch", "constant"):
         import importlib
 
-        module = "autoopt._prefetch" if name == "prefetch" else "autoopt._host_constants"
-        return getattr(importlib.import_module(module), name)
+        return getattr(importlib.import_module("autoopt.passes.placement"), name)
     raise AttributeError(f"module 'autoopt' has no attribute {name!r}")

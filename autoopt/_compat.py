@@ -90,7 +90,7 @@ def _register_own_frames() -> None:
     import os
 
     pkg = os.path.dirname(os.path.abspath(__file__))
-    for prefix in ("_", "passes", "explain", "codemod", "testing.py", "cli.py", "__"):
+    for prefix in ("_", "passes", "report", "codemod", "testing", "cli.py", "__"):
         _siu.register_exclusion(os.path.join(pkg, prefix))
 
 

@@ -29,7 +29,7 @@ from autoopt.codemod import (
     plan_source_edits,
     rewrite_code,
 )
-from autoopt.explain import Finding
+from autoopt.report import Finding
 
 
 def F(kind, line, applied=True, **details):

@@ -8,7 +8,7 @@ from jax import lax
 from jax.extend.core import primitives as P
 
 from autoopt import _jaxpr
-from autoopt.explain._diff import diff_counts, equation_diff
+from autoopt.report._diff import diff_counts, equation_diff
 
 HERE = __file__
 

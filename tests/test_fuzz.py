@@ -26,7 +26,7 @@ from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 import autoopt
-from autoopt import _fuzz
+from autoopt.testing import _fuzz
 from autoopt.testing import check_program, fuzz_cases, program_args, programs
 
 _EXAMPLES = os.environ.get("AUTOOPT_FUZZ_EXAMPLES")

@@ -1,4 +1,4 @@
-"""Host inputs, host constants, scalar canonicalization and the transfer guard (autoopt._placement,
+"""Host inputs, host constants, scalar canonicalization and the transfer guard (autoopt.passes.placement._placer,
 _packing, _host_constants, _hoist).
 
 Reference is always the original function under ``jax.jit``. Transfer counts are read from JAX's
@@ -22,7 +22,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import autoopt
-from autoopt import _host_arrays, _host_constants, _packing, _placement
+from autoopt.passes.placement import _host_arrays, _host_constants, _packing
+from autoopt.passes.placement import _placer as _placement
 from autoopt.testing import assert_trees_equivalent
 
 

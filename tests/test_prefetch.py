@@ -160,7 +160,7 @@ def test_bad_sharding_is_refused_with_advice():
 
 
 def test_packed_prefetch_reuses_a_small_ring_of_host_buffers_and_keeps_every_batch():
-    from autoopt import _prefetch
+    from autoopt.passes.placement import _prefetch
 
     n = 40
     src = [{"x": [np.full((8,), 100 * i + j, np.float32) for j in range(n)]} for i in range(24)]
@@ -173,7 +173,7 @@ def test_packed_prefetch_reuses_a_small_ring_of_host_buffers_and_keeps_every_bat
 
 
 def test_a_pooled_buffer_a_device_array_still_holds_is_never_handed_out_again():
-    from autoopt import _packing
+    from autoopt.passes.placement import _packing
 
     pool = _packing._Pool(np.float32, 16, size=2)
     a = pool.get()

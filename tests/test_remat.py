@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 import autoopt
-from autoopt import _remat_plan
+from autoopt.passes.remat import _plan as _remat_plan
 from autoopt._options import make_options
 from autoopt.passes import PassContext
 from autoopt.passes.remat import CPU_FLAGS, fence_for, jit_options, remat
@@ -499,14 +499,14 @@ def test_rewrite_of_a_rewritten_program_still_type_checks_and_matches():
 # --- choosing among candidates (no compiles: a table of measured figures) ---------------------
 
 def _cand(name, est_peak, est_flops=0.0, heavy=False):
-    from autoopt.passes.remat import Candidate
+    from autoopt.passes.remat._pass import Candidate
     return Candidate(name, lambda: name, est_peak, est_flops, heavy=heavy)
 
 
 def _measure_from(table):
     """A stand-in for compiling: the figures of each candidate's 'program' (its name)."""
     from autoopt._memory import CompiledMemory
-    from autoopt.passes.remat import Measured
+    from autoopt.passes.remat._pass import Measured
 
     def measure(program):
         peak, flops = table[program]
@@ -516,7 +516,7 @@ def _measure_from(table):
 
 
 def test_auto_order_falls_back_to_a_plan_without_matmul_recompute():
-    from autoopt.passes.remat import _auto_order
+    from autoopt.passes.remat._pass import _auto_order
     cands = [_cand("heavy1", 40, heavy=True), _cand("heavy2", 50, heavy=True),
              _cand("heavy3", 55, heavy=True), _cand("light", 70), _cand("light2", 75),
              _cand("too costly", 10, est_flops=50.0), _cand("too little", 95)]
@@ -528,7 +528,7 @@ def test_auto_order_falls_back_to_a_plan_without_matmul_recompute():
 
 
 def test_rule_takes_the_fallback_when_the_heavy_plans_cost_more_flops_than_estimated():
-    from autoopt.passes.remat import _auto_order, _choose
+    from autoopt.passes.remat._pass import _auto_order, _choose
     cands = [_cand("heavy1", 40, heavy=True), _cand("heavy2", 50, heavy=True), _cand("light", 70)]
     table = {"base": (100, 100.0), "heavy1": (45, 120.0), "heavy2": (50, 111.0),
              "light": (75, 101.0)}
@@ -538,7 +538,7 @@ def test_rule_takes_the_fallback_when_the_heavy_plans_cost_more_flops_than_estim
 
 
 def test_budget_floor_compiles_more_than_the_lowest_estimate():
-    from autoopt.passes.remat import _choose, _lowest_estimates, _pareto
+    from autoopt.passes.remat._pass import _choose, _lowest_estimates, _pareto
     cands = [_cand("a", 90, 1.0), _cand("b", 70, 2.0), _cand("c", 60, 3.0),
              _cand("seg", 65, 5.0), _cand("d", 61, 4.0), _cand("far", 80, 6.0)]
     front = _pareto(cands)
@@ -569,7 +569,7 @@ def test_decreasing_segments_shrink_by_one_fine_segment_and_cover_the_forward():
 
 
 def test_a_generous_budget_keeps_the_plan_the_rule_would_apply():
-    from autoopt.passes.remat import _choose
+    from autoopt.passes.remat._pass import _choose
     rule_plan, cheap = _cand("rule plan", 45, 0.5, heavy=True), _cand("cheap", 75, 0.0)
     table = {"base": (100, 10.0), "rule plan": (45, 10.5), "cheap": (75, 9.9)}
     measure = _measure_from(table)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 import autoopt
-from autoopt.explain import KINDS, Finding, Report
+from autoopt.report import KINDS, Finding, Report
 from autoopt.passes import registered_passes
 
 HERE = os.path.abspath(__file__)

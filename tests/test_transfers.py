@@ -11,7 +11,7 @@ from jax.experimental import io_callback
 
 import autoopt
 from autoopt.passes import PassContext
-from autoopt.passes.transfers import PASS, host_callbacks, transfers
+from autoopt.passes.placement._transfers import PASS, host_callbacks, transfers
 
 
 def _line(marker: str) -> int:

@@ -38,11 +38,11 @@ from libcst.codemod import (
 from libcst.codemod.visitors import AddImportsVisitor
 
 from autoopt.codemod._base import FindingCommand, finding_line
-from autoopt.codemod.donate import DonateCommand
-from autoopt.codemod.placement import PlacementCommand
-from autoopt.codemod.remat import RematCommand
-from autoopt.codemod.scatter_to_dus import ScatterToDUSCommand
-from autoopt.explain._finding import Finding
+from autoopt.passes.donation.codemod import DonateCommand
+from autoopt.passes.placement.codemod import PlacementCommand
+from autoopt.passes.remat.codemod import RematCommand
+from autoopt.passes.in_place.codemod import ScatterToDUSCommand
+from autoopt._finding import Finding
 
 __all__ = [
     "COMMANDS",

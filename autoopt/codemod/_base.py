@@ -19,7 +19,7 @@ from libcst.codemod.visitors import AddImportsVisitor, ImportItem
 from libcst.helpers import parse_template_expression
 from libcst.metadata import ParentNodeProvider, PositionProvider
 
-from autoopt.explain._finding import Finding
+from autoopt._finding import Finding
 
 __all__ = ["FindingCommand", "ModuleImports", "finding_line", "dotted_name", "template",
            "comma_separated", "LIBRARY_ROOTS"]

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from jax.extend.core import ClosedJaxpr
 
 from autoopt import _jaxpr
-from autoopt.explain._finding import Finding
+from autoopt._errors import PassError
+from autoopt._finding import Finding
 from autoopt.passes._base import Pass, PassContext, PassResult
 
 __all__ = [
@@ -33,26 +34,10 @@ __all__ = [
 log = logging.getLogger("autoopt")
 
 # Module per pass, in pipeline order. Each module defines ``PASS: Pass``.
-_ORDER = ("scatter_to_dus", "remat", "donation", "transfers")
+_ORDER = ("in_place", "remat", "donation", "placement")
 
 # Type-check every rewritten program (tests turn this on; it costs a walk per pass).
 CHECK_REWRITES = os.environ.get("AUTOOPT_CHECK", "") not in ("", "0")
-
-
-class PassError(RuntimeError):
-    """An exception inside a pass, with the pass name, the passes before it and the user's line."""
-
-    def __init__(self, pass_name: str, before: Sequence[str], location: str | None, cause: BaseException):
-        self.pass_name = pass_name
-        self.before = tuple(before)
-        self.location = location
-        where = f" while optimizing the function at {location}" if location else ""
-        after = f" (after passes {list(before)})" if before else ""
-        super().__init__(
-            f"autoopt pass {pass_name!r} failed{where}{after}: {type(cause).__name__}: {cause}. "
-            f"Run with passes=[...] without {pass_name!r} to skip it, and please report this "
-            "with the function that triggers it."
-        )
 
 
 @dataclasses.dataclass(frozen=True)

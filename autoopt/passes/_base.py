@@ -13,7 +13,7 @@ from typing import Any
 from jax.extend.core import ClosedJaxpr
 
 from autoopt._options import Options
-from autoopt.explain._finding import Finding
+from autoopt._finding import Finding
 
 
 @dataclasses.dataclass(frozen=True)

@@ -55,9 +55,11 @@ from typing import Any
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
-from autoopt import _compat, _jaxpr, _remat_forward, _remat_plan
+from autoopt import _compat, _jaxpr
+from autoopt.passes.remat import _forward as _remat_forward
+from autoopt.passes.remat import _plan as _remat_plan
 from autoopt._memory import CompiledMemory, compiled_memory
-from autoopt.explain._finding import Finding
+from autoopt._finding import Finding
 from autoopt.passes._base import Pass, PassContext, PassResult
 
 log = logging.getLogger("autoopt")

@@ -35,7 +35,7 @@ import numpy as np
 from jax import tree_util
 
 from autoopt import _trace
-from autoopt._host_arrays import aligned_empty
+from autoopt.passes.placement._host_arrays import aligned_empty
 
 log = logging.getLogger("autoopt")
 

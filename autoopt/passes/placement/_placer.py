@@ -46,16 +46,17 @@ import numpy as np
 from jax import tree_util
 
 from autoopt import _trace
-from autoopt._hoist import HOISTED, HoistConstants, _Hoisted, _large_consts, retrying
-from autoopt._host_arrays import _NDARRAY_TYPES, _SCALAR_TYPES, _is_aligned, is_read_only
-from autoopt._host_constants import (
+from autoopt._errors import AutooptWarning, HostTransferError
+from autoopt.passes.placement._hoist import HOISTED, HoistConstants, _Hoisted, _large_consts, retrying
+from autoopt.passes.placement._host_arrays import _NDARRAY_TYPES, _SCALAR_TYPES, _is_aligned, is_read_only
+from autoopt.passes.placement._host_constants import (
     _CONSTANT_IDS,
     _CONSTANTS,
     _cached_constant,
     _evict,
     sweep_constants,
 )
-from autoopt._packing import PACKED, _Layout, _Packed, _time_trial
+from autoopt.passes.placement._packing import PACKED, _Layout, _Packed, _time_trial
 
 log = logging.getLogger("autoopt")
 
@@ -80,12 +81,9 @@ _AUTO_PACK_MIN_LEAVES = 4
 # (Unmeasured on GPU/TPU in this repository: a conservative bound.)
 _PACK_MAX_BYTES_ACCELERATOR = 1 << 20
 
-_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+# autoopt/ (this file is autoopt/passes/placement/_placer.py)
+_PKG_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _EXAMPLES_DIR = os.path.join(_PKG_DIR, "examples")
-
-
-class HostTransferError(RuntimeError):
-    """An implicit host-to-device transfer under ``transfer_guard="disallow"``."""
 
 
 def _user_location() -> str | None:
@@ -355,8 +353,6 @@ class Placer:
     def _fall_back(self, error: BaseException) -> None:
         if not self._warned:
             self._warned = True
-            from autoopt._api import AutooptWarning
-
             warnings.warn(f"autoopt placement skipped for {getattr(self._fn, '__name__', 'fn')}: "
                           f"{type(error).__name__}: {error}. The call runs as plain jax.jit would.",
                           AutooptWarning, stacklevel=5)

@@ -61,8 +61,9 @@ from jax.extend.core import JaxprEqn, Var
 from jax.extend.core import primitives as P
 from jax.lax import GatherScatterMode
 
-from autoopt import _jaxpr, _ranges
-from autoopt.explain._finding import Finding
+from autoopt import _jaxpr
+from autoopt.passes.in_place import _ranges
+from autoopt._finding import Finding
 from autoopt.passes._base import Pass, PassContext, PassResult
 
 _SCATTERS = (P.scatter_p, P.scatter_add_p, P.scatter_mul_p, P.scatter_min_p, P.scatter_max_p)

@@ -25,7 +25,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from autoopt import _compat, _jaxpr
-from autoopt._remat_plan import _is_var, _run, choose_cuts, fine_cuts, heavy, segment_counts
+from autoopt.passes.remat._plan import _is_var, _run, choose_cuts, fine_cuts, heavy, segment_counts
 
 # A scan this long or longer is also offered as nested scans (sqrt(n) checkpoints).
 NEST_MIN_LENGTH = 16

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from autoopt.explain._finding import Finding
+from autoopt._finding import Finding
 from autoopt.passes._base import Pass, PassContext, PassResult
 
 

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from jax import tree_util
 
-from autoopt._host_arrays import _is_aligned
+from autoopt.passes.placement._host_arrays import _is_aligned
 
 __all__ = ["constant", "Constant", "constant_cache_size", "sweep_constants"]
 

@@ -23,8 +23,8 @@ import jax
 import numpy as np
 from jax import tree_util
 
-from autoopt._host_arrays import _NDARRAY_TYPES
-from autoopt._packing import _Pool
+from autoopt.passes.placement._host_arrays import _NDARRAY_TYPES
+from autoopt.passes.placement._packing import _Pool
 
 __all__ = ["prefetch", "Prefetch", "place_batch"]
 

@@ -21,8 +21,8 @@ from typing import Any
 from jax.extend.core import ClosedJaxpr
 
 from autoopt._memory import format_bytes
-from autoopt.explain._diff import equation_diff
-from autoopt.explain._finding import Finding
+from autoopt.report._diff import equation_diff
+from autoopt._finding import Finding
 
 log = logging.getLogger("autoopt")
 

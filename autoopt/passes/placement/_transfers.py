@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from autoopt import _jaxpr
-from autoopt.explain._finding import Finding
+from autoopt._finding import Finding
 from autoopt.passes._base import Pass, PassContext, PassResult
 
 # Primitive name -> how users spell it.

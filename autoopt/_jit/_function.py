@@ -33,17 +33,15 @@ import jax
 import numpy as np
 from jax import tree_util
 
-from autoopt import _callsite, _compat, _jaxpr, _trace
+from autoopt import _compat, _jaxpr, _trace
+from autoopt.passes.donation import _callsite
+from autoopt._errors import AutooptWarning, PassError
 from autoopt._options import Options, make_options
-from autoopt.passes import PassContext, PassError, PipelineResult, jit_options_for, run_pipeline
+from autoopt.passes import PassContext, PipelineResult, jit_options_for, run_pipeline
 
 log = logging.getLogger("autoopt")
 
-__all__ = ["optimize", "explain", "OptimizedFunction", "AutooptWarning"]
-
-
-class AutooptWarning(UserWarning):
-    """autoopt fell back to plain ``jax.jit``, or could not apply something it found."""
+__all__ = ["optimize", "explain", "OptimizedFunction"]
 
 
 def _fn_location(fn: Callable) -> str | None:
@@ -351,7 +349,7 @@ class OptimizedFunction:
         self._plain = self._jit_for((), ())
         self._fn_location = _fn_location(fn)
         self._static_leaf_fns: dict[tuple, OptimizedFunction] = {}  # see _split_static_leaves
-        from autoopt._placement import placer_for
+        from autoopt.passes.placement._placer import placer_for
 
         # Host inputs (packing, cached constants), scalar canonicalization, transfer guard; None
         # when no option asks for any of them. See _placement.
@@ -371,7 +369,7 @@ class OptimizedFunction:
             # large constants the placer passes as device arguments (see _hoist)
             hoisted = kwargs.pop("_autoopt_hoisted", None) if kwargs else None
             if "_autoopt_packed" in kwargs:  # host leaves the placer packed: slice them back
-                from autoopt._packing import unpack
+                from autoopt.passes.placement._packing import unpack
 
                 args, kwargs = unpack(args, kwargs)
             if _compat.jit_disabled():
@@ -455,7 +453,7 @@ class OptimizedFunction:
         else:
             program = _Program(traced, pipeline, None)
         if self._options.explain:
-            from autoopt.explain._report import log_report
+            from autoopt.report._report import log_report
 
             log_report(self, program)  # once per signature: _build runs once per signature
         return program
@@ -463,7 +461,7 @@ class OptimizedFunction:
     def _evaluate(self, program: _Program, leaves: list, hoisted=None) -> list:
         final, original = program.final, program.traced.closed
         if self._placer is not None:  # large constants become device arguments (_hoist)
-            from autoopt._hoist import with_hoisted_consts
+            from autoopt.passes.placement._hoist import with_hoisted_consts
 
             final = with_hoisted_consts(final, hoisted)
         try:
@@ -715,7 +713,7 @@ class OptimizedFunction:
         return program
 
     def _verify(self, args: tuple, kwargs: dict) -> None:
-        from autoopt.testing import assert_trees_equivalent
+        from autoopt._compare import assert_trees_equivalent
 
         program = self._program_concrete(args, kwargs)
         if program is None or program.verified:
@@ -765,7 +763,7 @@ class OptimizedFunction:
 
     def explain(self, *args, **kwargs):
         """The Report for these arguments: findings, program diff, source edits, memory."""
-        from autoopt.explain import Report
+        from autoopt.report import Report
 
         split = _split_static_leaves(args, kwargs, self._static_argnums, self._static_argnames)
         if split is not None:
@@ -776,7 +774,7 @@ class OptimizedFunction:
             raise ValueError("explain() cannot run on arguments traced by an enclosing "
                              "transformation; call it with concrete arrays.")
         report = Report.from_program(self, program, args=args, kwargs=kwargs)
-        from autoopt._placement_findings import findings_for
+        from autoopt.passes.placement._findings import findings_for
 
         report.add_findings(findings_for(self, program, args, kwargs))
         return report

@@ -25,7 +25,7 @@ import libcst as cst
 from libcst.metadata import ParentNodeProvider
 
 from autoopt.codemod._base import FindingCommand, comma_separated
-from autoopt.explain._finding import Finding
+from autoopt._finding import Finding
 
 __all__ = ["DonateCommand"]
 
@@ -131,7 +131,7 @@ class DonateCommand(FindingCommand):
         """``(new decorator, None)``, ``(None, reason)``, or ``(None, None)`` if not a jit."""
         imp = self.imports
         q = imp.qualified(expr.func if isinstance(expr, cst.Call) else expr)
-        if q in ("autoopt.optimize", "autoopt._api.optimize"):
+        if q in ("autoopt.optimize", "autoopt._jit._function.optimize"):
             return None, "already under @autoopt.optimize, which donates per call site"
         if q == "jax.jit":
             if not isinstance(expr, cst.Call):  # @jax.jit

@@ -1,4 +1,4 @@
-"""Placement findings for the report (``autoopt.explain``), from one call's concrete arguments.
+"""Placement findings for the report (``Report``), from one call's concrete arguments.
 
 Host arrays and scalars the call passes (named by argument and the caller's line), recompile
 triggers (programs that differ only in the type of scalar leaves), large closed-over constants
@@ -15,11 +15,11 @@ import numpy as np
 from jax import tree_util
 
 from autoopt import _jaxpr, _trace
-from autoopt._hoist import _HOIST_MIN_BYTES
-from autoopt._host_arrays import _SCALAR_TYPES, _is_aligned, is_read_only
+from autoopt.passes.placement._hoist import _HOIST_MIN_BYTES
+from autoopt.passes.placement._host_arrays import _SCALAR_TYPES, _is_aligned, is_read_only
 from autoopt._memory import format_bytes
-from autoopt._placement import _PACK_MIN_LEAVES, _ZERO_COPY_MIN_BYTES
-from autoopt.explain._finding import Finding
+from autoopt.passes.placement._placer import _PACK_MIN_LEAVES, _ZERO_COPY_MIN_BYTES
+from autoopt._finding import Finding
 
 __all__ = ["findings_for"]
 

@@ -1,0 +1,32 @@
+"""Warnings and errors autoopt raises: the bottom of the import graph, importing nothing of autoopt."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["AutooptWarning", "HostTransferError", "PassError"]
+
+
+class AutooptWarning(UserWarning):
+    """autoopt fell back to plain ``jax.jit``, or could not apply something it found."""
+
+
+class HostTransferError(RuntimeError):
+    """An implicit host-to-device transfer under ``transfer_guard="disallow"``."""
+
+
+class PassError(RuntimeError):
+    """An exception inside a pass, with the pass name, the passes before it and the user's line."""
+
+    def __init__(self, pass_name: str, before: Sequence[str], location: str | None,
+                 cause: BaseException):
+        self.pass_name = pass_name
+        self.before = tuple(before)
+        self.location = location
+        where = f" while optimizing the function at {location}" if location else ""
+        after = f" (after passes {list(before)})" if before else ""
+        super().__init__(
+            f"autoopt pass {pass_name!r} failed{where}{after}: {type(cause).__name__}: {cause}. "
+            f"Run with passes=[...] without {pass_name!r} to skip it, and please report this "
+            "with the function that triggers it."
+        )

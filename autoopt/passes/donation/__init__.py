@@ -1,0 +1,10 @@
+"""Buffer donation: which arguments an output can reuse, and when the caller proves them dead.
+
+The pass (``_pass``) finds what an output can alias; the call-site proof (``_callsite``) decides
+per call whether the caller's statement makes the argument dead; ``codemod`` suggests
+``donate_argnums`` in the user's source.
+"""
+
+from autoopt.passes.donation._pass import PASS, donatable_args, donation, match_donations
+
+__all__ = ["PASS", "donatable_args", "donation", "match_donations"]

@@ -1,0 +1,9 @@
+"""In-place updates: ``scatter`` rewritten into ``dynamic_update_slice`` where exactly equivalent.
+
+The pass (``_pass``) rewrites; the range analysis (``_ranges``) proves indices in bounds;
+``codemod`` suggests the same edit in source.
+"""
+
+from autoopt.passes.in_place._pass import PASS, scatter_to_dus
+
+__all__ = ["PASS", "scatter_to_dus"]
