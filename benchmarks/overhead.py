@@ -4,35 +4,40 @@ Targets (issue 2): cached-call dispatch on a tiny function within 1.3x of jax.ji
 (trace + passes + compile) within 1.5x of jax.jit's first call. Interleaved in one process,
 medians reported; quote the ratios (the machine is shared and noisy).
 
-    python benchmarks/overhead.py [--rounds 15]
+    python benchmarks/overhead.py [--rounds 15] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
+from _harness import interleave
 
 import autoopt
 
 
-def _per_call(f, x, n: int) -> float:
-    t = time.perf_counter()
-    for _ in range(n):
-        f(x)
-    jax.block_until_ready(f(x))
-    return (time.perf_counter() - t) / (n + 1)
+def _calls(f, x, n: int):
+    """``n + 1`` calls of ``y = f(x)``, blocking on the last."""
+
+    def go():
+        for _ in range(n):
+            f(x)
+        jax.block_until_ready(f(x))
+
+    return go
 
 
-def _per_call_rebinding(f, x, n: int) -> float:
-    t = time.perf_counter()
-    for _ in range(n):
-        x = f(x)
-    jax.block_until_ready(x)
-    return (time.perf_counter() - t) / n
+def _rebinding(f, make_x, n: int):
+    """``n`` calls of ``x = f(x)`` (the argument is dead after each call, so it can be donated)."""
+
+    def go(x):
+        for _ in range(n):
+            x = f(x)
+        jax.block_until_ready(x)
+
+    return go, make_x
 
 
 def dispatch(rounds: int, n: int) -> dict[str, float]:
@@ -50,21 +55,28 @@ def dispatch(rounds: int, n: int) -> dict[str, float]:
     def state():
         return {"x": jnp.zeros(8), "v": jnp.ones(8), "t": jnp.zeros(())}
 
+    def ones():
+        return jnp.ones(8)
+
     x = jnp.ones(8)
     for f in (jitted, fast):
         f(x)
     y = expert_donating(jnp.ones(8))
     y = fast(y)
-    times: dict[str, list[float]] = {"jit": [], "autoopt": [], "jit donate": [], "autoopt x=f(x)": [],
-                                     "jit donate tree": [], "autoopt tree": []}
-    for _ in range(rounds):
-        times["jit"].append(_per_call(jitted, x, n))
-        times["autoopt"].append(_per_call(fast, x, n))
-        times["jit donate"].append(_per_call_rebinding(expert_donating, jnp.ones(8), n))
-        times["autoopt x=f(x)"].append(_per_call_rebinding(fast, jnp.ones(8), n))
-        times["jit donate tree"].append(_per_call_rebinding(sim_expert, state(), n))
-        times["autoopt tree"].append(_per_call_rebinding(sim_fast, state(), n))
-    return {k: statistics.median(v) for k, v in times.items()}
+    runs, prepare = {}, {}
+    runs["jit"] = _calls(jitted, x, n)
+    runs["autoopt"] = _calls(fast, x, n)
+    for name, f, make in (
+        ("jit donate", expert_donating, ones),
+        ("autoopt x=f(x)", fast, ones),
+        ("jit donate tree", sim_expert, state),
+        ("autoopt tree", sim_fast, state),
+    ):
+        runs[name], prepare[name] = _rebinding(f, make, n)
+    # Per call: n + 1 calls for y = f(x), n for x = f(x).
+    times = interleave(runs, rounds, warmup=0, prepare=prepare)
+    med = times.medians()
+    return {k: v / (n + 1 if k in ("jit", "autoopt") else n) for k, v in med.items()}
 
 
 def _mlp_step(depth: int):
@@ -83,30 +95,38 @@ def _mlp_step(depth: int):
 
 def first_call(rounds: int) -> dict[str, dict[str, float]]:
     """Time of the first call of a fresh function (trace + passes + compile + run)."""
-    out: dict[str, dict[str, list[float]]] = {}
+    out = {}
     workloads = {
-        "tiny": (lambda: (lambda x: x * 2.0 + 1.0), lambda: (jnp.ones(8),)),
-        "mlp8 step": (lambda: _mlp_step(8),
-                      lambda: ([jnp.ones((64, 64)) * 0.01 for _ in range(8)], jnp.ones((32, 64)))),
+        "tiny": (lambda: lambda x: x * 2.0 + 1.0, lambda: (jnp.ones(8),)),
+        "mlp8 step": (
+            lambda: _mlp_step(8),
+            lambda: ([jnp.ones((64, 64)) * 0.01 for _ in range(8)], jnp.ones((32, 64))),
+        ),
     }
     for name, (make_fn, make_args) in workloads.items():
-        res = out.setdefault(name, {"jit": [], "autoopt": []})
         args = make_args()
-        for _ in range(rounds):
-            for which in ("jit", "autoopt"):
-                fn = make_fn()  # a fresh function object: no cache hits anywhere
-                f = jax.jit(fn) if which == "jit" else autoopt.optimize(fn, donate="off")
-                t = time.perf_counter()
-                jax.block_until_ready(f(*args))
-                res[which].append(time.perf_counter() - t)
-    return {k: {w: statistics.median(v) for w, v in d.items()} for k, d in out.items()}
+
+        def first(f, args=args):
+            jax.block_until_ready(f(*args))
+
+        # A fresh function object each call, wrapped before the clock starts: no cache hits.
+        prepare = {
+            "jit": lambda make_fn=make_fn: jax.jit(make_fn()),
+            "autoopt": lambda make_fn=make_fn: autoopt.optimize(make_fn(), donate="off"),
+        }
+        times = interleave({"jit": first, "autoopt": first}, rounds, warmup=0, prepare=prepare)
+        out[name] = times.medians()
+    return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--quick", action="store_true", help="3 rounds of 200 calls (a smoke run)")
     a = p.parse_args()
+    if a.quick:
+        a.rounds, a.calls = 3, 200
     d = dispatch(a.rounds, a.calls)
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, {a.rounds} interleaved rounds "
           f"of {a.calls} calls; medians\n")

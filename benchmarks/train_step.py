@@ -7,17 +7,16 @@ Three versions, interleaved in one process, each run as ``state = step(state, ba
 Prints median step times, ratios, and ``alias_size_in_bytes`` from ``memory_analysis()``.
 Targets (issue 3): autoopt within 1.05x of expert; aliased bytes equal to expert's.
 
-    python benchmarks/train_step.py [--width 1024 --depth 4 --rounds 7]
+    python benchmarks/train_step.py [--width 1024 --depth 4 --rounds 7] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
+from _harness import interleave, markdown_table, memory
 
 import autoopt
 
@@ -54,17 +53,19 @@ def step(state, batch):
     return {"params": params, "m": m, "v": v, "t": t}, loss
 
 
-def run(step_fn, box: list, batches, n: int) -> tuple[float, dict]:
-    # The caller hands the state over in a one-element list it empties, so this loop holds the
-    # only reference (as a real training loop does); holding another would rightly stop autoopt
-    # from donating.
+def run(step_fn, box: list, batches, n: int):
+    """``n`` steps from the state in ``box``; the final state.
+
+    The caller hands the state over in a one-element list it empties, so this loop holds the
+    only reference (as a real training loop does); holding another would rightly stop autoopt
+    from donating.
+    """
     state = box.pop()
-    t0 = time.perf_counter()
     loss = None
     for i in range(n):
         state, loss = step_fn(state, batches[i % len(batches)])
     jax.block_until_ready((state, loss))
-    return (time.perf_counter() - t0) / n, state
+    return state
 
 
 def main() -> None:
@@ -74,7 +75,10 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--quick", action="store_true", help="MLP 2x256, 3 rounds of 5 steps")
     a = p.parse_args()
+    if a.quick:
+        a.width, a.depth, a.steps, a.rounds = 256, 2, 5, 3
 
     key = jax.random.PRNGKey(0)
     batches = [(jax.random.normal(k, (a.batch, a.width)), jax.random.normal(k, (a.batch, a.width)))
@@ -89,7 +93,7 @@ def main() -> None:
     # Equal numbers first: 3 steps of each from the same start.
     finals = {}
     for name, f in versions.items():
-        _, finals[name] = run(f, [init_state(key, a.width, a.depth)], batches, 3)
+        finals[name] = run(f, [init_state(key, a.width, a.depth)], batches, 3)
     ref = jax.tree_util.tree_leaves(finals["naive jax.jit"])
     for name, st in finals.items():
         for x, y in zip(ref, jax.tree_util.tree_leaves(st)):
@@ -98,30 +102,41 @@ def main() -> None:
     # Aliased bytes from the compiled programs each version runs.
     s0 = init_state(key, a.width, a.depth)
     alias = {
-        "naive jax.jit": versions["naive jax.jit"].lower(s0, batches[0]).compile()
-        .memory_analysis().alias_size_in_bytes,
-        "expert donate_argnums=0": versions["expert donate_argnums=0"].lower(s0, batches[0]).compile()
-        .memory_analysis().alias_size_in_bytes,
-        "autoopt.optimize": versions["autoopt.optimize"].explain(s0, batches[0]).memory["after"]["alias_bytes"],
+        name: memory(versions[name].lower(s0, batches[0]).compile())["alias"]
+        for name in ("naive jax.jit", "expert donate_argnums=0")
     }
+    explained = versions["autoopt.optimize"].explain(s0, batches[0])
+    alias["autoopt.optimize"] = explained.memory["after"]["alias_bytes"]
     del s0
 
-    times: dict[str, list[float]] = {k: [] for k in versions}
     states = {k: init_state(key, a.width, a.depth) for k in versions}
-    for _ in range(a.rounds):
-        for name, f in versions.items():
-            t, states[name] = run(f, [states.pop(name)], batches, a.steps)
-            times[name].append(t)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    expert = med["expert donate_argnums=0"]
-    print(f"jax {jax.__version__}, {jax.default_backend()}; MLP {a.depth}x{a.width}, Adam, batch {a.batch}; "
-          f"state {state_bytes / 2**20:.1f} MiB; {a.rounds} interleaved rounds x {a.steps} steps; medians\n")
-    print("| version | ms/step | vs expert | vs naive | alias_size_in_bytes |")
-    print("|---|---:|---:|---:|---:|")
-    for name in versions:
-        print(f"| {name} | {med[name] * 1e3:.2f} | {med[name] / expert:.2f} | "
-              f"{med[name] / med['naive jax.jit']:.2f} | {alias[name]:,} |")
 
+    def stepping(name):
+        def go():
+            states[name] = run(versions[name], [states.pop(name)], batches, a.steps)
+
+        return go
+
+    times = interleave({k: stepping(k) for k in versions}, a.rounds, per=a.steps, warmup=0)
+    med = times.medians()
+    expert = med["expert donate_argnums=0"]
+    print(
+        f"jax {jax.__version__}, {jax.default_backend()}; MLP {a.depth}x{a.width}, Adam, "
+        f"batch {a.batch}; state {state_bytes / 2**20:.1f} MiB; {a.rounds} interleaved rounds "
+        f"x {a.steps} steps; medians\n"
+    )
+    header = ("version", "ms/step", "vs expert", "vs naive", "alias_size_in_bytes")
+    rows = [
+        (
+            name,
+            f"{med[name] * 1e3:.2f}",
+            f"{med[name] / expert:.2f}",
+            f"{med[name] / med['naive jax.jit']:.2f}",
+            f"{alias[name]:,}",
+        )
+        for name in versions
+    ]
+    print(markdown_table(header, rows))
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,183 @@
+"""The timing loop and the measurements every benchmark shares.
+
+A benchmark builds its variants (the naive code under ``jax.jit``, the same code under
+``autoopt.optimize``, the hand-written expert version, and any extra it explains), each as a
+callable that runs a few steps and blocks on the result, then hands them to ``interleave``:
+warm-up, rounds in a rotating order, medians. Rotating the order each round lets a burst of
+load from other jobs on a shared machine land on every variant alike, and stops a variant from
+always paying for the frees the one before it left behind; the median drops the bursts.
+
+Memory comes from ``compiled.memory_analysis()`` (``memory``), which tracks peak RSS on XLA:CPU;
+peak RSS is the cross-check, one configuration per fresh process (``run_fresh``, ``rss_*``).
+
+This module imports no jax, so a parent process that only spawns fresh ones never starts a
+backend. Figures go to benchmarks/RESULTS.md, not into the scripts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+__all__ = [
+    "Timings",
+    "interleave",
+    "markdown_table",
+    "memory",
+    "ratio",
+    "rss_now",
+    "rss_peak",
+    "rss_reset",
+    "run_fresh",
+]
+
+
+class Timings(dict):
+    """name -> per-step wall times of each round (seconds), and the medians; ``cpu`` holds the
+    process CPU times (all threads) the same way."""
+
+    cpu: Timings
+
+    def median(self, name: str) -> float:
+        return statistics.median(self[name])
+
+    def medians(self) -> dict[str, float]:
+        return {name: statistics.median(times) for name, times in self.items()}
+
+
+def interleave(
+    runs: Mapping[str, Callable[..., Any]],
+    rounds: int,
+    *,
+    per: int = 1,
+    warmup: int = 1,
+    prepare: Mapping[str, Callable[[], Any]] | None = None,
+) -> Timings:
+    """Time every run ``rounds`` times, round-robin in a rotating order; per-step seconds.
+
+    Each run does ``per`` steps and blocks on its result before returning (the time of a round
+    is divided by ``per``). ``warmup`` untimed calls of each run come first (compile, fill
+    caches). ``prepare[name]()``, when given, runs untimed before each call of that run and its
+    result is the run's argument: a fresh function object for first-call timings, say.
+    The result's ``cpu`` holds the process CPU times too: on a shared machine other jobs
+    inflate wall time unevenly, while CPU time measures the work each variant does.
+    """
+    prepare = prepare or {}
+
+    def call(name: str) -> tuple[float, float]:
+        # The prepared value is handed over in a list emptied at the call, so the run holds the
+        # only reference (a state it rebinds, which donate="safe" can then donate).
+        box = [prepare[name]()] if name in prepare else []
+        t, c = time.perf_counter(), time.process_time()
+        if box:
+            runs[name](box.pop())
+        else:
+            runs[name]()
+        return time.perf_counter() - t, time.process_time() - c
+
+    names = list(runs)
+    for _ in range(warmup):
+        for name in names:
+            call(name)
+    wall, proc = Timings({n: [] for n in names}), Timings({n: [] for n in names})
+    for r in range(rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            w, c = call(name)
+            wall[name].append(w / per)
+            proc[name].append(c / per)
+    wall.cpu = proc
+    return wall
+
+
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}"
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]], align: str = "") -> str:
+    """A markdown table; ``align`` gives one character per column, ``l`` or ``r`` (default: the
+    first column left, the others right)."""
+    align = align or "l" + "r" * (len(header) - 1)
+    rule = "|" + "|".join("---" if a == "l" else "---:" for a in align) + "|"
+    lines = ["| " + " | ".join(header) + " |", rule]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def memory(compiled) -> dict[str, int]:
+    """The compiled program's figures from ``memory_analysis()``, in bytes; ``peak`` is
+    argument + output + temp - alias."""
+    m = compiled.memory_analysis()
+    figures = {
+        "argument": int(m.argument_size_in_bytes),
+        "output": int(m.output_size_in_bytes),
+        "temp": int(m.temp_size_in_bytes),
+        "alias": int(m.alias_size_in_bytes),
+    }
+    figures["peak"] = (
+        figures["argument"] + figures["output"] + figures["temp"] - figures["alias"]
+    )
+    return figures
+
+
+def flops(compiled) -> float:
+    """``cost_analysis()``'s FLOPs (it counts a loop body once)."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list | tuple) else cost
+    return float(cost.get("flops", 0.0))
+
+
+# --- peak RSS, one configuration per fresh process ------------------------------------------
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def rss_reset() -> None:
+    """Reset the RSS high-water mark (Linux ``clear_refs``), so that ``rss_peak`` counts from
+    here: after compiling, say."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def rss_peak() -> int:
+    return _status("VmHWM")
+
+
+def rss_now() -> int:
+    return _status("VmRSS")
+
+
+def run_fresh(script: str, *args: str) -> dict:
+    """Run ``python SCRIPT ARGS`` in a fresh process and return the JSON on its last line.
+
+    Large buffers come from mmap and go back to the OS when freed (glibc otherwise raises its
+    mmap threshold and keeps freed pages resident), so the RSS high-water mark follows live
+    memory.
+    """
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072")
+    out = subprocess.run(
+        [sys.executable, os.path.abspath(script), *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=env,
+    )
+    if out.returncode:
+        sys.stderr.write(out.stderr[-3000:])
+        raise SystemExit(f"{os.path.basename(script)} {' '.join(args)} failed")
+    return json.loads(out.stdout.strip().splitlines()[-1])
