@@ -2,19 +2,20 @@
 placement="auto", which times both ways on a layout's first calls and keeps the faster, and
 placement="pack", which always packs)
 
-A step concatenating N NumPy f32[256,16] leaves into a matmul, 9 interleaved rounds of 100 calls,
-medians. Packing loses here from N=9 on: each unpacking slice feeds the concatenate and becomes
-its own XLA:CPU kernel (~10 us each), more than jit's per-leaf transfer (~3.6 us). The default
-must never be meaningfully slower than plain jax.jit on this feed (benchmarks/RESULTS.md).
+A step concatenating N NumPy f32[256,16] leaves into a matmul, interleaved rounds of 100 calls,
+medians. Packing loses from some N on: each unpacking slice feeds the concatenate and becomes
+its own XLA:CPU kernel, which costs more than jit's per-leaf transfer. The default must never be
+meaningfully slower than plain jax.jit on this feed (benchmarks/RESULTS.md has the figures).
 
-    python benchmarks/pack_threshold.py
+    python benchmarks/pack_threshold.py [--quick]
 """
-import statistics
-import time
+
+import argparse
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _harness import interleave, markdown_table
 
 import autoopt
 
@@ -25,35 +26,50 @@ def step(w, cols):
 
 
 def loop(f, w0, cols, k=100):
-    w = w0
-    t = time.perf_counter()
-    for _ in range(k):
-        w = f(w, cols)
-    w.block_until_ready()
-    return (time.perf_counter() - t) / k * 1e6
+    def go():
+        w = w0
+        for _ in range(k):
+            w = f(w, cols)
+        w.block_until_ready()
+
+    return go
 
 
 def main() -> None:
-    print("| N leaves | jax.jit us | autoopt (auto) us | auto speedup | auto chose "
-          "| autoopt placement='pack' us | pack speedup |")
-    print("|---:|---:|---:|---:|---|---:|---:|")
-    for n in (4, 9, 16, 32, 64):
+    p = argparse.ArgumentParser()
+    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--calls", type=int, default=100)
+    p.add_argument("--quick", action="store_true", help="N in (4, 16), 3 rounds of 20 calls")
+    a = p.parse_args()
+    sizes = (4, 16) if a.quick else (4, 9, 16, 32, 64)
+    if a.quick:
+        a.rounds, a.calls = 3, 20
+    header = (
+        "N leaves",
+        "jax.jit us",
+        "autoopt (auto) us",
+        "auto speedup",
+        "auto chose",
+        "autoopt placement='pack' us",
+        "pack speedup",
+    )
+    rows = []
+    for n in sizes:
         cols = [np.random.rand(256, 16).astype(np.float32) for _ in range(n)]
         w0 = jnp.zeros((16 * n, 1))
         fj = jax.jit(step)
         fa = autoopt.optimize(step, donate="off")
         fp = autoopt.optimize(step, donate="off", placement="pack")
-        for f in (fj, fa, fp):
-            loop(f, w0, cols)
-        r = {"jit": [], "auto": [], "pack": []}
-        for _ in range(9):
-            r["jit"].append(loop(fj, w0, cols))
-            r["auto"].append(loop(fa, w0, cols))
-            r["pack"].append(loop(fp, w0, cols))
-        j, a, p = (statistics.median(r[k]) for k in ("jit", "auto", "pack"))
+        runs = {"jit": loop(fj, w0, cols, a.calls), "auto": loop(fa, w0, cols, a.calls)}
+        runs["pack"] = loop(fp, w0, cols, a.calls)
+        med = interleave(runs, a.rounds, per=a.calls).medians()
+        j, au, pk = (med[k] * 1e6 for k in ("jit", "auto", "pack"))
         modes = {hit[0].mode for hit in fa._placer._layouts.values() if hit[0] is not None}
         chose = "/".join(sorted(modes)) or "jit (too few leaves)"
-        print(f"| {n} | {j:.1f} | {a:.1f} | {j / a:.2f}x | {chose} | {p:.1f} | {j / p:.2f}x |")
+        rows.append(
+            (n, f"{j:.1f}", f"{au:.1f}", f"{j / au:.2f}x", chose, f"{pk:.1f}", f"{j / pk:.2f}x")
+        )
+    print(markdown_table(header, rows, align="rrrrlrr"))
 
 
 if __name__ == "__main__":
