@@ -5,25 +5,25 @@ under ``jax.jit(..., donate_argnums=0)``, the same code under ``autoopt.optimize
 ``donate="safe"``, which donates because the caller rebinds ``x``), and the expert's
 ``lax.dynamic_update_slice`` + donation. A fourth column, ``rewrite``, runs the program autoopt
 compiles through plain ``jax.jit(..., donate_argnums=0)``: it separates what the rewrite buys
-from the per-call cost of autoopt's Python call path (the ``"safe"`` call-site proof). Interleaved in one process; medians of per-call
-times over rounds, and the ratios. Every variant is checked to update in place (the output
-buffer is the input's).
+from the per-call cost of autoopt's Python call path (the ``"safe"`` call-site proof).
+Interleaved in one process; medians of per-call times over rounds, and the ratios. Every
+variant is checked to update in place (the output buffer is the input's).
 
 Targets (issue 8): autoopt within 1.15x of expert on every row, at least 1.4x faster than naive
 on the row set, never slower than naive.
 
-    python benchmarks/in_place.py [--rounds 15] [--n 4096] [--out benchmarks/results/in_place.md]
+    python benchmarks/in_place.py [--rounds 41] [--n 4096] [--out benchmarks/results/in_place.md]
+    python benchmarks/in_place.py --quick    # x = f32[512,512], 5 rounds
 """
 
 from __future__ import annotations
 
 import argparse
 import platform
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
+from _harness import interleave, markdown_table
 from jax import lax
 
 import autoopt
@@ -69,23 +69,26 @@ def workloads(n: int, loop_n: int):
     }
 
 
-def _timed(fn, state: dict, key, make_args, reps: int) -> float:
-    x = state.pop(key)  # the loop's `x` is the only reference, so donate="safe" can prove it dead
-    t = time.perf_counter()
-    # Written out per arity: `x = fn(x, *args)` with a local `fn` is never donated under "safe"
-    # (autoopt cannot match `*` positions to what the function receives without reading fn).
-    for j in range(reps):
-        a = make_args(j)
-        if len(a) == 1:
-            x = fn(x, a[0])
-        elif len(a) == 2:
-            x = fn(x, a[0], a[1])
-        else:
-            x = fn(x)
-    x.block_until_ready()
-    dt = (time.perf_counter() - t) / reps
-    state[key] = x
-    return dt
+def _timed(fn, state: dict, key, make_args, reps: int):
+    """``reps`` calls of ``x = fn(x, ...)`` on ``state[key]``, as a harness run."""
+
+    def go():
+        x = state.pop(key)  # the loop's `x` is the only reference: donate="safe" proves it dead
+        # Written out per arity: `x = fn(x, *args)` with a local `fn` is never donated under
+        # "safe" (autoopt cannot match `*` positions to what the function receives without
+        # reading fn).
+        for j in range(reps):
+            a = make_args(j)
+            if len(a) == 1:
+                x = fn(x, a[0])
+            elif len(a) == 2:
+                x = fn(x, a[0], a[1])
+            else:
+                x = fn(x)
+        x.block_until_ready()
+        state[key] = x
+
+    return go
 
 
 def _in_place(fn, make_state, make_args) -> bool:
@@ -129,16 +132,13 @@ def run(rounds: int, n: int, loop_n: int) -> list[tuple]:
         state = {}
         for k, f in fns.items():
             state[k] = make_state()
-            _timed(f, state, k, make_args, 3)  # compile and warm up
+            _timed(f, state, k, make_args, 3)()  # compile and warm up
         in_place = all(_in_place(f, make_state, make_args) for f in fns.values())
-        times: dict[str, list[float]] = {k: [] for k in fns}
-        order = list(fns)
-        for r in range(rounds):
-            # Short rounds in a rotating order: a burst of load from other jobs lands on every
-            # variant alike, and the median drops it.
-            for k in order[r % len(order):] + order[:r % len(order)]:
-                times[k].append(_timed(fns[k], state, k, make_args, reps))
-        med = {k: statistics.median(v) * 1e6 for k, v in times.items()}
+        runs = {k: _timed(f, state, k, make_args, reps) for k, f in fns.items()}
+        # Short rounds in a rotating order: a burst of load from other jobs lands on every
+        # variant alike, and the median drops it.
+        times = interleave(runs, rounds, per=reps, warmup=0)
+        med = {k: v * 1e6 for k, v in times.medians().items()}
         rows.append((name, *(med[k] for k in VARIANTS), in_place))
         print(f"{name}: " + ", ".join(f"{k} {med[k]:.1f} us" for k in VARIANTS)
               + ("" if in_place else " (NOT all in place)"), flush=True)
@@ -146,22 +146,40 @@ def run(rounds: int, n: int, loop_n: int) -> list[tuple]:
 
 
 def table(rows, rounds: int, n: int, loop_n: int) -> str:
-    lines = [
+    header = (
+        "workload",
+        "naive jit+donate (us)",
+        "autoopt (us)",
+        "rewrite (us)",
+        "expert DUS+donate (us)",
+        "autoopt / expert",
+        "naive / autoopt",
+        "rewrite / expert",
+        "naive / rewrite",
+    )
+    body = []
+    for name, naive, auto, rew, expert, in_place in rows:
+        flag = "" if in_place else " (not all in place!)"
+        body.append(
+            (
+                f"{name}{flag}",
+                f"{naive:.1f}",
+                f"{auto:.1f}",
+                f"{rew:.1f}",
+                f"{expert:.1f}",
+                f"{auto / expert:.2f}x",
+                f"{naive / auto:.2f}x",
+                f"{rew / expert:.2f}x",
+                f"{naive / rew:.2f}x",
+            )
+        )
+    intro = (
         f"jax {jax.__version__}, backend {jax.default_backend()}, {platform.machine()}, "
         f"x = f32[{n},{n}] unless stated; per-call medians over {rounds} interleaved rounds. "
         "`rewrite` is the program autoopt compiles, called through plain jax.jit with "
-        "donate_argnums=0 (no autoopt call path).",
-        "",
-        "| workload | naive jit+donate (us) | autoopt (us) | rewrite (us) | expert DUS+donate (us) "
-        "| autoopt / expert | naive / autoopt | rewrite / expert | naive / rewrite |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for name, naive, auto, rew, expert, in_place in rows:
-        flag = "" if in_place else " (not all in place!)"
-        lines.append(f"| {name}{flag} | {naive:.1f} | {auto:.1f} | {rew:.1f} | {expert:.1f} | "
-                     f"{auto / expert:.2f}x | {naive / auto:.2f}x | {rew / expert:.2f}x | "
-                     f"{naive / rew:.2f}x |")
-    return "\n".join(lines)
+        "donate_argnums=0 (no autoopt call path)."
+    )
+    return intro + "\n\n" + markdown_table(header, body)
 
 
 def main() -> None:
@@ -170,7 +188,10 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--loop-n", type=int, default=1024)
     ap.add_argument("--out", default=None, help="also write the table (markdown) here")
+    ap.add_argument("--quick", action="store_true", help="x = f32[512,512], 5 rounds")
     a = ap.parse_args()
+    if a.quick:
+        a.rounds, a.n, a.loop_n = 5, 512, 256
     rows = run(a.rounds, a.n, a.loop_n)
     md = table(rows, a.rounds, a.n, a.loop_n)
     print()
