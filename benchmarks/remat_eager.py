@@ -13,33 +13,34 @@ program they do not (jax-ml/jax#19822). Configurations, on the 16-layer tanh MLP
 
 Memory: the bytes of the residuals the forward keeps for the backward (deterministic: the leaves
 of ``jax.vjp``'s pullback), each configuration in its own process. The peak RSS growth is not
-reported: with eager execution it swung from 276 to 663 MiB between two runs of the same
-configuration. Step time: medians over rounds interleaved in one process.
+reported: with eager execution it is not repeatable between two runs of the same configuration
+(benchmarks/RESULTS.md). Step time: medians over rounds interleaved in one process.
 
-    python benchmarks/remat_eager.py
+    python benchmarks/remat_eager.py [--quick]    # --quick: the smaller MLP, 3 rounds
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _harness import interleave, markdown_table, run_fresh  # noqa: E402
+
 CONFIGS = ("plain", "expert", "autoopt", "autoopt, memory_budget=1MB")
 
 
-def _build(config: str):
+def _build(config: str, quick: bool = False):
     import jax
     from remat import WORKLOADS
 
     import autoopt
 
-    wl = WORKLOADS["mlp"](False)
+    wl = WORKLOADS["mlp"](quick)
     ps, x = wl["params"]()
     layer, head = wl["layer"], wl["head"]
 
@@ -75,10 +76,10 @@ def _residual_bytes(jax, f, *args) -> int:
                if hasattr(r, "nbytes") and id(r) not in mine)
 
 
-def run_one(config: str) -> dict:
+def run_one(config: str, quick: bool) -> dict:
     import jax
 
-    f, args, grad = _build(config)
+    f, args, grad = _build(config, quick)
     t0 = time.perf_counter()
     jax.block_until_ready(grad(*args))
     first = time.perf_counter() - t0
@@ -86,44 +87,51 @@ def run_one(config: str) -> dict:
     return {"config": config, "residuals": _residual_bytes(jax, f, *args), "first": first}
 
 
-def time_all(rounds: int = 7) -> dict:
+def time_all(rounds: int, quick: bool) -> dict:
     import jax
 
-    built = {c: _build(c) for c in CONFIGS}
-    for _, args, grad in built.values():
-        jax.block_until_ready(grad(*args))
-    times: dict = {c: [] for c in CONFIGS}
-    for r in range(rounds):
-        order = CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]
-        for c in order:
-            _, args, grad = built[c]
-            t = time.perf_counter()
-            jax.block_until_ready(grad(*args))
-            times[c].append(time.perf_counter() - t)
-    return {c: statistics.median(t) for c, t in times.items()}
+    built = {c: _build(c, quick) for c in CONFIGS}
+
+    def stepping(c):
+        _, args, grad = built[c]
+        return lambda: jax.block_until_ready(grad(*args))
+
+    return interleave({c: stepping(c) for c in CONFIGS}, rounds).medians()
 
 
 def main() -> None:
-    if len(sys.argv) == 3 and sys.argv[1] == "--one":
-        print(json.dumps(run_one(sys.argv[2])))
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--one", metavar="CONFIG")
+    ap.add_argument("--time", action="store_true")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args()
+    if a.quick:
+        a.rounds = 3
+    if a.one:
+        print(json.dumps(run_one(a.one, a.quick)))
         return
-    if len(sys.argv) == 2 and sys.argv[1] == "--time":
-        print(json.dumps(time_all()))
+    if a.time:
+        print(json.dumps(time_all(a.rounds, a.quick)))
         return
-    me = os.path.abspath(__file__)
-    rows = [json.loads(subprocess.run([sys.executable, me, "--one", c], capture_output=True,
-                                      text=True, check=True).stdout.strip().splitlines()[-1])
-            for c in CONFIGS]
-    times = json.loads(subprocess.run([sys.executable, me, "--time"], capture_output=True,
-                                      text=True, check=True).stdout.strip().splitlines()[-1])
+    flags = ["--rounds", str(a.rounds)] + (["--quick"] if a.quick else [])
+    rows = [run_fresh(__file__, "--one", c, *flags) for c in CONFIGS]
+    times = run_fresh(__file__, "--time", *flags)
     plain = rows[0]
-    print("eager jax.value_and_grad of the 16-layer tanh MLP (N=8192, D=256), XLA:CPU\n")
-    print("| config | residuals MiB | vs plain | step time vs plain | first call s |")
-    print("|---|---:|---:|---:|---:|")
-    for r in rows:
-        c = r["config"]
-        print(f"| {c} | {r['residuals'] / 2**20:.1f} | {r['residuals'] / plain['residuals']:.2f}x"
-              f" | {times[c] / times['plain']:.2f}x | {r['first']:.1f} |")
+    size = "N=2048" if a.quick else "N=8192"
+    print(f"eager jax.value_and_grad of the 16-layer tanh MLP ({size}, D=256), XLA:CPU\n")
+    header = ("config", "residuals MiB", "vs plain", "step time vs plain", "first call s")
+    body = [
+        (
+            r["config"],
+            f"{r['residuals'] / 2**20:.1f}",
+            f"{r['residuals'] / plain['residuals']:.2f}x",
+            f"{times[r['config']] / times['plain']:.2f}x",
+            f"{r['first']:.1f}",
+        )
+        for r in rows
+    ]
+    print(markdown_table(header, body))
 
 
 if __name__ == "__main__":
