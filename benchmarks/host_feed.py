@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import queue
-import statistics
 import threading
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _harness import Timings, interleave, markdown_table
 
 import autoopt
 
@@ -44,7 +43,7 @@ def feed_bound_step(w, feats):
     return sum(v[0] * w[0] for v in feats.values())
 
 
-def many_leaves(rounds: int, steps: int, n_leaves: int = 64, step=features_step) -> dict:
+def many_leaves(rounds: int, steps: int, n_leaves: int = 64, step=features_step) -> Timings:
     rng = np.random.default_rng(0)
     batches = [{f"f{i:02d}": rng.standard_normal((64, 64)).astype(np.float32)
                 for i in range(n_leaves)} for _ in range(4)]
@@ -113,7 +112,7 @@ def lookup_step(table, ids):
     return jnp.take(table, ids, axis=0).sum(axis=0)
 
 
-def read_only_table(rounds: int, steps: int) -> dict[str, list[float]]:
+def read_only_table(rounds: int, steps: int) -> Timings:
     rng = np.random.default_rng(1)
     table = rng.standard_normal((4096, 1024)).astype(np.float32)
     table.flags.writeable = False  # the only change the user makes
@@ -140,7 +139,7 @@ def read_only_table(rounds: int, steps: int) -> dict[str, list[float]]:
 
 
 def _loader(n: int, seed: int = 2):
-    """A Python data loader: NumPy decoding/augmentation work per batch (~1 ms), fresh arrays."""
+    """A Python data loader: NumPy decoding/augmentation work per batch, fresh arrays."""
     rng = np.random.default_rng(seed)
     for _ in range(n):
         x = rng.standard_normal((256, 256)).astype(np.float32)
@@ -180,7 +179,7 @@ def _expert_prefetch(it, size=2):
         yield b
 
 
-def training_loop(rounds: int, steps: int) -> dict[str, list[float]]:
+def training_loop(rounds: int, steps: int) -> Timings:
     naive = jax.jit(train_step)
     fast = autoopt.optimize(train_step)
     expert = jax.jit(train_step, donate_argnums=0)
@@ -215,7 +214,7 @@ def training_loop(rounds: int, steps: int) -> dict[str, list[float]]:
 # --- 4. what placement costs a call that passes only device arrays -------------------------------------
 
 
-def lean_path(rounds: int, calls: int) -> dict[str, list[float]]:
+def lean_path(rounds: int, calls: int) -> Timings:
     def tiny(x):
         return x + 1.0
 
@@ -238,52 +237,49 @@ def lean_path(rounds: int, calls: int) -> dict[str, list[float]]:
 # --- driver ---------------------------------------------------------------------------------------------
 
 
-def _interleave(runs: dict, rounds: int, steps: int) -> dict[str, dict[str, list[float]]]:
+def _interleave(runs: dict, rounds: int, steps: int) -> Timings:
     """Per-step wall time and process CPU time (all threads) of each run, interleaved.
 
     CPU time is reported too because the machine these run on is shared: other jobs inflate
-    wall time unevenly, while CPU time measures the work each variant does.
+    wall time unevenly, while CPU time measures the work each variant does. The order rotates
+    each round: a variant run right after one that transfers 16 MiB a call pays for the frees
+    it left behind. The warm-up call compiles, fills caches and starts the placer's watching
+    period.
     """
-    for go in runs.values():  # warm: compile, fill caches, start the placer's watching period
-        go()
-    times: dict[str, dict[str, list[float]]] = {k: {"wall": [], "cpu": []} for k in runs}
-    names = list(runs)
-    for r in range(rounds):
-        # Rotated each round: a variant run right after one that transfers 16 MiB a call pays
-        # for the frees it left behind (measured: 1.2-1.8x on the table's cached variant).
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            go = runs[name]
-            t, c = time.perf_counter(), time.process_time()
-            go()
-            times[name]["cpu"].append((time.process_time() - c) / steps)
-            times[name]["wall"].append((time.perf_counter() - t) / steps)
-    return times
+    return interleave(runs, rounds, per=steps)
 
 
-def _table(title: str, times: dict, unit: str = "us", baseline: str = "naive",
-           expert: str | None = "expert") -> str:
+def _table(
+    title: str,
+    times: Timings,
+    unit: str = "us",
+    baseline: str = "naive",
+    expert: str | None = "expert",
+) -> str:
     scale = 1e6 if unit == "us" else 1e3
-    med = {k: {m: statistics.median(v[m]) for m in ("wall", "cpu")} for k, v in times.items()}
-    head = f"| variant | wall {unit}/step | throughput vs {baseline} (wall) |"
-    head += " wall vs expert |" if expert else ""
-    head += f" CPU {unit}/step | throughput vs {baseline} (CPU) |" + (" CPU vs expert |" if expert else "")
-    cols = 7 if expert else 5
-    lines = [f"\n**{title}**\n", head, "|---|" + "---:|" * (cols - 1)]
-    for k, v in med.items():
-        row = f"| {k} |"
+    med = {"wall": times.medians(), "cpu": times.cpu.medians()}
+    header = ["variant"]
+    for m, label in (("wall", "wall"), ("cpu", "CPU")):
+        header += [f"{label} {unit}/step", f"throughput vs {baseline} ({label})"]
+        header += [f"{label} vs expert"] if expert else []
+    rows = []
+    for k in times:
+        row = [k]
         for m in ("wall", "cpu"):
-            row += f" {v[m] * scale:.1f} | {med[baseline][m] / v[m]:.2f}x |"
-            if expert:
-                row += f" {v[m] / med[expert][m]:.2f} |"
-        lines.append(row)
-    return "\n".join(lines)
+            v = med[m][k]
+            row += [f"{v * scale:.1f}", f"{med[m][baseline] / v:.2f}x"]
+            row += [f"{v / med[m][expert]:.2f}"] if expert else []
+        rows.append(row)
+    return f"\n**{title}**\n\n" + markdown_table(header, rows)
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=9)
-    p.add_argument("--quick", action="store_true", help="fewer steps (a smoke run)")
+    p.add_argument("--quick", action="store_true", help="fewer steps, 3 rounds (a smoke run)")
     a = p.parse_args()
+    if a.quick:
+        a.rounds = 3
     k = 4 if a.quick else 1
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, {a.rounds} interleaved rounds; "
           "medians of per-step wall time and of per-step process CPU time (all threads)")
