@@ -120,9 +120,7 @@ def memory(compiled) -> dict[str, int]:
         "temp": int(m.temp_size_in_bytes),
         "alias": int(m.alias_size_in_bytes),
     }
-    figures["peak"] = (
-        figures["argument"] + figures["output"] + figures["temp"] - figures["alias"]
-    )
+    figures["peak"] = figures["argument"] + figures["output"] + figures["temp"] - figures["alias"]
     return figures
 
 

@@ -24,7 +24,7 @@ from _harness import Timings, interleave, markdown_table
 
 import autoopt
 
-# --- 1. a step fed NumPy batches of many leaves ----------------------------------------------------
+# --- 1. a step fed NumPy batches of many leaves ---------------------------------------------------
 
 
 def features_step(w, feats):
@@ -45,8 +45,10 @@ def feed_bound_step(w, feats):
 
 def many_leaves(rounds: int, steps: int, n_leaves: int = 64, step=features_step) -> Timings:
     rng = np.random.default_rng(0)
-    batches = [{f"f{i:02d}": rng.standard_normal((64, 64)).astype(np.float32)
-                for i in range(n_leaves)} for _ in range(4)]
+    batches = [
+        {f"f{i:02d}": rng.standard_normal((64, 64)).astype(np.float32) for i in range(n_leaves)}
+        for _ in range(4)
+    ]
     w = jnp.asarray(rng.standard_normal((64, 64)).astype(np.float32))
     naive = jax.jit(step)
     fast = autoopt.optimize(step)
@@ -85,18 +87,31 @@ def many_leaves(rounds: int, steps: int, n_leaves: int = 64, step=features_step)
                 b = batches[i % 4]
                 out = f(w, np.stack([b[k] for k in sorted(b)]))
             out.block_until_ready()
+
         return go
 
     ref = naive(w, batches[0])
-    np.testing.assert_allclose(np.asarray(fast(w, batches[0])), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(fast(w, batches[0])), np.asarray(ref), rtol=1e-5, atol=1e-5
+    )
     stacked = np.stack([batches[0][k] for k in sorted(batches[0])])
-    np.testing.assert_allclose(np.asarray(expert(w, stacked)), np.asarray(ref), rtol=1e-5, atol=1e-4)
-    np.testing.assert_allclose(np.asarray(packed(w, batches[0])), np.asarray(ref), rtol=1e-5, atol=1e-5)
-    runs = {"naive": run_naive, "autoopt": run_fast, "autoopt placement='pack'": run_packed,
-            "autoopt placement='off'": run_off, "expert": by_hand(expert)}
+    np.testing.assert_allclose(
+        np.asarray(expert(w, stacked)), np.asarray(ref), rtol=1e-5, atol=1e-4
+    )
+    np.testing.assert_allclose(
+        np.asarray(packed(w, batches[0])), np.asarray(ref), rtol=1e-5, atol=1e-5
+    )
+    runs = {
+        "naive": run_naive,
+        "autoopt": run_fast,
+        "autoopt placement='pack'": run_packed,
+        "autoopt placement='off'": run_off,
+        "expert": by_hand(expert),
+    }
     if step is features_step:
-        np.testing.assert_allclose(np.asarray(vectorized(w, stacked)), np.asarray(ref), rtol=1e-5,
-                                   atol=1e-4)
+        np.testing.assert_allclose(
+            np.asarray(vectorized(w, stacked)), np.asarray(ref), rtol=1e-5, atol=1e-4
+        )
         runs["vectorized rewrite (not placement)"] = by_hand(vectorized)
     times = _interleave(runs, rounds, steps)
     modes = {hit[0].mode for hit in fast._placer._layouts.values() if hit[0] is not None}
@@ -104,7 +119,7 @@ def many_leaves(rounds: int, steps: int, n_leaves: int = 64, step=features_step)
     return times
 
 
-# --- 2. a step taking a large read-only NumPy table --------------------------------------------------
+# --- 2. a step taking a large read-only NumPy table -----------------------------------------------
 
 
 def lookup_step(table, ids):
@@ -127,15 +142,19 @@ def read_only_table(rounds: int, steps: int) -> Timings:
             for _ in range(steps):
                 out = f(t, ids)
             out.block_until_ready()
+
         return go
 
     ref = naive(table, ids)
     np.testing.assert_allclose(np.asarray(fast(table, ids)), np.asarray(ref), rtol=1e-6)
-    return _interleave({"naive": run(naive, table), "autoopt": run(fast, table),
-                        "expert": run(expert, table_dev)}, rounds, steps)
+    return _interleave(
+        {"naive": run(naive, table), "autoopt": run(fast, table), "expert": run(expert, table_dev)},
+        rounds,
+        steps,
+    )
 
 
-# --- 3. a training loop fed from a Python iterator ------------------------------------------------------
+# --- 3. a training loop fed from a Python iterator ------------------------------------------------
 
 
 def _loader(n: int, seed: int = 2):
@@ -160,8 +179,11 @@ def train_step(params, batch):
 
 def _init_params():
     rng = np.random.default_rng(3)
-    return {"w1": jnp.asarray(rng.standard_normal((256, 512)).astype(np.float32) * 0.05),
-            "b1": jnp.zeros(512), "w2": jnp.asarray(rng.standard_normal((512, 16)).astype(np.float32) * 0.05)}
+    return {
+        "w1": jnp.asarray(rng.standard_normal((256, 512)).astype(np.float32) * 0.05),
+        "b1": jnp.zeros(512),
+        "w2": jnp.asarray(rng.standard_normal((512, 16)).astype(np.float32) * 0.05),
+    }
 
 
 def _expert_prefetch(it, size=2):
@@ -192,6 +214,7 @@ def training_loop(rounds: int, steps: int) -> Timings:
                 params, loss = step(params, batch)
                 losses.append(loss)
             jax.block_until_ready((params, losses))
+
         return go
 
     # Same numbers from every variant (donation and placement change no values).
@@ -203,15 +226,19 @@ def training_loop(rounds: int, steps: int) -> Timings:
         results.append(np.asarray(params["w2"]))
     for r in results[1:]:
         np.testing.assert_allclose(r, results[0], rtol=1e-5, atol=1e-6)
-    return _interleave({
-        "naive": loop(naive, iter),
-        "autoopt": loop(fast, iter),
-        "autoopt + prefetch": loop(fast, autoopt.prefetch),
-        "expert": loop(expert, _expert_prefetch),
-    }, rounds, steps)
+    return _interleave(
+        {
+            "naive": loop(naive, iter),
+            "autoopt": loop(fast, iter),
+            "autoopt + prefetch": loop(fast, autoopt.prefetch),
+            "expert": loop(expert, _expert_prefetch),
+        },
+        rounds,
+        steps,
+    )
 
 
-# --- 4. what placement costs a call that passes only device arrays -------------------------------------
+# --- 4. what placement costs a call that passes only device arrays --------------------------------
 
 
 def lean_path(rounds: int, calls: int) -> Timings:
@@ -228,13 +255,21 @@ def lean_path(rounds: int, calls: int) -> Timings:
             for _ in range(calls):
                 f(x)
             f(x).block_until_ready()
+
         return go
 
-    return _interleave({"jax.jit": run(jitted), "autoopt placement=auto": run(on),
-                        "autoopt placement=off": run(off)}, rounds, calls + 1)
+    return _interleave(
+        {
+            "jax.jit": run(jitted),
+            "autoopt placement=auto": run(on),
+            "autoopt placement=off": run(off),
+        },
+        rounds,
+        calls + 1,
+    )
 
 
-# --- driver ---------------------------------------------------------------------------------------------
+# --- driver ---------------------------------------------------------------------------------------
 
 
 def _interleave(runs: dict, rounds: int, steps: int) -> Timings:
@@ -259,7 +294,7 @@ def _table(
     scale = 1e6 if unit == "us" else 1e3
     med = {"wall": times.medians(), "cpu": times.cpu.medians()}
     header = ["variant"]
-    for m, label in (("wall", "wall"), ("cpu", "CPU")):
+    for label in ("wall", "CPU"):
         header += [f"{label} {unit}/step", f"throughput vs {baseline} ({label})"]
         header += [f"{label} vs expert"] if expert else []
     rows = []
@@ -281,20 +316,46 @@ def main() -> None:
     if a.quick:
         a.rounds = 3
     k = 4 if a.quick else 1
-    print(f"jax {jax.__version__}, backend {jax.default_backend()}, {a.rounds} interleaved rounds; "
-          "medians of per-step wall time and of per-step process CPU time (all threads)")
-    print(_table("1a. step fed 64 NumPy leaves of f32[64,64] a call, per-feature multiply-reduce "
-                 "(expert: stacks them into one array by hand, one transfer, same step)",
-                 many_leaves(a.rounds, 200 // k)))
-    print(_table("1b. the same feed, feed-bound step (one row of each feature)",
-                 many_leaves(a.rounds, 200 // k, step=feed_bound_step)))
-    print(_table("2. embedding lookup taking a read-only NumPy table f32[4096,1024] (16 MiB) a call "
-                 "(expert: device_put once)", read_only_table(a.rounds, 40 // k)))
-    print(_table("3. training loop (MLP 256-512-16) fed by a Python loader of f32[256,256] batches "
-                 "(expert: hand-written thread prefetch + donate_argnums)",
-                 training_loop(a.rounds, 60 // k), unit="ms"))
-    print(_table("4. cached call of a tiny function on device arrays: what placement='auto' costs",
-                 lean_path(a.rounds, 2000 // k), baseline="jax.jit", expert=None))
+    print(
+        f"jax {jax.__version__}, backend {jax.default_backend()}, {a.rounds} interleaved rounds; "
+        "medians of per-step wall time and of per-step process CPU time (all threads)"
+    )
+    print(
+        _table(
+            "1a. step fed 64 NumPy leaves of f32[64,64] a call, per-feature multiply-reduce "
+            "(expert: stacks them into one array by hand, one transfer, same step)",
+            many_leaves(a.rounds, 200 // k),
+        )
+    )
+    print(
+        _table(
+            "1b. the same feed, feed-bound step (one row of each feature)",
+            many_leaves(a.rounds, 200 // k, step=feed_bound_step),
+        )
+    )
+    print(
+        _table(
+            "2. embedding lookup taking a read-only NumPy table f32[4096,1024] (16 MiB) a call "
+            "(expert: device_put once)",
+            read_only_table(a.rounds, 40 // k),
+        )
+    )
+    print(
+        _table(
+            "3. training loop (MLP 256-512-16) fed by a Python loader of f32[256,256] batches "
+            "(expert: hand-written thread prefetch + donate_argnums)",
+            training_loop(a.rounds, 60 // k),
+            unit="ms",
+        )
+    )
+    print(
+        _table(
+            "4. cached call of a tiny function on device arrays: what placement='auto' costs",
+            lean_path(a.rounds, 2000 // k),
+            baseline="jax.jit",
+            expert=None,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -42,30 +42,51 @@ def workloads(n: int, loop_n: int):
         return lax.fori_loop(0, buf.shape[0], lambda i, b: b.at[i].set(loop_row * i), buf)
 
     def fill_expert(buf):
-        return lax.fori_loop(0, buf.shape[0], lambda i, b: lax.dynamic_update_slice(
-            b, (loop_row * i)[None], (i, 0)), buf)
+        return lax.fori_loop(
+            0,
+            buf.shape[0],
+            lambda i, b: lax.dynamic_update_slice(b, (loop_row * i)[None], (i, 0)),
+            buf,
+        )
 
     return {
         "row set `x.at[i].set(row)`": (
             lambda x, i: x.at[i].set(row),
             lambda x, i: lax.dynamic_update_slice(x, row[None], (i, 0)),
-            big, lambda j: (j % n,), 100),
+            big,
+            lambda j: (j % n,),
+            100,
+        ),
         "row add `x.at[i].add(row)`": (
             lambda x, i: x.at[i].add(row),
             lambda x, i: lax.dynamic_update_slice(
-                x, lax.dynamic_slice(x, (i, 0), (1, n)) + row[None], (i, 0)),
-            big, lambda j: (j % n,), 100),
+                x, lax.dynamic_slice(x, (i, 0), (1, n)) + row[None], (i, 0)
+            ),
+            big,
+            lambda j: (j % n,),
+            100,
+        ),
         f"{BLOCK}-row block `x.at[i + arange({BLOCK})].set(b)`": (
             lambda x, i: x.at[i + jnp.arange(BLOCK)].set(block),
             lambda x, i: lax.dynamic_update_slice(x, block, (i, 0)),
-            big, lambda j: ((j * BLOCK) % (n - BLOCK),), 50),
+            big,
+            lambda j: ((j * BLOCK) % (n - BLOCK),),
+            50,
+        ),
         "scalar `x.at[i, j].set(v)`": (
             lambda x, i, k: x.at[i, k].set(1.5),
             lambda x, i, k: lax.dynamic_update_slice(x, jnp.full((1, 1), 1.5, x.dtype), (i, k)),
-            big, lambda j: (j % n, (7 * j) % n), 100),
+            big,
+            lambda j: (j % n, (7 * j) % n),
+            100,
+        ),
         f"fill in fori_loop ({loop_n}x{loop_n})": (
-            fill, fill_expert,
-            lambda: jnp.zeros((loop_n, loop_n), jnp.float32), lambda j: (), 10),
+            fill,
+            fill_expert,
+            lambda: jnp.zeros((loop_n, loop_n), jnp.float32),
+            lambda j: (),
+            10,
+        ),
     }
 
 
@@ -140,8 +161,12 @@ def run(rounds: int, n: int, loop_n: int) -> list[tuple]:
         times = interleave(runs, rounds, per=reps, warmup=0)
         med = {k: v * 1e6 for k, v in times.medians().items()}
         rows.append((name, *(med[k] for k in VARIANTS), in_place))
-        print(f"{name}: " + ", ".join(f"{k} {med[k]:.1f} us" for k in VARIANTS)
-              + ("" if in_place else " (NOT all in place)"), flush=True)
+        print(
+            f"{name}: "
+            + ", ".join(f"{k} {med[k]:.1f} us" for k in VARIANTS)
+            + ("" if in_place else " (NOT all in place)"),
+            flush=True,
+        )
     return rows
 
 
@@ -199,9 +224,11 @@ def main() -> None:
     if a.out:
         with open(a.out, "w") as f:
             f.write("# In-place updates (benchmarks/in_place.py)\n\n")
-            f.write(f"Command: `python benchmarks/in_place.py --rounds {a.rounds} --out {a.out}`. "
-                    "Measured on a 2-core machine shared with other jobs: ratios are indicative; "
-                    "re-run on a quiet machine before quoting.\n\n")
+            f.write(
+                f"Command: `python benchmarks/in_place.py --rounds {a.rounds} --out {a.out}`. "
+                "Measured on a 2-core machine shared with other jobs: ratios are indicative; "
+                "re-run on a quiet machine before quoting.\n\n"
+            )
             f.write(md + "\n")
 
 

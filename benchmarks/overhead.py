@@ -128,28 +128,42 @@ def main() -> None:
     if a.quick:
         a.rounds, a.calls = 3, 200
     d = dispatch(a.rounds, a.calls)
-    print(f"jax {jax.__version__}, backend {jax.default_backend()}, {a.rounds} interleaved rounds "
-          f"of {a.calls} calls; medians\n")
+    print(
+        f"jax {jax.__version__}, backend {jax.default_backend()}, {a.rounds} interleaved rounds "
+        f"of {a.calls} calls; medians\n"
+    )
     print("| cached call (tiny f32[8] function) | us/call | ratio vs jax.jit |")
     print("|---|---:|---:|")
     print(f"| jax.jit | {d['jit'] * 1e6:.2f} | 1.00 |")
-    print(f"| autoopt.optimize (`y = f(x)`, nothing donated) | {d['autoopt'] * 1e6:.2f} | "
-          f"{d['autoopt'] / d['jit']:.2f} |")
-    print(f"| jax.jit(donate_argnums=0), `x = f(x)` | {d['jit donate'] * 1e6:.2f} | "
-          f"{d['jit donate'] / d['jit']:.2f} |")
-    print(f"| autoopt.optimize, `x = f(x)` (donated) | {d['autoopt x=f(x)'] * 1e6:.2f} | "
-          f"{d['autoopt x=f(x)'] / d['jit donate']:.2f} vs jit donate |")
-    print(f"| jax.jit(donate_argnums=0), `s = f(s)`, dict of 3 arrays | "
-          f"{d['jit donate tree'] * 1e6:.2f} | {d['jit donate tree'] / d['jit']:.2f} |")
-    print(f"| autoopt.optimize, `s = f(s)`, dict of 3 arrays (donated) | "
-          f"{d['autoopt tree'] * 1e6:.2f} | {d['autoopt tree'] / d['jit donate tree']:.2f} vs "
-          "jit donate |")
+    print(
+        f"| autoopt.optimize (`y = f(x)`, nothing donated) | {d['autoopt'] * 1e6:.2f} | "
+        f"{d['autoopt'] / d['jit']:.2f} |"
+    )
+    print(
+        f"| jax.jit(donate_argnums=0), `x = f(x)` | {d['jit donate'] * 1e6:.2f} | "
+        f"{d['jit donate'] / d['jit']:.2f} |"
+    )
+    print(
+        f"| autoopt.optimize, `x = f(x)` (donated) | {d['autoopt x=f(x)'] * 1e6:.2f} | "
+        f"{d['autoopt x=f(x)'] / d['jit donate']:.2f} vs jit donate |"
+    )
+    print(
+        f"| jax.jit(donate_argnums=0), `s = f(s)`, dict of 3 arrays | "
+        f"{d['jit donate tree'] * 1e6:.2f} | {d['jit donate tree'] / d['jit']:.2f} |"
+    )
+    print(
+        f"| autoopt.optimize, `s = f(s)`, dict of 3 arrays (donated) | "
+        f"{d['autoopt tree'] * 1e6:.2f} | {d['autoopt tree'] / d['jit donate tree']:.2f} vs "
+        "jit donate |"
+    )
     fc = first_call(max(3, a.rounds // 3))
     print("\n| first call (trace + passes + compile + run) | jax.jit ms | autoopt ms | ratio |")
     print("|---|---:|---:|---:|")
     for name, r in fc.items():
-        print(f"| {name} | {r['jit'] * 1e3:.1f} | {r['autoopt'] * 1e3:.1f} | "
-              f"{r['autoopt'] / r['jit']:.2f} |")
+        print(
+            f"| {name} | {r['jit'] * 1e3:.1f} | {r['autoopt'] * 1e3:.1f} | "
+            f"{r['autoopt'] / r['jit']:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -13,8 +13,8 @@ figures (``memory_analysis()``: temp bytes and argument+output+temp-alias peak; 
 ``cost_analysis()``), the peak RSS while the steps run (``VmHWM`` reset after compiling, so
 compile-time memory is not counted; the inputs are), and the median step time.
 
-    python benchmarks/remat.py                 # full run, writes results/remat.md and remat_sweep.png
-    python benchmarks/remat.py --quick         # smaller sizes, for a smoke test
+    python benchmarks/remat.py            # full run: writes results/remat.md and remat_sweep.png
+    python benchmarks/remat.py --quick    # smaller sizes, a smoke test (writes nothing)
 """
 
 from __future__ import annotations
@@ -28,12 +28,15 @@ import subprocess
 import sys
 import time
 
+from _harness import flops, interleave, memory, rss_now, rss_peak, rss_reset, run_fresh
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 BUDGETS = (0.9, 0.75, 0.6, 0.5, 0.4, 0.3)
 POLICIES = ("dots_saveable", "dots_with_no_batch_dims_saveable", "nothing_saveable")
 
 
 # --- workloads (imported lazily: the parent process never touches jax) --------------------------
+
 
 def _mlp(quick: bool):
     import jax
@@ -52,8 +55,9 @@ def _mlp(quick: bool):
     def head(h):
         return jnp.mean(h**2)
 
-    return dict(name=f"mlp L={layers} N={n} D={d}", layers=layers, layer=layer, params=params,
-                head=head)
+    return dict(
+        name=f"mlp L={layers} N={n} D={d}", layers=layers, layer=layer, params=params, head=head
+    )
 
 
 def _transformer(quick: bool):
@@ -78,18 +82,27 @@ def _transformer(quick: bool):
 
     def params():
         k = jax.random.split(jax.random.key(0), 4 * layers + 1)
-        ps = [(jax.random.normal(k[4 * i], (d, 3 * d)) / math.sqrt(d),
-               jax.random.normal(k[4 * i + 1], (d, d)) / math.sqrt(d),
-               jax.random.normal(k[4 * i + 2], (d, 4 * d)) / math.sqrt(d),
-               jax.random.normal(k[4 * i + 3], (4 * d, d)) / math.sqrt(4 * d))
-              for i in range(layers)]
+        ps = [
+            (
+                jax.random.normal(k[4 * i], (d, 3 * d)) / math.sqrt(d),
+                jax.random.normal(k[4 * i + 1], (d, d)) / math.sqrt(d),
+                jax.random.normal(k[4 * i + 2], (d, 4 * d)) / math.sqrt(d),
+                jax.random.normal(k[4 * i + 3], (4 * d, d)) / math.sqrt(4 * d),
+            )
+            for i in range(layers)
+        ]
         return ps, jax.random.normal(k[-1], (b, s, d))
 
     def head(x):
         return jnp.mean(x**2)
 
-    return dict(name=f"transformer L={layers} B={b} S={s} D={d} H={heads}", layers=layers,
-                layer=layer, params=params, head=head)
+    return dict(
+        name=f"transformer L={layers} B={b} S={s} D={d} H={heads}",
+        layers=layers,
+        layer=layer,
+        params=params,
+        head=head,
+    )
 
 
 WORKLOADS = {"mlp": _mlp, "transformer": _transformer}
@@ -125,7 +138,9 @@ def _build(workload: dict, config: str):
         seg = max(1, round(math.sqrt(layers)))
         while layers % seg:
             seg -= 1
-        stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a).reshape((layers // seg, seg) + a[0].shape), *ps)
+        stacked = jax.tree_util.tree_map(
+            lambda *a: jnp.stack(a).reshape((layers // seg, seg) + a[0].shape), *ps
+        )
 
         @jax.checkpoint
         def segment(x, pseg):
@@ -137,7 +152,11 @@ def _build(workload: dict, config: str):
             x, _ = jax.lax.scan(lambda x, p: (segment(x, p), None), x, stacked)
             return head(x)
 
-        return jax.jit(step_of(loss)), (stacked, x), f"scan over {layers // seg} checkpointed segments of {seg}"
+        return (
+            jax.jit(step_of(loss)),
+            (stacked, x),
+            f"scan over {layers // seg} checkpointed segments of {seg}",
+        )
     if config == "autoopt":
         return autoopt.optimize(step_of(loss_unrolled)), (ps, x), ""
     if config == "autoopt+flag":  # the user opts in to the XLA:CPU flag remat plans need
@@ -145,32 +164,12 @@ def _build(workload: dict, config: str):
 
         return autoopt.optimize(step_of(loss_unrolled), compiler_options=CPU_FLAGS), (ps, x), ""
     if config.startswith("budget:"):
-        return autoopt.optimize(step_of(loss_unrolled), memory_budget=int(config.split(":")[1])), (ps, x), ""
+        return (
+            autoopt.optimize(step_of(loss_unrolled), memory_budget=int(config.split(":")[1])),
+            (ps, x),
+            "",
+        )
     raise ValueError(config)
-
-
-def _rss_reset() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-def _rss_peak() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _rss_now() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def run_one(workload: str, config: str, quick: bool, steps: int) -> dict:
@@ -181,19 +180,17 @@ def run_one(workload: str, config: str, quick: bool, steps: int) -> dict:
     t0 = time.perf_counter()
     compiled = step.lower(*args).compile()  # autoopt: trace, passes (their compiles), compile
     first_call = time.perf_counter() - t0
-    m = compiled.memory_analysis()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list | tuple) else cost
+    m = memory(compiled)
     # The RSS high-water mark from just before the first execution: compile-time memory is not
     # counted, every buffer the executions allocate is.
-    _rss_reset()
-    base_rss = _rss_now()
+    rss_reset()
+    base_rss = rss_now()
     times = []
     for _ in range(steps):
         t = time.perf_counter()
         jax.block_until_ready(compiled(*args))
         times.append(time.perf_counter() - t)
-    rss = _rss_peak() - base_rss
+    rss = rss_peak() - base_rss
     if config in ("autoopt", "autoopt+flag") or config.startswith("budget:"):
         import autoopt
         from autoopt.passes.remat import CPU_FLAGS
@@ -202,13 +199,21 @@ def run_one(workload: str, config: str, quick: bool, steps: int) -> dict:
         if config == "autoopt+flag":
             opts["compiler_options"] = CPU_FLAGS
         fs = autoopt.explain(step.__wrapped__, *args, **opts).by_kind("remat")
-        note = "; ".join(f.message.split(" [")[0] if f.applied else "not applied" for f in fs) or "no finding"
-    return dict(workload=wl["name"], config=config, note=note,
-                temp=int(m.temp_size_in_bytes),
-                peak=int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-                         - m.alias_size_in_bytes),
-                flops=float(cost.get("flops", 0.0)), rss=int(rss),
-                time=statistics.median(times), first_call=first_call)
+        note = (
+            "; ".join(f.message.split(" [")[0] if f.applied else "not applied" for f in fs)
+            or "no finding"
+        )
+    return dict(
+        workload=wl["name"],
+        config=config,
+        note=note,
+        temp=m["temp"],
+        peak=m["peak"],
+        flops=flops(compiled),
+        rss=int(rss),
+        time=statistics.median(times),
+        first_call=first_call,
+    )
 
 
 def time_all(workload: str, configs: list[str], quick: bool, rounds: int) -> dict:
@@ -218,29 +223,19 @@ def time_all(workload: str, configs: list[str], quick: bool, rounds: int) -> dic
 
     wl = WORKLOADS[workload](quick)
     built = {c: _build(wl, c)[:2] for c in configs}
-    for step, args in built.values():
-        jax.block_until_ready(step(*args))
-    times: dict[str, list] = {c: [] for c in configs}
-    for _ in range(rounds):
-        for c, (step, args) in built.items():
-            t = time.perf_counter()
-            jax.block_until_ready(step(*args))
-            times[c].append(time.perf_counter() - t)
-    return {c: statistics.median(v) for c, v in times.items()}
+
+    def stepping(c):
+        step, args = built[c]
+        return lambda: jax.block_until_ready(step(*args))
+
+    return interleave({c: stepping(c) for c in configs}, rounds).medians()
 
 
 def _spawn(workload: str, config: str, quick: bool, steps: int, mode: str = "--one") -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), mode, workload, config, "--steps", str(steps)]
-    if quick:
-        cmd.append("--quick")
-    # Large buffers from mmap, returned to the OS when freed (glibc otherwise raises its mmap
-    # threshold and keeps freed pages resident), so the RSS high-water mark follows live memory.
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072")
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
-    if out.returncode:
-        sys.stderr.write(out.stderr[-3000:])
-        raise SystemExit(f"{workload} {config} failed")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    """One configuration (or, with ``--time``, the step times of several) in a fresh process."""
+    return run_fresh(
+        __file__, mode, workload, config, "--steps", str(steps), *(["--quick"] if quick else [])
+    )
 
 
 def main() -> None:
@@ -280,16 +275,20 @@ def main() -> None:
             r["time"] = times[r["config"]]
     table = _table(rows)
     print(table)
+    if a.quick:  # a smoke run: the recorded results stay those of the full sizes
+        return
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     cmd = "python benchmarks/remat.py" + (" --quick" if a.quick else "")
     with open(os.path.join(HERE, "results", "remat.md"), "w") as f:
         f.write("# remat benchmark\n\n")
-        f.write(f"Command: `{cmd}` (XLA:CPU, jax {_jax_version()}), on the project's 2-core "
-                "machine: step times are noisy, quote the ratios; the memory figures are "
-                "deterministic. Memory: compiled `memory_analysis()` (peak = argument + output + "
-                "temp - alias) and the peak RSS growth while the steps run, each configuration "
-                "in its own process. MLP N scaled from the issue's 32768 to 8192 to keep the run "
-                "to a few minutes.\n\n")
+        f.write(
+            f"Command: `{cmd}` (XLA:CPU, jax {_jax_version()}), on the project's 2-core "
+            "machine: step times are noisy, quote the ratios; the memory figures are "
+            "deterministic. Memory: compiled `memory_analysis()` (peak = argument + output + "
+            "temp - alias) and the peak RSS growth while the steps run, each configuration "
+            "in its own process. MLP N scaled from the issue's 32768 to 8192 to keep the run "
+            "to a few minutes.\n\n"
+        )
         f.write(table + "\n")
         f.write(NOTES)
     _plot(rows, os.path.join(HERE, "remat_sweep.png"))
@@ -308,15 +307,13 @@ Notes:
   `autoopt+flag` is the opt-in alternative
   (`compiler_options={"xla_disable_hlo_passes": "cse_barrier_expander"}`): optimization barriers
   instead of conditionals (it aborts XLA:CPU on a barrier inside a scan body, so it is not the
-  default). For the transformer's default plan the conditionals hold 8 MiB less than the
-  barriers (89.0 against 97.1 MiB).
+  default). On the transformer's default plan the conditionals hold less than the barriers
+  (compare the autoopt and autoopt+flag rows).
 - autoopt without a budget compiles the plan with the lowest estimated peak within the rule's
   10% FLOPs cap, which may recompute matmuls, and falls back to the best elementwise-only plan.
-  Transformer: 0.44x of plain's peak for +8% FLOPs (the elementwise-only min-cut gives 0.58x;
-  the expert 0.57x). Tanh MLP: every residual is a matmul input and no plan passes the
-  20%-for-10%-FLOPs rule (11% less for +6% FLOPs, 26% less for +13%), so nothing is applied by
-  default; with a budget the floor is 0.53x (segments shrinking towards the end of the forward,
-  `decreasing segments(5)`), the expert's scan 0.64x. The expert recomputes three quarters of
+  Tanh MLP: every residual is a matmul input and no plan passes the 20%-for-10%-FLOPs rule, so
+  nothing is applied by default; with a budget the floor comes from segments shrinking towards
+  the end of the forward (`decreasing segments(5)`). The expert recomputes three quarters of
   the forward, which its loop hides from `cost_analysis()`.
 - A budget never costs memory against the default: the default's plan is kept when it meets
   the budget (the transformer's 90% to 50% rows); otherwise the plan with the fewest FLOPs that
@@ -330,8 +327,12 @@ Notes:
 
 
 def _jax_version() -> str:
-    out = subprocess.run([sys.executable, "-c", "import jax; print(jax.__version__)"],
-                         capture_output=True, text=True, check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", "import jax; print(jax.__version__)"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     return out.stdout.strip()
 
 
@@ -340,16 +341,20 @@ def _mb(n: float) -> str:
 
 
 def _fmt_row(r: dict, plain: dict) -> str:
-    return (f"| {r['workload']} | {r['config']} | {_mb(r['peak'])} | {_mb(r['temp'])} | "
-            f"{_mb(r['rss'])} | {r['time'] * 1e3:.0f} | {r['peak'] / plain['peak']:.2f}x | "
-            f"{r['time'] / plain['time']:.2f}x | {r['flops'] / max(plain['flops'], 1):.2f}x | "
-            f"{r['first_call']:.1f} | {r['note']} |")
+    return (
+        f"| {r['workload']} | {r['config']} | {_mb(r['peak'])} | {_mb(r['temp'])} | "
+        f"{_mb(r['rss'])} | {r['time'] * 1e3:.0f} | {r['peak'] / plain['peak']:.2f}x | "
+        f"{r['time'] / plain['time']:.2f}x | {r['flops'] / max(plain['flops'], 1):.2f}x | "
+        f"{r['first_call']:.1f} | {r['note']} |"
+    )
 
 
 def _table(rows: list[dict]) -> str:
-    head = ("| workload | config | peak MiB | temp MiB | RSS growth MiB | step ms | peak vs plain | "
-            "time vs plain | FLOPs vs plain | first call s | note |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|")
+    head = (
+        "| workload | config | peak MiB | temp MiB | RSS growth MiB | step ms | peak vs plain | "
+        "time vs plain | FLOPs vs plain | first call s | note |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|"
+    )
     out = [head]
     plain = None
     for r in rows:
@@ -369,14 +374,29 @@ def _plot(rows: list[dict], path: str) -> None:
     fig, axes = plt.subplots(1, len(wls), figsize=(6 * len(wls), 4.5), squeeze=False)
     for ax, wl in zip(axes[0], wls):
         rs = [r for r in rows if r["workload"] == wl]
-        sweep = sorted((r for r in rs if r["config"].startswith("budget:")), key=lambda r: r["peak"])
-        ax.plot([r["time"] * 1e3 for r in sweep], [r["peak"] / 2**20 for r in sweep], "o-",
-                label="autoopt, memory_budget sweep")
+        sweep = sorted(
+            (r for r in rs if r["config"].startswith("budget:")), key=lambda r: r["peak"]
+        )
+        ax.plot(
+            [r["time"] * 1e3 for r in sweep],
+            [r["peak"] / 2**20 for r in sweep],
+            "o-",
+            label="autoopt, memory_budget sweep",
+        )
         for r in sweep:
-            ax.annotate(f"{int(r['config'].split(':')[1]) / 2**20:.0f}", (r["time"] * 1e3, r["peak"] / 2**20),
-                        textcoords="offset points", xytext=(4, 4), fontsize=7)
+            ax.annotate(
+                f"{int(r['config'].split(':')[1]) / 2**20:.0f}",
+                (r["time"] * 1e3, r["peak"] / 2**20),
+                textcoords="offset points",
+                xytext=(4, 4),
+                fontsize=7,
+            )
         for r, mk in zip([r for r in rs if not r["config"].startswith("budget:")], "sD^vPX*"):
-            label = r["config"] if not r["config"].startswith("policy:") else "best policy: " + r["config"][7:]
+            label = (
+                r["config"]
+                if not r["config"].startswith("policy:")
+                else "best policy: " + r["config"][7:]
+            )
             ax.plot([r["time"] * 1e3], [r["peak"] / 2**20], mk, label=label)
         ax.set_title(wl, fontsize=9)
         ax.set_xlabel("step time (ms)")

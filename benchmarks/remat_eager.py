@@ -51,11 +51,13 @@ def _build(config: str, quick: bool = False):
 
     def loss_segments(ps, x, seg=4):
         for j in range(0, len(ps), seg):
+
             def segment(x, pp):
                 for p in pp:
                     x = layer(x, p)
                 return x
-            x = jax.checkpoint(segment)(x, ps[j:j + seg])
+
+            x = jax.checkpoint(segment)(x, ps[j : j + seg])
         return head(x)
 
     if config == "plain":
@@ -72,8 +74,11 @@ def _build(config: str, quick: bool = False):
 def _residual_bytes(jax, f, *args) -> int:
     _, pullback = jax.vjp(f, *args)
     mine = {id(a) for a in jax.tree_util.tree_leaves(args)}
-    return sum(r.nbytes for r in jax.tree_util.tree_leaves(pullback)
-               if hasattr(r, "nbytes") and id(r) not in mine)
+    return sum(
+        r.nbytes
+        for r in jax.tree_util.tree_leaves(pullback)
+        if hasattr(r, "nbytes") and id(r) not in mine
+    )
 
 
 def run_one(config: str, quick: bool) -> dict:

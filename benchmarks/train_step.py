@@ -23,11 +23,20 @@ import autoopt
 
 def init_state(key, width: int, depth: int):
     keys = jax.random.split(key, depth)
-    params = [{"w": jax.random.normal(k, (width, width), jnp.float32) / width**0.5,
-               "b": jnp.zeros((width,), jnp.float32)} for k in keys]
+    params = [
+        {
+            "w": jax.random.normal(k, (width, width), jnp.float32) / width**0.5,
+            "b": jnp.zeros((width,), jnp.float32),
+        }
+        for k in keys
+    ]
     zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
-    return {"params": params, "m": zeros, "v": jax.tree_util.tree_map(jnp.zeros_like, params),
-            "t": jnp.zeros((), jnp.int32)}
+    return {
+        "params": params,
+        "m": zeros,
+        "v": jax.tree_util.tree_map(jnp.zeros_like, params),
+        "t": jnp.zeros((), jnp.int32),
+    }
 
 
 def loss_fn(params, batch):
@@ -49,7 +58,10 @@ def step(state, batch):
     tf = t.astype(jnp.float32)
     params = jax.tree_util.tree_map(
         lambda p, m, v: p - lr * (m / (1 - b1**tf)) / (jnp.sqrt(v / (1 - b2**tf)) + eps),
-        state["params"], m, v)
+        state["params"],
+        m,
+        v,
+    )
     return {"params": params, "m": m, "v": v, "t": t}, loss
 
 
@@ -81,14 +93,18 @@ def main() -> None:
         a.width, a.depth, a.steps, a.rounds = 256, 2, 5, 3
 
     key = jax.random.PRNGKey(0)
-    batches = [(jax.random.normal(k, (a.batch, a.width)), jax.random.normal(k, (a.batch, a.width)))
-               for k in jax.random.split(key, 4)]
+    batches = [
+        (jax.random.normal(k, (a.batch, a.width)), jax.random.normal(k, (a.batch, a.width)))
+        for k in jax.random.split(key, 4)
+    ]
     versions = {
         "naive jax.jit": jax.jit(step),
         "autoopt.optimize": autoopt.optimize(step),
         "expert donate_argnums=0": jax.jit(step, donate_argnums=0),
     }
-    state_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(init_state(key, a.width, a.depth)))
+    state_bytes = sum(
+        x.nbytes for x in jax.tree_util.tree_leaves(init_state(key, a.width, a.depth))
+    )
 
     # Equal numbers first: 3 steps of each from the same start.
     finals = {}
@@ -137,6 +153,7 @@ def main() -> None:
         for name in versions
     ]
     print(markdown_table(header, rows))
+
 
 if __name__ == "__main__":
     main()

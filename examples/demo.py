@@ -56,8 +56,14 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
-def run_demo(steps_scale: float = 1.0, repeats: int = 7, reports: bool = True,
-             color: bool | None = None, only=None, out=None) -> int:
+def run_demo(
+    steps_scale: float = 1.0,
+    repeats: int = 7,
+    reports: bool = True,
+    color: bool | None = None,
+    only=None,
+    out=None,
+) -> int:
     import jax
     from autoopt.examples import EXAMPLES
 
@@ -67,8 +73,10 @@ def run_demo(steps_scale: float = 1.0, repeats: int = 7, reports: bool = True,
     names = list(EXAMPLES) if not only else [n for n in EXAMPLES if n in only]
     unknown = sorted(set(only or ()) - set(EXAMPLES))
     if unknown:
-        print(f"autoopt: error: no example {unknown[0]!r} (there are: {', '.join(EXAMPLES)})",
-              file=sys.stderr)
+        print(
+            f"autoopt: error: no example {unknown[0]!r} (there are: {', '.join(EXAMPLES)})",
+            file=sys.stderr,
+        )
         return 1
     rows = []
     for name in names:
@@ -86,16 +94,24 @@ def run_demo(steps_scale: float = 1.0, repeats: int = 7, reports: bool = True,
         medians = time_interleaved({"jax.jit": naive, "autoopt": fast}, run, repeats)
         if reports:  # after the loops ran, so the report knows the call sites
             print(fast.explain(*mod.make_args()).render(color=color), file=out)
-        rows.append((name, steps, medians["jax.jit"], medians["autoopt"],
-                     same_numbers(expected, got)))
+        rows.append(
+            (name, steps, medians["jax.jit"], medians["autoopt"], same_numbers(expected, got))
+        )
     device = jax.devices()[0]
-    print(f"== measured: medians of {repeats} interleaved runs of each example's loop "
-          f"({jax.default_backend()}, {device.device_kind}; times include the Python loop)",
-          file=out)
-    header = f"{'example':<14}{'steps':>6}{'jax.jit':>12}{'autoopt':>12}{'speedup':>9}  same numbers"
+    print(
+        f"== measured: medians of {repeats} interleaved runs of each example's loop "
+        f"({jax.default_backend()}, {device.device_kind}; times include the Python loop)",
+        file=out,
+    )
+    header = (
+        f"{'example':<14}{'steps':>6}{'jax.jit':>12}{'autoopt':>12}{'speedup':>9}  same numbers"
+    )
     print(header, file=out)
     print("-" * len(header), file=out)
     for name, steps, t_naive, t_fast, same in rows:
-        print(f"{name:<14}{steps:>6}{_ms(t_naive):>12}{_ms(t_fast):>12}"
-              f"{t_naive / t_fast:>8.2f}x  {'yes' if same else 'NO'}", file=out)
+        print(
+            f"{name:<14}{steps:>6}{_ms(t_naive):>12}{_ms(t_fast):>12}"
+            f"{t_naive / t_fast:>8.2f}x  {'yes' if same else 'NO'}",
+            file=out,
+        )
     return 0 if all(r[4] for r in rows) else 1

@@ -22,8 +22,9 @@ def sgd_step(w, batch):
 def batches(n, seed=0):
     rng = np.random.default_rng(seed)
     for _ in range(n):
-        columns = {f"c{k}": rng.standard_normal((BATCH, WIDTH), dtype=np.float32)
-                   for k in range(COLUMNS)}
+        columns = {
+            f"c{k}": rng.standard_normal((BATCH, WIDTH), dtype=np.float32) for k in range(COLUMNS)
+        }
         yield {"columns": columns, "target": columns["c0"][:, :1] * 0.5}
 
 

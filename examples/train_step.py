@@ -14,8 +14,12 @@ WIDTH, DEPTH, BATCH = 512, 4, 32
 def init_params(key):
     params = []
     for k in jax.random.split(key, DEPTH):
-        params.append((jax.random.normal(k, (WIDTH, WIDTH), jnp.float32) / WIDTH**0.5,
-                       jnp.zeros((WIDTH,), jnp.float32)))
+        params.append(
+            (
+                jax.random.normal(k, (WIDTH, WIDTH), jnp.float32) / WIDTH**0.5,
+                jnp.zeros((WIDTH,), jnp.float32),
+            )
+        )
     return params
 
 

@@ -26,7 +26,6 @@ import ast
 import subprocess
 import sys
 import textwrap
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -254,6 +253,7 @@ def test_no_private_modules_imported_from_another_package():
 
 
 def test_every_package_is_listed_in_pyproject():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
     listed = set(config["tool"]["setuptools"]["packages"])
     on_disk = {module_name(p.parent / "__init__.py") for p in PACKAGE.rglob("*.py")}

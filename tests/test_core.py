@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import warnings
 
@@ -43,7 +44,11 @@ def test_every_corpus_function_explains_without_error(case):
     text = report.render(color=False)
     assert case.fn.__name__ in text
     for f in report.findings:
-        assert f.kind in ("donate", "scatter_to_dus", "remat", "placement", "transfer")
+        # Finding already refuses an unknown kind; what it does not check is the contract
+        # the report relies on: a reason in words, a "path:LINE" location or None.
+        assert isinstance(f.applied, bool)
+        assert isinstance(f.message, str) and f.message.strip(), f
+        assert f.location is None or re.fullmatch(r".+:\d+", f.location), f.location
 
 
 # --- call forms and the jit surface ---------------------------------------------------------------

@@ -14,7 +14,6 @@ import functools
 import threading
 import warnings
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -345,7 +344,10 @@ def test_global_rebinding_at_module_level_site_respects_aliases_in_other_globals
     np.testing.assert_array_equal(ns["x"], 16 * np.ones(3))
 
 
+@pytest.mark.corpus
 def test_equinox_module_with_static_and_int_fields_keeps_a_held_leaf():
+    eqx = pytest.importorskip("equinox")  # the `corpus` extra
+
     class M(eqx.Module):
         w: jax.Array
         act: object = eqx.field(static=True, default=jax.nn.relu)
