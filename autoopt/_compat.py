@@ -18,6 +18,7 @@ from jax._src import linear_util as _lu
 from jax._src import source_info_util as _siu
 from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import partial_eval as _pe
+from jax.core import Tracer
 
 __all__ = [
     "user_frame",
@@ -55,7 +56,7 @@ def trace_closed_jaxpr(fn: Callable, in_avals: Sequence[Any], name: str = "autoo
 
 
 def is_tracer(x: Any) -> bool:
-    return isinstance(x, jax.core.Tracer)
+    return isinstance(x, Tracer)
 
 
 # The states behind ``jax.config.jax_debug_nans`` etc.: ``.value`` is a C++ property (~0.05 us),
@@ -134,10 +135,10 @@ def eager_autodiff(tree) -> bool:
     Reads ``.primal`` of jax's JVP and linearize tracers (jax._src.interpreters.ad)."""
     found = False
     for leaf in jax.tree_util.tree_leaves(tree):
-        if not isinstance(leaf, jax.core.Tracer):
+        if not isinstance(leaf, Tracer):
             continue
         x = leaf
-        while isinstance(x, jax.core.Tracer):
+        while isinstance(x, Tracer):
             if not isinstance(x, _ad.JVPTracer | _ad.LinearizeTracer):
                 return False
             x = x.primal

@@ -18,11 +18,20 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
+from jax.core import ShapedArray, eval_jaxpr
 from jax.extend import source_info_util
-from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Primitive
+from jax.extend.core import (
+    ClosedJaxpr,
+    DropVar,
+    Jaxpr,
+    JaxprEqn,
+    Literal,
+    Primitive,
+    check_jaxpr,
+)
 
 from autoopt import _compat
 
@@ -39,6 +48,12 @@ def user_location(eqn: JaxprEqn) -> str | None:
     """``"path.py:LINE"`` of the user's source that produced ``eqn``, or None."""
     frame = _compat.user_frame(eqn.source_info)
     return None if frame is None else f"{frame[0]}:{frame[1]}"
+
+
+def shaped(atom: Any) -> ShapedArray:
+    """``atom.aval`` for an array value. jax types ``Var.aval`` as the abstract base class; every
+    value the passes read shapes of is an array (tokens and refs have no shape to read)."""
+    return cast(ShapedArray, atom.aval)
 
 
 def subjaxprs(eqn: JaxprEqn) -> list[tuple[str, int | None, ClosedJaxpr | Jaxpr]]:
@@ -167,7 +182,7 @@ def interpret(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any],
         return v.val if isinstance(v, Literal) else env[v]
 
     def write(v, val):
-        if not isinstance(v, jax.extend.core.DropVar):
+        if not isinstance(v, DropVar):
             env[v] = val
 
     for eqn in jaxpr.eqns:
@@ -214,12 +229,12 @@ def rewrite(closed: ClosedJaxpr, rules: Mapping[Primitive, Rule]) -> tuple[Close
 
 def eval_closed(closed: ClosedJaxpr, *args: Any) -> list[Any]:
     """Evaluate ``closed`` in the current trace (used to stage the optimized program into jit)."""
-    return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
+    return eval_jaxpr(closed.jaxpr, closed.consts, *args)
 
 
 def check(closed: ClosedJaxpr) -> None:
     """Type-check ``closed`` (and its sub-jaxprs); raises ``JaxprTypeError`` on a bad rewrite."""
-    jax.extend.core.check_jaxpr(closed.jaxpr)
+    check_jaxpr(closed.jaxpr)
 
 
 def same_avals(a: ClosedJaxpr, b: ClosedJaxpr) -> bool:

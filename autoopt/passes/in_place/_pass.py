@@ -57,14 +57,15 @@ from typing import Any
 import jax
 import numpy as np
 from jax import lax
+from jax.core import eval_jaxpr
 from jax.extend.core import JaxprEqn, Var
 from jax.extend.core import primitives as P
 from jax.lax import GatherScatterMode
 
 from autoopt import _jaxpr
-from autoopt.passes.in_place import _ranges
 from autoopt._finding import Finding
 from autoopt.passes._base import Pass, PassContext, PassResult
+from autoopt.passes.in_place import _ranges
 
 _SCATTERS = (P.scatter_p, P.scatter_add_p, P.scatter_mul_p, P.scatter_min_p, P.scatter_max_p)
 _METHOD = {P.scatter_p: "set", P.scatter_add_p: "add", P.scatter_mul_p: "multiply",
@@ -290,7 +291,7 @@ def _combiner(eqn: JaxprEqn):
 
     def combine(cur, upd):
         def one(a, b):
-            return jax.core.eval_jaxpr(jaxpr, consts, a, b)[0]
+            return eval_jaxpr(jaxpr, consts, a, b)[0]
         flat = jax.vmap(one)(lax.reshape(cur, (cur.size,)), lax.reshape(upd, (upd.size,)))
         return lax.reshape(flat, cur.shape)
 
@@ -310,7 +311,7 @@ def _is_fallback(eqn: JaxprEqn) -> bool:
 
 
 def _describe_scatter(eqn: JaxprEqn) -> str:
-    x = eqn.invars[0].aval
+    x = _jaxpr.shaped(eqn.invars[0])
     method = _METHOD[eqn.primitive]
     if eqn.primitive is P.scatter_p and eqn.params.get("update_jaxpr") is not None:
         method = "apply"
@@ -318,7 +319,7 @@ def _describe_scatter(eqn: JaxprEqn) -> str:
 
 
 def _scatter_plan(facts, eqn: JaxprEqn) -> tuple[_Window, Any]:
-    x, idx, upd = (v.aval for v in eqn.invars)
+    x, idx, upd = (_jaxpr.shaped(v) for v in eqn.invars)
     dn = eqn.params["dimension_numbers"]
     if dn.operand_batching_dims:
         raise _Decline("it is a batched scatter (vmap over the index): each batch element "
@@ -337,7 +338,7 @@ def _scatter_plan(facts, eqn: JaxprEqn) -> tuple[_Window, Any]:
 
 def _update_block(eqn: JaxprEqn, w: _Window, upd):
     """The scatter's updates arranged as the DUS update (operand dim order, box sizes)."""
-    x = eqn.invars[0].aval
+    x = _jaxpr.shaped(eqn.invars[0])
     dn = eqn.params["dimension_numbers"]
     win = [int(a) for a in dn.update_window_dims]
     inserted = {int(d) for d in dn.inserted_window_dims}
@@ -431,7 +432,7 @@ def _decide_scatter(facts: _ranges.Facts, consumes: set, backend: str, eqn: Jaxp
 
 def _decide_gather(facts: _ranges.Facts, eqn: JaxprEqn) -> _Decision | None:
     """How to rewrite one gather, or None: most gathers are lookups, not windows."""
-    x = eqn.invars[0].aval
+    x = _jaxpr.shaped(eqn.invars[0])
     dn = eqn.params["dimension_numbers"]
     mode = eqn.params["mode"]
     if dn.operand_batching_dims or mode not in _MODES:
@@ -457,7 +458,7 @@ def _decide_gather(facts: _ranges.Facts, eqn: JaxprEqn) -> _Decision | None:
 def _emit_scatter(eqn: JaxprEqn, invals, plan: _Decision):
     w, guard, combine = plan.window, plan.guard, plan.combine
     x, idx, upd = (jax.numpy.asarray(v) for v in invals)
-    shape = tuple(eqn.invars[0].aval.shape)
+    shape = tuple(_jaxpr.shaped(eqn.invars[0]).shape)
     first, last = _first_values(idx, w)
     upd = _update_block(eqn, w, upd)
 
@@ -486,10 +487,10 @@ def _emit_scatter(eqn: JaxprEqn, invals, plan: _Decision):
 
 def _emit_gather(eqn: JaxprEqn, invals, plan: _Decision):
     w, guard = plan.window, plan.guard
-    x = eqn.invars[0].aval
+    x = _jaxpr.shaped(eqn.invars[0])
     dn = eqn.params["dimension_numbers"]
     operand, idx = jax.numpy.asarray(invals[0]), jax.numpy.asarray(invals[1])
-    out_shape = eqn.outvars[0].aval.shape
+    out_shape = _jaxpr.shaped(eqn.outvars[0]).shape
     first, last = _first_values(idx, w)
     # Where each operand dim of the DS result goes in the gather's output.
     collapsed = {int(d) for d in dn.collapsed_slice_dims}

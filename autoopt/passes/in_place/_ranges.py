@@ -28,11 +28,12 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
 import numpy as np
+from jax.core import Tracer
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 from jax.extend.core import primitives as P
 
+from autoopt._jaxpr import shaped as _shaped
 from autoopt._jaxpr import subjaxprs as _subjaxprs
 
 Atom = Any  # Var | Literal
@@ -562,7 +563,7 @@ class Facts:
         if eqn.primitive not in _TRANSFER and eqn.primitive is not P.select_n_p:
             return base
         position_kept = (eqn.primitive in _ELEMENTWISE or global_env or (
-            eqn.primitive is P.broadcast_in_dim_p and eqn.invars[0].aval.shape == ()))
+            eqn.primitive is P.broadcast_in_dim_p and _shaped(eqn.invars[0]).shape == ()))
         if not position_kept:
             return base
         ins = [self.range_under(v, env, depth - 1, global_env) for v in eqn.invars]
@@ -584,7 +585,7 @@ class Facts:
                     if acc is None:
                         return None
             return acc
-        scalar = pred.aval.shape == ()
+        scalar = _shaped(pred).shape == ()
         acc = EMPTY
         for truth, case, iv in ((False, cases[0], ins[1]), (True, cases[1], ins[2])):
             env = self.refine(pred, truth)
@@ -625,15 +626,15 @@ class Facts:
                 return None
             strides = [0] * len(shape)
             for j, a in enumerate(eqn.params["broadcast_dimensions"]):
-                if ins[0].aval.shape[j] == shape[a]:
+                if _shaped(ins[0]).shape[j] == shape[a]:
                     strides[a] = f.strides[j]
             return Form(tuple(strides), f.wrapped)
         if prim in (P.reshape_p, P.squeeze_p):
             f = sub(ins[0])
             if f is None:
                 return None
-            src = [s for s, n in zip(f.strides, ins[0].aval.shape) if n != 1]
-            if [n for n in ins[0].aval.shape if n != 1] != [n for n in shape if n != 1]:
+            src = [s for s, n in zip(f.strides, _shaped(ins[0]).shape) if n != 1]
+            if [n for n in _shaped(ins[0]).shape if n != 1] != [n for n in shape if n != 1]:
                 return None
             it = iter(src)
             return Form(tuple(next(it) if n != 1 else 0 for n in shape), f.wrapped)
@@ -843,7 +844,7 @@ def analyze(closed: ClosedJaxpr) -> Facts:
 def _walk(facts: Facts, jaxpr: Jaxpr, consts: Sequence[Any], in_ranges: Sequence, in_loop: bool
           ) -> list[Interval | None]:
     for v, c in zip(jaxpr.constvars, consts):
-        if isinstance(c, jax.core.Tracer):  # closed over from an enclosing trace: unknown
+        if isinstance(c, Tracer):  # closed over from an enclosing trace: unknown
             _set(facts, v, None)
             continue
         facts._const[v] = c

@@ -12,8 +12,8 @@ from __future__ import annotations
 import contextlib
 import threading
 
-import jax
 from jax import tree_util
+from jax.core import Tracer
 
 __all__ = ["HOISTED", "HoistConstants", "retrying", "with_hoisted_consts"]
 
@@ -67,7 +67,7 @@ tree_util.register_pytree_node(
 def _large_consts(closed) -> list:
     return [c for c in closed.consts
             if getattr(c, "ndim", 0) > 0 and int(getattr(c, "nbytes", 0) or 0) >= _HOIST_MIN_BYTES
-            and not isinstance(c, jax.core.Tracer)]
+            and not isinstance(c, Tracer)]
 
 
 def with_hoisted_consts(closed, hoisted: _Hoisted | None):

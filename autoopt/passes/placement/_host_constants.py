@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax import tree_util
+from jax.core import Tracer
 
 from autoopt.passes.placement._host_arrays import _is_aligned
 
@@ -151,7 +152,7 @@ def constant(host_array, *, sharding=None) -> Constant:
     """
     if isinstance(host_array, Constant):
         return host_array
-    if isinstance(host_array, jax.core.Tracer):
+    if isinstance(host_array, Tracer):
         raise TypeError("autoopt.constant() needs a concrete host array, got a traced value; "
                         "call it once outside the jitted function and pass the result in.")
     if isinstance(host_array, jax.Array):

@@ -33,6 +33,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax import tree_util
+from jax.core import Tracer
 
 from autoopt import _trace
 from autoopt.passes.placement._host_arrays import aligned_empty
@@ -188,7 +189,7 @@ def _time_trial(trial, out, t0: float) -> None:
     leaves = tree_util.tree_leaves(out)
     if pos == 0:
         layout.run, layout.run_t0, layout.run_ok = [], t0, True
-    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+    if any(isinstance(x, Tracer) for x in leaves):
         layout.run_ok = False
     else:
         layout.run.append(leaves)

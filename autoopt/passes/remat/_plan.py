@@ -44,7 +44,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax.extend import source_info_util
-from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
+from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var
 
 from autoopt import _compat, _jaxpr
 from autoopt._memory import aval_bytes
@@ -92,11 +92,11 @@ def eqn_flops(eqn: JaxprEqn) -> float:
     name = eqn.primitive.name
     if name == "dot_general":
         (lc, _rc), _ = eqn.params["dimension_numbers"]
-        lhs = eqn.invars[0].aval
+        lhs = _jaxpr.shaped(eqn.invars[0])
         k = int(np.prod([lhs.shape[d] for d in lc], dtype=np.int64)) if lc else 1
         return 2.0 * _size(eqn.outvars[0].aval) * k
     if name == "conv_general_dilated":
-        rhs = eqn.invars[1].aval
+        rhs = _jaxpr.shaped(eqn.invars[1])
         dn = eqn.params.get("dimension_numbers")
         out_feat = rhs.shape[dn.rhs_spec[0]] if dn is not None else rhs.shape[0]
         return 2.0 * _size(eqn.outvars[0].aval) * _size(rhs) / max(1, out_feat)
@@ -142,7 +142,7 @@ def _as_jaxpr(j) -> Jaxpr:
 
 
 def _is_var(v) -> bool:
-    return isinstance(v, Var) and not isinstance(v, Literal) and not isinstance(v, jax.extend.core.DropVar)
+    return isinstance(v, Var) and not isinstance(v, Literal) and not isinstance(v, DropVar)
 
 
 # --- the joint graph -----------------------------------------------------------------------------
