@@ -58,7 +58,7 @@ import jax
 import numpy as np
 from jax import lax
 from jax.core import eval_jaxpr
-from jax.extend.core import JaxprEqn, Var
+from jax.extend.core import ClosedJaxpr, JaxprEqn, Var
 from jax.extend.core import primitives as P
 from jax.lax import GatherScatterMode
 
@@ -174,7 +174,8 @@ def _plan(facts: _ranges.Facts, indices, operand_shape: Sequence[int], point_siz
         else:
             ok = r is not None and r.within(0, operand_shape[d] - point_sizes[d])
         proven.append(ok)
-    wrapped = block is not None and comps[block[1]].form.wrapped
+    block_form = comps[block[1]].form if block is not None else None
+    wrapped = block_form is not None and block_form.wrapped
     n_points = int(np.prod(batch, dtype=np.int64)) if batch else 1
     exact = tuple(c.range.exact if c.range is not None and (block is None or i != block[1])
                   else None for i, c in enumerate(comps))
@@ -235,7 +236,7 @@ def _starts(first, w: _Window, rank: int, clip_to=None):
     first, as ``CLIP`` does; otherwise values are in bounds whenever they are used, or DUS/DS
     clamp them the same way on both sides of a window select.
     """
-    starts = [np.zeros((), np.int32)] * rank
+    starts: list[Any] = [np.zeros((), np.int32)] * rank
     for c, v in enumerate(first):
         d = w.dims[c]
         if clip_to is not None:
@@ -383,7 +384,7 @@ def _consuming_scatters(closed) -> set:
                         and x not in outside and x not in jaxpr.constvars):
                     out.add(eqn.outvars[0])
             for _, _, sub in _jaxpr.subjaxprs(eqn):
-                visit(sub.jaxpr if hasattr(sub, "consts") else sub, False)
+                visit(sub.jaxpr if isinstance(sub, ClosedJaxpr) else sub, False)
 
     visit(closed.jaxpr, True)
     return out

@@ -127,7 +127,7 @@ def _out(eqn: JaxprEqn, iv: Interval | None) -> list[Interval | None]:
     return [_fit(iv, _aval_dtype(eqn.outvars[0]))]
 
 
-def _arith(fn: Callable[[Interval, Interval], Interval]) -> Transfer:
+def _arith(fn: Callable[[Interval, Interval], Interval | None]) -> Transfer:
     def rule(eqn, ins):
         a, b = ins
         if a is None or b is None:
@@ -811,7 +811,10 @@ def _pad(f: Form, shape) -> Form:
     return f if len(f.strides) == len(shape) else Form((0,) * len(shape), f.wrapped)
 
 
-def _meet_env(a, b):
+Env = dict[Var, Interval]  # what a branch condition narrows: Var -> its interval there
+
+
+def _meet_env(a: Env | None, b: Env | None) -> Env | None:
     if a is None or b is None:
         return None
     out = dict(a)
@@ -823,12 +826,17 @@ def _meet_env(a, b):
     return out
 
 
-def _join_env(a, b):
+def _join_env(a: Env | None, b: Env | None) -> Env | None:
     if a is None:
         return b
     if b is None:
         return a
-    return {v: a[v].join(b[v]) for v in a.keys() & b.keys()}
+    out = {}
+    for v in a.keys() & b.keys():
+        joined = a[v].join(b[v])
+        if joined is not None:  # never None here (both sides are intervals): no bound to keep
+            out[v] = joined
+    return out
 
 
 # --- the forward walk ------------------------------------------------------------------------

@@ -145,6 +145,8 @@ class ScatterToDUSCommand(FindingCommand):
                 self.outcomes.setdefault(i, reason)
             return updated_node
         at = _match(updated_node)
+        if at is None:  # original_node matched; a rewritten child can change the shape
+            return updated_node
         details: dict = {}
         for i in hits:
             details.update(self.targets[i].details)

@@ -494,7 +494,7 @@ def _segment_recompute(g: JointGraph, bounds: Sequence[int], chosen: Iterable[in
         if keep_boundaries:
             for k in range(hi, len(g.forward)):
                 for v in eqns[g.forward[k]].invars:
-                    if _is_var(v) and lo <= pos.get(g.producer.get(v), -1) < hi:
+                    if _is_var(v) and lo <= pos.get(g.producer.get(v, -1), -1) < hi:
                         keep.add(g.producer[v])
         for k in range(lo, hi):
             i = g.forward[k]
@@ -778,6 +778,7 @@ def _cond_fenced(eqns, b: Block, s: Schedule, g: JointGraph, ext: list, anchor: 
     region values read after it. Returns the recomputed values read outside the cond, and the
     backward values (the region's escaping ones, the anchor) by Var."""
     mine = set(b.eqns) | set(region)
+    env = {} if env is None else env  # backward values; read only for a region's inputs
     # Only what the backward or another block reads leaves the cond (an output of a branch is
     # materialized; a value used only inside it may fuse away).
     outs_needed = [v for p in b.eqns for v in g.outs[p] if readers.get(v, set()) - mine]
@@ -957,17 +958,17 @@ def apply_scan_checkpoints(closed: ClosedJaxpr, g: JointGraph, pairs: Sequence[S
 
         carries: dict[int, list] = {}
         for t, e in enumerate(eqns):
-            ins = None if t in by_bwd else [read(v) for v in e.invars]
-            if t in by_fwd:
-                outs = _checkpointed_forward_scan(e, ins, by_fwd[t], carries, t)
-            elif t in by_bwd:
+            if t in by_bwd:  # its residual inputs are recomputed from the carries, not read
                 p = by_bwd[t]
                 fe = eqns[p.fwd]
                 ins = [None if k in p.res_in else read(v) for k, v in enumerate(e.invars)]
                 outs = _recomputing_backward_scan(e, ins, fe, [read(v) for v in fe.invars], p,
                                                   carries[p.fwd])
+            elif t in by_fwd:
+                outs = _checkpointed_forward_scan(e, [read(v) for v in e.invars], by_fwd[t],
+                                                  carries, t)
             else:
-                outs = _run(e, ins)
+                outs = _run(e, [read(v) for v in e.invars])
             for v, val in zip(e.outvars, outs):
                 if _is_var(v) and val is not None:
                     env[v] = val
