@@ -1,8 +1,8 @@
 """Memory figures: compiled (from XLA's ``memory_analysis()``) and static (liveness over a jaxpr).
 
-On XLA:CPU ``temp_size_in_bytes`` tracked measured peak RSS within ~20 MB in every run we made
-(``peak_memory_in_bytes`` did not), so reports and remat decisions use argument + output +
-temp - alias as "peak".
+On XLA:CPU ``temp_size_in_bytes`` tracks the measured peak RSS (``peak_memory_in_bytes`` does
+not; benchmarks/RESULTS.md compares them), so reports and remat decisions use argument + output
++ temp - alias as "peak".
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Exactness, which decides every choice here:
   guard costs next to nothing); ``CLIP`` clamps the window start, exactly what DUS/DS do, so a
   single clipped window needs no guard. A block ``x.at[i + arange(k)]`` is k one-row windows,
   each dropped or clamped on its own, so a block is rewritten only when its bounds are proven.
-- Negative indices were normalized by jnp (``select_n(i < 0, i, i + n)``) before the scatter;
+- Negative indices are normalized by jnp (``select_n(i < 0, i, i + n)``) before the scatter;
   DUS/DS are emitted with ``allow_negative_indices=False`` so nothing is normalized twice.
 - dtype conversion (``int_array.at[0].set(2.7)``) happens outside the scatter, in
   ``convert_element_type`` equations we never touch.
@@ -21,26 +21,24 @@ Exactness, which decides every choice here:
   single ops only (a vectorized ``sin`` may round differently from the scalar one in a scatter).
 
 Bounds: ``_ranges`` proves indices in bounds (loop counters, clamps, ``%``, ``jnp.where``); then
-the DUS is bare. Otherwise a guard keeps the scatter's semantics: the cheapest exact one measured
-on XLA:CPU (jax 0.10.2, donated f32 buffers, medians of interleaved runs on a shared 2-core
-machine; benchmarks/in_place.py has the end-to-end figures):
+the DUS is bare. Otherwise a guard keeps the scatter's semantics: the cheapest exact one on
+XLA:CPU (benchmarks/RESULTS.md has the figures):
 
 - ``lax.cond(in_bounds, DUS, x)`` costs about what a bare DUS costs when it runs once per call
-  and the buffer dies at the update (4096x4096, one row: cond 9.5 us, bare DUS 9.4, naive
-  scatter 18). A select over the window, ``DUS(x, select(ok, new, DS(x)), s)``, is what XLA's
-  ScatterExpander makes of a single-index scatter anyway, so it costs what the scatter costs.
-- Inside a scan/while body the cond is the worst choice (1024 row writes into 1024x1024: cond
-  111-116 us, window select 91-109, scatter 96-101, bare DUS 83-84), because XLA copies the
-  carried buffer into the conditional every iteration. Likewise when the buffer is still live
-  after the update (the compiled HLO has one more full copy than the scatter's). Both get the
-  window select.
+  and the buffer dies at the update, about half the naive scatter. A select over the window,
+  ``DUS(x, select(ok, new, DS(x)), s)``, is what XLA's ScatterExpander makes of a single-index
+  scatter anyway, so it costs what the scatter costs.
+- Inside a scan/while body the cond is the worst choice, slower than the scatter itself,
+  because XLA copies the carried buffer into the conditional every iteration. Likewise when the
+  buffer is still live after the update (the compiled HLO has one more full copy than the
+  scatter's). Both get the window select.
 - A block partly out of bounds must write its in-bounds rows. Every exact guard tried costs as
-  much as the scatter or more: ``cond(ok, DUS, scatter)`` 2-3x the scatter (the scatter branch
-  makes XLA copy the buffer in and out), a cond whose other branch rebuilds the rows with DUSes
-  likewise, DUS plus a scatter with masked indices about the scatter's cost. So unproven blocks
-  stay scatters, with a finding that says how to make them provable.
+  much as the scatter or more: ``cond(ok, DUS, scatter)`` costs a multiple of the scatter (the
+  scatter branch makes XLA copy the buffer in and out), a cond whose other branch rebuilds the
+  rows with DUSes likewise, DUS plus a scatter with masked indices about the scatter's cost. So
+  unproven blocks stay scatters, with a finding that says how to make them provable.
 - Other backends get the window select (an XLA:GPU conditional reads its predicate on the
-  host). Not measured here.
+  host); no GPU figures yet, so that choice is the conservative one.
 - Known cost: under an outer ``jax.vmap`` of the optimized function a cond guard is batched into
   a select over the whole buffer.
 

@@ -4,7 +4,7 @@ The expert's in-place update, in the form the scatter_to_dus pass chose (``detai
 ``"none"``/``"clamp"`` (bounds proven, or CLIP mode on one row) is a bare update; ``"cond"``
 keeps a ``lax.cond`` bounds guard, since ``.at[i]`` drops an out-of-bounds update (mode
 ``FILL_OR_DROP``) where ``dynamic_update_slice`` clamps the start; ``"select"`` (inside loop
-bodies and off CPU, where the pass measured a cond copying the buffer every iteration) writes
+bodies and off CPU, where a cond copies the buffer every iteration) writes
 ``jnp.where(in_bounds, v, x[i])`` back, a no-op when out of bounds. Negative indices need no
 care: ``dynamic_update_*`` normalizes them exactly as ``.at`` does. A finding without a guard
 kind gets the cond (always exact).

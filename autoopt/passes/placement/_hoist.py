@@ -1,10 +1,10 @@
 """Large closed-over constants: device arguments, placed once, instead of HLO constants.
 
 Closed-over constants of 1 MiB and up are passed to the program as device arguments, placed once,
-instead of being embedded into the HLO (a 4 MiB constant is 8.4 M characters of HLO; first call
-158 -> 73 ms). The wrapper's trace stops at them (``HoistConstants``), the placer
+instead of being embedded into the HLO, whose text, size and first compile grow with every
+embedded byte. The wrapper's trace stops at them (``HoistConstants``), the placer
 (``_placement``) places them and calls again with them under a hidden keyword (``HOISTED``);
-calls that reach jit without the placer (AOT ``.lower``) embed them as before.
+calls that reach jit without the placer (AOT ``.lower``) embed them as jax.jit does.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ __all__ = ["HOISTED", "HoistConstants", "retrying", "with_hoisted_consts"]
 # The keyword under which hoisted constants travel to the jitted wrapper (never a user's name).
 HOISTED = "_autoopt_hoisted"
 # Top-level consts of the optimized program at least this large are passed as device arguments,
-# placed once, instead of being embedded in the HLO (a 4 MiB constant is 8.4 M characters of HLO
-# text and is copied into every executable). jax 0.10.2's own hoisting
+# placed once, instead of being embedded in the HLO (an embedded constant is printed into the
+# HLO text and copied into every executable). jax 0.10.2's own hoisting
 # (jax_use_simplified_jaxpr_constants) still embeds them when lowering.
 _HOIST_MIN_BYTES = 1 << 20
 _TLS = threading.local()  # .retry: the placer will retry a call whose trace asks to hoist

@@ -1,19 +1,17 @@
 """Packing host leaves into one pooled, aligned host buffer a dtype, and timing whether it pays.
 
-A call that passes NumPy leaves makes ``jax.jit`` transfer each one. On XLA:CPU (jax 0.10.2, this
-repository's CI machine) that costs ~3.6 us a leaf (~2.7 us when the buffer is 64-byte aligned,
-which XLA:CPU aliases instead of copying): 64 leaves of f32[64,64] add ~230 us to a call whose
-device-array version takes ~50 us. Packing the leaves of each dtype into one pooled, aligned host
-buffer (``_Pool``) costs one memcpy (~40 us a MiB) and one argument, and the program slices the
-leaves back apart (``unpack``): free where XLA fuses a slice into its consumer, but a slice
-feeding a concatenate, a dot or a reduction becomes its own kernel (~3-10 us each), which can cost
-more than the transfer it saved (a concatenate-into-matmul step: 0.4-0.9x). So
-``placement="auto"`` measures: the first calls of each packable layout (4+ leaves of a dtype)
+A call that passes NumPy leaves makes ``jax.jit`` transfer each one, at a fixed cost a leaf
+(less when the buffer is 64-byte aligned, which XLA:CPU aliases instead of copying): with many
+small leaves the transfers cost more than the step itself. Packing the leaves of each dtype into
+one pooled, aligned host buffer (``_Pool``) costs one memcpy and one argument, and the program
+slices the leaves back apart (``unpack``): free where XLA fuses a slice into its consumer, but a
+slice feeding a concatenate, a dot or a reduction becomes its own kernel, which can cost more
+than the transfer it saved (benchmarks/pack_threshold.py). So ``placement="auto"`` measures: the first calls of each packable layout (4+ leaves of a dtype)
 alternate, in runs of 4 pipelined calls timed to completion, between packing and jit's own
 per-leaf transfer, and the layout keeps packing only when it was clearly faster (10%) than jit
-(``_Layout.strategy``); ``placement="pack"`` always packs. Measured alternatives that lost:
-``jax.device_put(list)`` (~17 us a leaf), per-leaf ``device_put`` (~28 us), ``jnp.from_dlpack``
-per leaf (~36 us), a separate jitted unpack (its 64 outputs cost ~4 us each).
+(``_Layout.strategy``); ``placement="pack"`` always packs. Alternatives that were slower than
+jit's own per-leaf transfer: ``jax.device_put(list)``, per-leaf ``device_put``,
+``jnp.from_dlpack`` per leaf, a separate jitted unpack (each of its outputs costs a transfer).
 
 The placer (``_placement``) decides which leaves to pack and builds the ``_Layout``;
 ``autoopt.prefetch`` (``_prefetch``) reuses ``_Pool`` for its batches.
@@ -49,8 +47,8 @@ PACKED = "_autoopt_packed"
 class _Pool:
     """Reusable ``_ALIGN``-aligned host buffers of one size, for packed host leaves.
 
-    Why a pool: a fresh 1 MiB buffer a call costs ~90 page faults (~250 us of system time on
-    XLA:CPU), because jax frees the previous one from its own thread. Why reference counts:
+    Why a pool: a fresh buffer a call page-faults in every page of it, in system time that
+    grows with its size, because jax frees the previous one from its own thread. Why reference counts:
     XLA:CPU reads a NumPy argument after the call has returned (it aliases aligned buffers and
     copies unaligned ones asynchronously), and jax keeps a reference to the array (C++ dispatch)
     or to a view of it (first-call Python path) until it is done. A buffer is handed out again
@@ -94,9 +92,8 @@ def _calibrate_pool_refs() -> tuple[int, int]:
 
 
 _POOL_FREE_REFS, _POOL_FREE_BASE_REFS = _calibrate_pool_refs()
-# Buffers a pool keeps: as many as steps a loop that never blocks keeps in flight (measured: a
-# 64-leaf feed with 4 buffers still faulted ~60 pages a call; 16 brought it to ~10), capped in
-# bytes so a large batch keeps fewer.
+# Buffers a pool keeps: as many as steps a loop that never blocks keeps in flight (with fewer, a
+# 64-leaf feed still page-faults on most calls), capped in bytes so a large batch keeps fewer.
 _POOL_SIZE = 16
 _POOL_MAX_BYTES = 256 << 20
 
@@ -118,8 +115,8 @@ class _Layout:
 
     ``mode`` is "pack" (pack every call), "jit" (leave the leaves to jit) or "tune": under
     placement="auto" whether packing pays depends on the program (XLA fuses the unpacking slices
-    into elementwise consumers, but a slice feeding a concatenate or a dot becomes its own kernel,
-    ~10 us each on XLA:CPU) and on the machine, so the first calls measure both (``strategy``).
+    into elementwise consumers, but a slice feeding a concatenate or a dot becomes its own
+    kernel) and on the machine, so the first calls measure both (``strategy``).
     """
 
     __slots__ = ("treedef", "n", "kept", "groups", "static_argnums", "static_argnames", "nargs",

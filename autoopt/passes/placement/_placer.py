@@ -15,7 +15,7 @@ leaf; the mechanisms it uses live in their own modules:
 * **Large closed-over constants** (1 MiB and up) are passed to the program as device arguments,
   placed once, instead of being embedded into the HLO (``_hoist``): the placer places them and
   calls again with them under a hidden keyword.
-* **Scalars.** Python scalars are left to ``jax.jit`` (it transfers them in C++ for ~1 us); with
+* **Scalars.** Python scalars are left to ``jax.jit`` (it transfers them in C++, cheaply); with
   ``canonicalize_scalars=True`` each scalar argument keeps the type of its first call (when the
   value converts exactly), so ``f(x, 2.0)``, ``f(x, 2)``, ``f(x, np.float32(2))`` compile once.
 * **Transfer guard.** ``transfer_guard="disallow"|"log"`` runs the jitted call under
@@ -70,7 +70,7 @@ _IDLE_CALLS = 64
 # On XLA:CPU an aligned, contiguous array at least this large is left to jit's zero-copy path.
 _ZERO_COPY_MIN_BYTES = 256 * 1024
 # A dtype group is packed when it has this many leaves or bytes; a single small leaf costs less
-# through jit's own C++ path (~2 us) than an aligned allocation and a copy (~4 us).
+# through jit's own C++ path than an aligned allocation and a copy.
 _PACK_MIN_LEAVES = 2
 _PACK_MIN_BYTES = 64 * 1024
 # placement="auto" packs (after timing both ways, _packing._Layout.strategy) only a dtype group of
@@ -183,7 +183,7 @@ def _rebuild(arg_plan, args: tuple, kwargs: dict, leaves: list, treedef, statics
     With an ``arg_plan`` (one entry a positional argument: ``_KEEP``, None for an argument whose
     leaves are all packed, or ``(treedef, start, end)`` to rebuild it), only the arguments that
     changed are rebuilt, and an argument packed whole is passed as None: jit then flattens and
-    checks one leaf where it would check a container of 64 Nones (~11 us on XLA:CPU), and the
+    checks one leaf where it would check a container of many Nones, and the
     rebuild costs nothing for the arguments that did not change. ``unpack`` reads both forms the
     same way (None flattens to no leaves).
     """
@@ -242,11 +242,10 @@ class Placer:
         on = options.placement in ("auto", "pack")
         # Packing many host leaves into one buffer: on every call under placement="pack"; under
         # "auto" only for a layout whose first calls measured it faster than jit's own per-leaf
-        # transfer (_Layout.strategy). Measured on XLA:CPU it wins on many small leaves whose
-        # unpacking slices fuse into their consumers (64 x f32[64,64] into a feed-bound step:
-        # 270 -> ~100 us a call) and loses where each slice becomes its own kernel (9..64 leaves
-        # of f32[256,16] concatenated into a matmul: 0.6-0.9x of plain jax.jit). See
-        # benchmarks/RESULTS.md and benchmarks/pack_threshold.py.
+        # transfer (_Layout.strategy). On XLA:CPU it wins on many small leaves whose unpacking
+        # slices fuse into their consumers (a feed-bound step) and loses where each slice
+        # becomes its own kernel (leaves concatenated into a matmul). See benchmarks/RESULTS.md
+        # and benchmarks/pack_threshold.py.
         # jit refuses keyword arguments when in_shardings is given, and in_shardings names the
         # user's leaves: packing would break both, so only constants are cached then.
         self._pack = on and options.jit_kwargs.get("in_shardings") is None
@@ -378,7 +377,7 @@ class Placer:
 
     def _plan_fast(self, feed: _Feed, args, kwargs, leaves: list, treedef, statics, nargs: int):
         """The last full scan's decision, when this call's host arrays match it: a few list
-        comparisons (C loops) instead of the scan's Python loop a leaf (~1 us a leaf)."""
+        comparisons (C loops) instead of the scan's Python loop a leaf."""
         if [type(x) for x in leaves] != feed.types:  # every leaf: a new NumPy leaf is seen
             return _MISS
         xs = [leaves[i] for i in feed.arrays]

@@ -30,7 +30,7 @@ __all__ = ["prefetch", "Prefetch", "place_batch"]
 
 
 # One jitted identity places every host leaf of a batch in one dispatch through jit's C++ argument
-# path: ~5.6 us a leaf on XLA:CPU, against ~26 us a leaf for jax.device_put(list).
+# path, several times cheaper a leaf than jax.device_put(list) on XLA:CPU.
 _identity = jax.jit(lambda *xs: xs)
 
 
@@ -60,8 +60,7 @@ def _prefetch_pool(members: tuple, dtype, total: int) -> _Pool:
             _PREFETCH_POOLS.clear()
         pool = _PREFETCH_POOLS[key] = _Pool(dtype, total, _PREFETCH_POOL_SIZE)
     return pool
-# Many tiny leaves: one packed buffer and a jitted split beat one jit argument a leaf
-# (1000 leaves of f32[256]: 2.0 ms against 5.2 ms on XLA:CPU).
+# Many tiny leaves: one packed buffer and a jitted split beat one jit argument a leaf.
 _PREFETCH_PACK_MIN_LEAVES = 16
 _PREFETCH_PACK_MAX_MEAN_BYTES = 8 * 1024
 

@@ -28,8 +28,8 @@ with the forward copy (CSE) nor schedules it early. XLA:CPU removes barriers bef
 compiled with ``xla_disable_hlo_passes=cse_barrier_expander`` (jax-ml/jax#19822), so there the
 pass asks ``apply`` for ``fence="cond"``: each recomputation runs inside a ``lax.cond`` whose
 two branches are that recomputation followed by the backward equations up to the next one, on
-a predicate read from the backward value (measured on the benchmark's transformer: 0.58x the
-plain peak, the barrier with the flag 0.57x, the recomputation alone in the cond 0.64x). Plans
+a predicate read from the backward value (on the benchmark's transformer about as low a peak
+as the barrier with the flag, and lower than the recomputation alone in the cond). Plans
 are ranked here with a static liveness simulation; the pass keeps one only after compiling it.
 """
 
@@ -435,8 +435,7 @@ def segment_sizes(n_fine: int, k: int, decreasing: bool = False) -> list[float] 
     ``decreasing`` by one fine segment each, so that while the backward runs segment j (last
     first) the j - 1 boundaries still kept plus segment j's recomputed values stay about
     constant: a peak near sqrt(2n) fine segments instead of 2 sqrt(n) - 1 for equal ones
-    (measured on the benchmark's 16-layer MLP, a 4-segment plan: 88 MiB equal, 80 MiB
-    decreasing). None when ``k`` is too many for decreasing sizes."""
+    (lower on the benchmark's 16-layer MLP). None when ``k`` is too many for decreasing sizes."""
     if not decreasing:
         return [n_fine / k] * k
     c = (n_fine + k * (k - 1) / 2) / k
@@ -734,8 +733,8 @@ def _backward_regions(g: JointGraph, s: Schedule) -> dict[int, tuple[int, ...]]:
     next block, which run inside the same conditional (stopping early at an equation with
     effects, a sub-jaxpr or a collective). Inside one computation XLA fuses the recomputation
     into its readers instead of materializing every recomputed value at the conditional's
-    boundary: on the benchmark's transformer 0.58x the plain peak against 0.64x for the
-    recomputation alone, and no slower than plain."""
+    boundary: on the benchmark's transformer a lower peak than the recomputation alone, and no
+    slower than plain."""
     eqns = g.jaxpr.eqns
     out = {}
     for t in sorted(s.blocks):
