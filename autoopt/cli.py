@@ -82,6 +82,8 @@ def load_module(path: str):
     stem = os.path.splitext(os.path.basename(path))[0]
     name = stem if stem.isidentifier() and stem not in sys.modules else f"__autoopt_cli_{len(_MODULES)}"
     spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise CliError(f"cannot import {path}: name a Python source file (FILE.py:FUNCTION)")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
@@ -229,7 +231,8 @@ def write_atomically(path: str, text: str, *, expected: str) -> None:
 
 
 def cmd_demo(ns) -> int:
-    from autoopt.examples.demo import run_demo
+    # autoopt.examples is examples/ (package-dir in pyproject), which pyright cannot map.
+    from autoopt.examples.demo import run_demo  # pyright: ignore[reportMissingImports]
 
     return run_demo(steps_scale=ns.scale, repeats=ns.repeats, reports=not ns.no_reports,
                     color=_color(ns.color), only=ns.example)

@@ -27,7 +27,7 @@ import linecache
 import math
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, overload
 
 import jax
 import jax.numpy as jnp
@@ -223,8 +223,14 @@ class _Builder:
 
     # --- drawing helpers ----------------------------------------------------------------------
 
+    @overload
+    def pick(self) -> str: ...  # the parameters are always in scope
+    @overload
+    def pick(self, ok: Callable[[Aval], bool]) -> str | None: ...
+
     def pick(self, ok: Callable[[Aval], bool] = lambda a: True) -> str | None:
-        """A variable in scope satisfying ``ok``; the most recent first (shrinks towards it)."""
+        """A variable in scope satisfying ``ok`` (None when none does); the most recent first
+        (shrinks towards it)."""
         order = list(reversed(self.local)) + [n for n in reversed(list(self.env)) if n not in self.local]
         cands = [n for n in order if ok(self.env[n])]
         if not cands:

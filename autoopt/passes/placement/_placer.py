@@ -173,7 +173,11 @@ class _Feed:
     args_pack: tuple | None = None
 
 
-_MISS = object()
+class _Miss:
+    """``_plan_fast``'s answer when the call does not match the feed (take the full scan)."""
+
+
+_MISS = _Miss()
 _KEEP = object()  # an argument passed as the caller passed it
 
 
@@ -270,7 +274,7 @@ class Placer:
         # treedef -> _Feed: what the last full scan of that argument structure decided
         self._feeds: dict[Any, _Feed] = {}
         self._scalar_types: dict[tuple, Any] = {}
-        self._logged_sites: set[str] = set()
+        self._logged_sites: set[str | None] = set()
         self._warned = False
         self.stats = TransferStats()
 
@@ -291,7 +295,8 @@ class Placer:
             self._fall_back(e)
         if plan is not None:
             new_args, new_kwargs, trial = plan
-            if new_args is not None:  # None: a timed call with the arguments as they are
+            # Both None: a timed call with the arguments as they are.
+            if new_args is not None and new_kwargs is not None:
                 args, kwargs = new_args, new_kwargs
         if self._hoist_on:
             out = self._call_hoisting(jitted, args, kwargs)
@@ -371,7 +376,7 @@ class Placer:
         # leaf that became a NumPy array where the feed had none.
         if feed is not None and (self.stats.calls_scanned + 1) & 63:
             plan = self._plan_fast(feed, args, kwargs, leaves, treedef, statics, len(args))
-            if plan is not _MISS:
+            if not isinstance(plan, _Miss):
                 return plan
         return self._plan_full(args, kwargs, dyn, statics, leaves, treedef, len(args))
 
@@ -400,11 +405,12 @@ class Placer:
             if pos >= 0:
                 trial = (layout, strategy, pos)
         self.stats.calls_scanned += 1
-        if strategy == "pack":
+        packing = layout if strategy == "pack" else None  # the layout this call packs into
+        if packing is not None:
             self.stats.add(feed.call_pack)
             bufs = []
             for g, idxs in enumerate(feed.group_leaves):
-                buf = layout.pools[g].get()
+                buf = packing.pools[g].get()
                 np.concatenate([leaves[i] for i in idxs], axis=None, out=buf)
                 bufs.append(buf)
                 del buf  # the pool's free test counts references
@@ -420,9 +426,9 @@ class Placer:
                 return None if trial is None else (None, None, trial)
         new_args, new_kwargs = _rebuild(feed.args_pack if strategy == "pack" else feed.args_jit,
                                         args, kwargs, leaves, treedef, statics, nargs)
-        if strategy == "pack":
+        if packing is not None:
             new_kwargs = dict(new_kwargs)
-            new_kwargs[PACKED] = _Packed(layout, bufs)
+            new_kwargs[PACKED] = _Packed(packing, bufs)
         return new_args, new_kwargs, trial
 
     def _plan_full(self, args, kwargs, dyn, statics, leaves: list, treedef, nargs: int):
@@ -446,7 +452,7 @@ class Placer:
         if scalars and self._canon:
             changed = self._canonicalize(leaves, treedef, scalars)
         implicit = list(scalars)
-        layout = None
+        layout = packing = None
         trial = None
         strategy = "jit"
         bufs: list = []
@@ -492,16 +498,17 @@ class Placer:
                     trial = (layout, strategy, pos)
                 if strategy != "pack":
                     implicit.extend(pack)
-            if strategy == "pack":
-                for g, (_dtype, _total, members) in enumerate(layout.groups):
-                    buf = layout.buffer(g)
+            packing = layout if strategy == "pack" else None  # the layout this call packs into
+            if packing is not None:
+                for g, (_dtype, _total, members) in enumerate(packing.groups):
+                    buf = packing.buffer(g)
                     np.concatenate([leaves[m[0]] for m in members], axis=None, out=buf)
                     bufs.append(buf)
                     del buf  # the pool's free test counts references
                 for i in pack:
                     leaves[i] = None
-                call.packed_leaves = layout.leaves_packed
-                call.packed_bytes = layout.bytes_packed
+                call.packed_leaves = packing.leaves_packed
+                call.packed_bytes = packing.bytes_packed
                 changed = True
             if consts or trial is not None or strategy == "pack":
                 self._active, self._idle = True, 0
@@ -529,9 +536,9 @@ class Placer:
         arg_plan = None if feed is None else (
             feed.args_pack if strategy == "pack" else feed.args_jit)
         new_args, new_kwargs = _rebuild(arg_plan, args, kwargs, leaves, treedef, statics, nargs)
-        if strategy == "pack":
+        if packing is not None:
             new_kwargs = dict(new_kwargs)
-            new_kwargs[PACKED] = _Packed(layout, bufs)
+            new_kwargs[PACKED] = _Packed(packing, bufs)
         return tuple(new_args), new_kwargs, trial
 
     def _remember(self, args, treedef, types, arrays, xs, consts, layout, pack, call,

@@ -241,15 +241,19 @@ class PlacementCommand(FindingCommand):
                       "through the loop")
 
     def _is_prefetch(self, node: cst.BaseExpression) -> bool:
-        return isinstance(node, cst.Call) and (self.imports.qualified(node.func) or "").endswith(
-            "prefetch")
+        imports = self.imports
+        return (imports is not None and isinstance(node, cst.Call)
+                and (imports.qualified(node.func) or "").endswith("prefetch"))
 
-    def _placed_before(self, loop: cst.For, name: str) -> bool:
+    def _placed_before(self, loop: cst.For, name: str | None) -> bool:
         from libcst.metadata import ParentNodeProvider
 
+        imports = self.imports
+        if name is None or imports is None:
+            return False
         parent = self.get_metadata(ParentNodeProvider, loop, None)
-        body = getattr(parent, "body", None)
-        at = next((k for k, s in enumerate(body or ()) if s is loop), None)
+        body: tuple = tuple(getattr(parent, "body", None) or ())
+        at = next((k for k, s in enumerate(body) if s is loop), None)
         if at is None:
             return False
         for stmt in body[:at]:
@@ -257,7 +261,7 @@ class PlacementCommand(FindingCommand):
                 continue
             for small in stmt.body:
                 if isinstance(small, cst.Assign) and isinstance(small.value, cst.Call) and \
-                        self.imports.qualified(small.value.func) == "jax.device_put" and \
+                        imports.qualified(small.value.func) == "jax.device_put" and \
                         any(isinstance(t.target, cst.Name) and t.target.value == name
                             for t in small.targets):
                     return True
