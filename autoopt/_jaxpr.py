@@ -152,7 +152,8 @@ def _rewritten_params(eqn: JaxprEqn, rules: Mapping[Primitive, Rule]) -> dict[st
 
 
 def set_subjaxpr(params: dict, name: str, idx: int | None, new_sub) -> None:
-    """Put ``new_sub`` where ``subjaxprs`` found the old one (``params[name]`` or its ``idx``-th)."""
+    """Put ``new_sub`` where ``subjaxprs`` found the old one: ``params[name]``, or its
+    ``idx``-th element."""
     if idx is None:
         params[name] = new_sub
     else:

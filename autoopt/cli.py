@@ -47,7 +47,8 @@ _MODULES: dict[str, Any] = {}
 
 
 def _split_spec(spec: str, default_path: str | None = None) -> tuple[str, str]:
-    """``"path/to/file.py:name"`` -> (path, name); ``"name"`` or ``":name"`` use ``default_path``."""
+    """``"path/to/file.py:name"`` -> (path, name); ``"name"`` or ``":name"`` use
+    ``default_path``."""
     path, sep, name = spec.rpartition(":")
     if not sep or not path:
         if default_path is None:

@@ -154,7 +154,8 @@ def _args_repr(args) -> str:
     def leaf(x):
         a = np.asarray(x)
         dtype = jnp.dtype(x.dtype).name
-        return f"jnp.asarray({a.astype(np.float32 if dtype == 'bfloat16' else a.dtype).tolist()!r}, {dtype!r})"
+        values = a.astype(np.float32 if dtype == "bfloat16" else a.dtype).tolist()
+        return f"jnp.asarray({values!r}, {dtype!r})"
 
     def rec(t):
         if isinstance(t, dict):
@@ -585,7 +586,8 @@ class _Builder:
             mode = self.choice(["clip", "wrap", "fill"])
             self.bind("gather", (), f"jnp.take({x}, jnp.array({vals!r}), axis=0, mode={mode!r})")
         else:
-            self.bind("gather", (), f"{x}[{self.index(a, allow_empty=False) if form == 'array' else self.dyn_scalar()}]")
+            index = self.index(a, allow_empty=False) if form == "array" else self.dyn_scalar()
+            self.bind("gather", (), f"{x}[{index}]")
 
     def _starts(self, a: Aval) -> str:
         starts = [self.dyn_scalar() if self.boolean() else str(self.integers(-2, n + 1)) for n in a.shape]
@@ -673,10 +675,14 @@ class _Builder:
         hi = self.integers(0, n + 2)
         index = self.choice(["i", f"i + {self.integers(-1, 1)}", f"{n - 1} - i", "2 * i",
                              f"i * {k} + jnp.arange({k})", f"(i + {self.integers(0, 2)}) % {n}"])
+
+        def update_method():  # drawn when the block is built, after its body
+            return self.choice(["set", "add"] if a.dtype != "bool" else ["set"])
+
         body, lines = self.block(
             "fill", [("i", Aval((), "int32")), ("buf", a)], [Aval(_aval_of(f"buf[{index}]", {
                 **self.env, "i": Aval((), "int32"), "buf": a})[0].shape, a.dtype)],
-            returns=lambda outs: f"buf.at[{index}].{self.choice(['set', 'add'] if a.dtype != 'bool' else ['set'])}({outs[0]})")
+            returns=lambda outs: f"buf.at[{index}].{update_method()}({outs[0]})")
         self.bind("fill_loop", lines, f"lax.fori_loop(0, {hi}, {body}, {x})")
 
     def op_fori_loop_dynamic(self):

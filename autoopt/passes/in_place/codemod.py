@@ -88,7 +88,8 @@ def _match(node: cst.Call) -> _AtUpdate | None:
 
 
 def _arange_window(index: cst.BaseExpression, imports) -> tuple | None:
-    """``(start, size)`` for ``i + jnp.arange(k)``, ``jnp.arange(k) + i``, ``jnp.arange(i, i + k)``."""
+    """``(start, size)`` for ``i + jnp.arange(k)``, ``jnp.arange(k) + i`` and
+    ``jnp.arange(i, i + k)``."""
     def arange_args(n):
         if isinstance(n, cst.Call) and (dotted_name(n.func) or "").endswith("arange") and \
                 imports.is_library(n.func) and all(a.keyword is None for a in n.args):

@@ -6,12 +6,13 @@ small leaves the transfers cost more than the step itself. Packing the leaves of
 one pooled, aligned host buffer (``_Pool``) costs one memcpy and one argument, and the program
 slices the leaves back apart (``unpack``): free where XLA fuses a slice into its consumer, but a
 slice feeding a concatenate, a dot or a reduction becomes its own kernel, which can cost more
-than the transfer it saved (benchmarks/pack_threshold.py). So ``placement="auto"`` measures: the first calls of each packable layout (4+ leaves of a dtype)
-alternate, in runs of 4 pipelined calls timed to completion, between packing and jit's own
-per-leaf transfer, and the layout keeps packing only when it was clearly faster (10%) than jit
-(``_Layout.strategy``); ``placement="pack"`` always packs. Alternatives that were slower than
-jit's own per-leaf transfer: ``jax.device_put(list)``, per-leaf ``device_put``,
-``jnp.from_dlpack`` per leaf, a separate jitted unpack (each of its outputs costs a transfer).
+than the transfer it saved (benchmarks/pack_threshold.py). So ``placement="auto"`` measures:
+the first calls of each packable layout (4+ leaves of a dtype) alternate, in runs of 4
+pipelined calls timed to completion, between packing and jit's own per-leaf transfer, and the
+layout keeps packing only when it was clearly faster (10%) than jit (``_Layout.strategy``);
+``placement="pack"`` always packs. Alternatives that were slower than jit's own per-leaf
+transfer: ``jax.device_put(list)``, per-leaf ``device_put``, ``jnp.from_dlpack`` per leaf, a
+separate jitted unpack (each of its outputs costs a transfer).
 
 The placer (``_placement``) decides which leaves to pack and builds the ``_Layout``;
 ``autoopt.prefetch`` (``_prefetch``) reuses ``_Pool`` for its batches.
@@ -48,11 +49,12 @@ class _Pool:
     """Reusable ``_ALIGN``-aligned host buffers of one size, for packed host leaves.
 
     Why a pool: a fresh buffer a call page-faults in every page of it, in system time that
-    grows with its size, because jax frees the previous one from its own thread. Why reference counts:
-    XLA:CPU reads a NumPy argument after the call has returned (it aliases aligned buffers and
-    copies unaligned ones asynchronously), and jax keeps a reference to the array (C++ dispatch)
-    or to a view of it (first-call Python path) until it is done. A buffer is handed out again
-    only when the pool's references are the only ones left, to it and to its allocation.
+    grows with its size, because jax frees the previous one from its own thread. Why reference
+    counts: XLA:CPU reads a NumPy argument after the call has returned (it aliases aligned
+    buffers and copies unaligned ones asynchronously), and jax keeps a reference to the array
+    (C++ dispatch) or to a view of it (first-call Python path) until it is done. A buffer is
+    handed out again only when the pool's references are the only ones left, to it and to its
+    allocation.
     """
 
     __slots__ = ("dtype", "total", "bufs", "lock", "size")

@@ -96,7 +96,7 @@ def _user_location() -> str | None:
     return None if f is None else f"{f.f_code.co_filename}:{f.f_lineno}"
 
 
-# --- accounting --------------------------------------------------------------------------------------
+# --- accounting -----------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass
@@ -148,7 +148,7 @@ class TransferStats:
         self.last = call
 
 
-# --- the fast path's memory of a call structure -------------------------------------------------------
+# --- the fast path's memory of a call structure ---------------------------------------------------
 
 
 @dataclasses.dataclass(eq=False)
@@ -227,7 +227,7 @@ def _arg_plan(args: tuple, changed: set, packed: set, n_leaves: int):
     return tuple(plan)
 
 
-# --- the placer ----------------------------------------------------------------------------------------
+# --- the placer -----------------------------------------------------------------------------------
 
 
 class Placer:
@@ -361,7 +361,7 @@ class Placer:
                           f"{type(error).__name__}: {error}. The call runs as plain jax.jit would.",
                           AutooptWarning, stacklevel=5)
 
-    # --- planning one call -------------------------------------------------------------------------
+    # --- planning one call ------------------------------------------------------------------------
 
     def _plan(self, args: tuple, kwargs: dict):
         """``(args, kwargs, trial)`` to call jit with (``trial``: a tuning call to time, or None;
@@ -633,7 +633,7 @@ class Placer:
         except Exception:  # noqa: BLE001 - names are for messages only
             return tuple(f"leaf {i}" for i in idxs)
 
-    # --- the guard -----------------------------------------------------------------------------------
+    # --- the guard --------------------------------------------------------------------------------
 
     def _call_guarded(self, jitted, args: tuple, kwargs: dict):
         call = self.stats.last
