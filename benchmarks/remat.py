@@ -14,7 +14,8 @@ figures (``memory_analysis()``: temp bytes and argument+output+temp-alias peak; 
 compile-time memory is not counted; the inputs are), and the median step time.
 
     python benchmarks/remat.py            # full run: writes results/remat.md and remat_sweep.png
-    python benchmarks/remat.py --quick    # smaller sizes, a smoke test (writes nothing)
+    python benchmarks/remat.py --quick    # a smoke test: the smaller MLP, one policy, one
+                                          # budget (writes nothing)
 """
 
 from __future__ import annotations
@@ -244,7 +245,7 @@ def main() -> None:
     ap.add_argument("--time", nargs=2, metavar=("WORKLOAD", "CONFIGS"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--workloads", default="mlp,transformer")
+    ap.add_argument("--workloads", default=None, help="default: mlp,transformer (quick: mlp)")
     a = ap.parse_args()
     if a.one:
         print(json.dumps(run_one(a.one[0], a.one[1], a.quick, a.steps)))
@@ -253,17 +254,19 @@ def main() -> None:
         print(json.dumps(time_all(a.time[0], a.time[1].split(","), a.quick, a.steps)))
         return
     rows: list[dict] = []
-    for wl in a.workloads.split(","):
+    workloads = a.workloads or ("mlp" if a.quick else "mlp,transformer")
+    policies, budgets = (POLICIES[:1], (0.5,)) if a.quick else (POLICIES, BUDGETS)
+    for wl in workloads.split(","):
         plain = _spawn(wl, "plain", a.quick, a.steps)
         rows.append(plain)
         for config in ("naive", "expert", "autoopt", "autoopt+flag"):
             rows.append(_spawn(wl, config, a.quick, a.steps))
             print(_fmt_row(rows[-1], plain), flush=True)
-        pols = [_spawn(wl, f"policy:{p}", a.quick, a.steps) for p in POLICIES]
+        pols = [_spawn(wl, f"policy:{p}", a.quick, a.steps) for p in policies]
         best = min(pols, key=lambda r: (r["peak"], r["time"]))
-        best["note"] = f"best of {', '.join(POLICIES)}"
+        best["note"] = f"best of {', '.join(policies)}"
         rows.append(best)
-        for frac in BUDGETS:
+        for frac in budgets:
             r = _spawn(wl, f"budget:{int(frac * plain['peak'])}", a.quick, a.steps)
             r["note"] = f"budget {frac:.0%} of plain; " + r["note"]
             rows.append(r)
