@@ -9,7 +9,7 @@ import pytest
 
 import autoopt
 from autoopt.passes.remat import _plan as _remat_plan
-from autoopt._options import make_options
+from autoopt.passes import make_options
 from autoopt.passes import PassContext
 from autoopt.passes.remat import CPU_FLAGS, fence_for, jit_options, remat
 from autoopt.testing import assert_trees_equivalent
