@@ -164,7 +164,7 @@ def _ordered() -> list[Pass]:
                                    + [(o, p.name, o) for o in p.before]):
             if other not in reg:
                 raise ValueError(f"pass {p.name!r} is ordered relative to {other!r}, which is not "
-                                 f"a registered pass (registered: {', '.join(reg)}).")
+                                 f"a registered pass (registered: {', '.join(sorted(reg))}).")
             edges[first].add(then)
     indegree = {n: 0 for n in reg}
     for targets in edges.values():
