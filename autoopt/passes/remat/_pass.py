@@ -597,23 +597,16 @@ def _plan_level(closed: ClosedJaxpr, ctx: PassContext, where: str) -> tuple[Clos
     new_eqns = []
     changed = False
     for eqn in closed.jaxpr.eqns:
-        params = None
-        if eqn.primitive.name not in _jaxpr._OPAQUE_PRIMITIVES:
-            for name, idx, sub in _jaxpr.subjaxprs(eqn):
-                if not _has_backward(_remat_forward.as_jaxpr(sub)):
-                    continue
-                sub_closed = sub if isinstance(sub, ClosedJaxpr) else ClosedJaxpr(sub, ())
-                loc = _jaxpr.user_location(eqn)
-                new_sub, fs = _plan_level(sub_closed, ctx, f"the {eqn.primitive.name} body at {loc}")
-                findings.extend(fs)
-                if new_sub is sub_closed:
-                    continue
-                if not isinstance(sub, ClosedJaxpr):
-                    if new_sub.consts:
-                        continue
-                    new_sub = new_sub.jaxpr
-                params = dict(params or eqn.params)
-                _jaxpr.set_subjaxpr(params, name, idx, new_sub)
+        def plan(sub: ClosedJaxpr, eqn=eqn) -> ClosedJaxpr:
+            if not _has_backward(sub.jaxpr):
+                return sub
+            where = f"the {eqn.primitive.name} body at {_jaxpr.user_location(eqn)}"
+            new_sub, fs = _plan_level(sub, ctx, where)
+            findings.extend(fs)
+            return new_sub
+
+        # No re-trace of this level: only the changed bodies are swapped into its equations.
+        params = _jaxpr.with_subjaxprs(eqn, plan)
         if params is not None:
             eqn = eqn.replace(params=params)
             changed = True
