@@ -9,7 +9,14 @@ import pytest
 
 import autoopt
 from autoopt import passes
-from autoopt.passes import Option, Pass, PassResult, make_options, option_names, registered_pass_names
+from autoopt.passes import (
+    Option,
+    Pass,
+    PassResult,
+    make_options,
+    option_names,
+    registered_pass_names,
+)
 from autoopt.report import KINDS, Finding
 
 BUILTIN_ORDER = ("scatter_to_dus", "remat", "donation", "transfers")

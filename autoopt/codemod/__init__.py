@@ -39,12 +39,12 @@ from libcst.codemod import (
 )
 from libcst.codemod.visitors import AddImportsVisitor
 
+from autoopt._finding import Finding
 from autoopt.codemod._base import FindingCommand, finding_line
 from autoopt.passes.donation.codemod import DonateCommand
+from autoopt.passes.in_place.codemod import ScatterToDUSCommand
 from autoopt.passes.placement.codemod import PlacementCommand
 from autoopt.passes.remat.codemod import RematCommand
-from autoopt.passes.in_place.codemod import ScatterToDUSCommand
-from autoopt._finding import Finding
 
 __all__ = [
     "COMMANDS",

@@ -13,8 +13,8 @@ from typing import Any
 
 from jax.extend.core import ClosedJaxpr
 
-from autoopt._options import Option, Options
 from autoopt._finding import Finding
+from autoopt._options import Option, Options
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from autoopt._compare import assert_trees_equivalent, tolerance
-from autoopt.testing._fuzz import FuzzCase, Program, check_program, fuzz_cases, program_args, programs
+from autoopt.testing._fuzz import (
+    FuzzCase,
+    Program,
+    check_program,
+    fuzz_cases,
+    program_args,
+    programs,
+)
 
 __all__ = [
     "assert_equivalent",

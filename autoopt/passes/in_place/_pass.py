@@ -62,9 +62,9 @@ from jax.extend.core import primitives as P
 from jax.lax import GatherScatterMode
 
 from autoopt import _jaxpr
-from autoopt.passes.in_place import _ranges
 from autoopt._finding import Finding
 from autoopt.passes._base import Pass, PassContext, PassResult
+from autoopt.passes.in_place import _ranges
 
 _SCATTERS = (P.scatter_p, P.scatter_add_p, P.scatter_mul_p, P.scatter_min_p, P.scatter_max_p)
 _METHOD = {P.scatter_p: "set", P.scatter_add_p: "add", P.scatter_mul_p: "multiply",

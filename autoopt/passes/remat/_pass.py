@@ -57,12 +57,12 @@ import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from autoopt import _compat, _jaxpr
-from autoopt.passes.remat import _forward as _remat_forward
-from autoopt.passes.remat import _plan as _remat_plan
-from autoopt._memory import CompiledMemory, compiled_memory
 from autoopt._finding import Finding
+from autoopt._memory import CompiledMemory, compiled_memory
 from autoopt._options import Option, parse_bytes
 from autoopt.passes._base import Pass, PassContext, PassResult
+from autoopt.passes.remat import _forward as _remat_forward
+from autoopt.passes.remat import _plan as _remat_plan
 
 log = logging.getLogger("autoopt")
 
