@@ -3,10 +3,50 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
-Kind = Literal["donate", "scatter_to_dus", "remat", "placement", "transfer"]
-KINDS: tuple[str, ...] = ("donate", "scatter_to_dus", "remat", "placement", "transfer")
+# The kinds a finding may have are the kinds the registered passes declare (``Pass(kinds=...)``):
+# ``autoopt.passes.register`` fills this table, keyed by pass name, and unregistering a pass
+# takes its kinds away (unless another pass declares them too). This module imports nothing of
+# the passes: it is the bottom of the import graph.
+_KINDS_BY_PASS: dict[str, tuple[str, ...]] = {}
+
+
+def register_kinds(pass_name: str, kinds: Iterable[str]) -> None:
+    _KINDS_BY_PASS[pass_name] = tuple(kinds)
+
+
+def unregister_kinds(pass_name: str) -> None:
+    _KINDS_BY_PASS.pop(pass_name, None)
+
+
+def kinds() -> tuple[str, ...]:
+    """Every kind a registered pass declares, in registration order."""
+    return tuple(dict.fromkeys(k for ks in _KINDS_BY_PASS.values() for k in ks))
+
+
+class _Kinds(Sequence):
+    """``KINDS``: a live, read-only view of ``kinds()``, so ``from ... import KINDS`` stays current
+    when a pass is registered later."""
+
+    def __getitem__(self, i):
+        return kinds()[i]
+
+    def __len__(self) -> int:
+        return len(kinds())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(kinds())
+
+    def __contains__(self, kind: object) -> bool:
+        return any(kind in ks for ks in _KINDS_BY_PASS.values())
+
+    def __repr__(self) -> str:
+        return repr(kinds())
+
+
+KINDS: Sequence[str] = _Kinds()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +71,9 @@ class Finding:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise ValueError(f"Finding kind {self.kind!r} is not one of {KINDS}.")
+            raise ValueError(f"Finding kind {self.kind!r} is not one of {kinds()}: a pass declares "
+                             "the kinds it emits (Pass(kinds=...)) and registering it makes them "
+                             "valid.")
 
     def replace(self, **changes: Any) -> Finding:
         return dataclasses.replace(self, **changes)

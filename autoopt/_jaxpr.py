@@ -16,6 +16,7 @@ over the equations and no re-trace.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
@@ -127,8 +128,34 @@ def _bind(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
+@contextlib.contextmanager
+def at_source(eqn: JaxprEqn) -> Iterator[None]:
+    """Trace what runs inside as ``eqn`` was traced: its user's file and line, its name stack
+    and its context (so a rule's new equations keep the user's source)."""
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), \
+            eqn.ctx.manager:
+        yield
+
+
+def rebind(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
+    """Re-bind ``eqn`` unchanged on ``invals`` in the current trace, at its own source."""
+    with at_source(eqn):
+        return _bind(eqn, invals)
+
+
 def _rewritten_params(eqn: JaxprEqn, rules: Mapping[Primitive, Rule]) -> dict[str, Any] | None:
     """New params with every changed sub-jaxpr rewritten, or None when none changed."""
+    return with_subjaxprs(eqn, lambda sub: rewrite(sub, rules)[0])
+
+
+def with_subjaxprs(eqn: JaxprEqn, fn: Callable[[ClosedJaxpr], ClosedJaxpr]) -> dict[str, Any] | None:
+    """New params for ``eqn`` with each sub-jaxpr ``s`` replaced by ``fn(s)`` (``s`` itself, the
+    very object, means unchanged), or None when none changed.
+
+    The one recursion into sub-jaxprs: ``rewrite`` passes itself as ``fn``, remat its per-level
+    planner. Opaque primitives (shard_map, ...) are left alone.
+    """
     if eqn.primitive.name in _OPAQUE_PRIMITIVES:
         return None
     subs = subjaxprs(eqn)
@@ -137,8 +164,9 @@ def _rewritten_params(eqn: JaxprEqn, rules: Mapping[Primitive, Rule]) -> dict[st
     params = dict(eqn.params)
     any_changed = False
     for name, idx, sub in subs:
-        new_sub, changed = rewrite(_as_closed(sub), rules)
-        if not changed:
+        closed = _as_closed(sub)
+        new_sub = fn(closed)
+        if new_sub is closed:
             continue
         if isinstance(sub, Jaxpr):
             if new_sub.consts:
@@ -192,9 +220,7 @@ def interpret(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any],
         if new_params is not None:
             state.changed = True
             eqn = eqn.replace(params=new_params)
-        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-        with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), \
-                eqn.ctx.manager:
+        with at_source(eqn):
             outs = None
             rule = rules.get(eqn.primitive)
             if rule is not None:

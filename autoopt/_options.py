@@ -1,7 +1,10 @@
 """Options of ``optimize``: validation, defaults, and the keywords passed through to ``jax.jit``.
 
-Every bad option fails here, when ``optimize`` is called, with a message that says what to pass
-instead; nothing is half-built when it does.
+Every bad option fails when ``optimize`` is called, with a message that says what to pass
+instead; nothing is half-built when it does. The options of a pass (``remat``, ``donate``, ...)
+are declared by the pass itself (``Pass(options=(Option(...), ...))``) and checked by the
+manager's ``make_options`` (``autoopt.passes``); this module is the bottom of the import graph
+and knows nothing of the passes.
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 # jax.jit keywords we pass through unchanged (jax 0.10.x signature).
@@ -27,22 +30,7 @@ JIT_KEYWORDS = (
     "compiler_options",
 )
 
-DONATE_POLICIES = ("safe", "auto", "off")
 FALLBACKS = ("warn", "raise")
-TRANSFER_GUARDS = (None, "log", "disallow", "allow")
-PLACEMENTS = ("auto", "pack", "off")
-# jax.checkpoint_policies names a user may force; "auto" and "off" are ours.
-REMAT_CHOICES = ("auto", "off")
-
-
-def _remat_policy_names() -> tuple[str, ...]:
-    import jax
-
-    return tuple(
-        n
-        for n in dir(jax.checkpoint_policies)
-        if not n.startswith("_") and callable(getattr(jax.checkpoint_policies, n))
-    )
 
 
 _UNITS = {
@@ -104,20 +92,48 @@ def _norm_tuple(value: Any, kind: type, name: str) -> tuple:
 
 
 @dataclasses.dataclass(frozen=True)
-class Options:
-    """Validated options of one ``optimize`` call. Immutable, so one object is shared by threads."""
+class Option:
+    """One option of ``optimize`` that a pass declares (``Pass(options=...)``).
 
-    donate: str = "safe"
-    remat: str = "auto"
-    memory_budget: int | None = None
-    placement: str = "auto"
+    ``check(value)`` returns the value to keep (``"2GB"`` -> bytes) or raises an error that says
+    what to pass instead; it runs only on values the user gave (``default`` is kept as it is).
+    """
+
+    name: str
+    default: Any = None
+    check: Callable[[Any], Any] | None = None
+    doc: str = ""
+
+
+# The options that are not a pass's: how optimize behaves around the passes.
+CORE_KEYWORDS = ("explain", "verify", "fallback", "passes")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Validated options of one ``optimize`` call. Immutable, so one object is shared by threads.
+
+    The options passes declare (``remat``, ``donate``, ...) are in ``pass_options`` and read as
+    attributes: ``options.remat``.
+    """
+
     explain: bool = False
     verify: bool = False
     fallback: str = "warn"
-    transfer_guard: str | None = None
-    canonicalize_scalars: bool = False
     passes: tuple[str, ...] | None = None  # None: every registered pass, in the manager's order
     jit_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    pass_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached when normal lookup fails; "pass_options" itself is absent while copy or
+        # pickle rebuild the object, which must not recurse.
+        if name.startswith("__") or name == "pass_options":
+            raise AttributeError(name)
+        try:
+            return self.pass_options[name]
+        except KeyError:
+            raise AttributeError(f"Options has no option {name!r}: no registered pass declares "
+                                 "it.") from None
 
     @property
     def static_argnums(self) -> tuple[int, ...]:
@@ -135,11 +151,8 @@ class Options:
         )
 
 
-_OUR_KEYWORDS = tuple(f.name for f in dataclasses.fields(Options) if f.name != "jit_kwargs")
-
-
-def unknown_option_error(name: str) -> TypeError:
-    known = _OUR_KEYWORDS + JIT_KEYWORDS
+def unknown_option_error(name: str, known: Sequence[str]) -> TypeError:
+    """``known``: every option name, the passes' and the core ones, then jax.jit's keywords."""
     close = difflib.get_close_matches(name, known, n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
     return TypeError(
@@ -147,89 +160,58 @@ def unknown_option_error(name: str) -> TypeError:
     )
 
 
-def make_options(**kwargs: Any) -> Options:
+def split_keywords(kwargs: Mapping[str, Any], pass_option_names: Sequence[str]
+                   ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """``optimize``'s keywords -> (core options, pass options, jax.jit keywords), unvalidated.
+
+    An unknown name raises with the closest known one.
+    """
+    core: dict[str, Any] = {}
     ours: dict[str, Any] = {}
     jit_kwargs: dict[str, Any] = {}
     for k, v in kwargs.items():
         if k in JIT_KEYWORDS:
             if v is not None or k in ("static_argnums", "static_argnames"):
                 jit_kwargs[k] = v
-        elif k in _OUR_KEYWORDS:
+        elif k in CORE_KEYWORDS:
+            core[k] = v
+        elif k in pass_option_names:
             ours[k] = v
         else:
-            raise unknown_option_error(k)
+            raise unknown_option_error(k, (*pass_option_names, *CORE_KEYWORDS, *JIT_KEYWORDS))
+    return core, ours, jit_kwargs
 
-    donate = ours.get("donate", "safe")
-    if donate not in DONATE_POLICIES:
-        raise ValueError(
-            f"donate={donate!r} is not a donation policy. Use 'safe' (default: donate what is "
-            "provably dead after the call), 'auto' (donate every aliasable argument), 'off', or "
-            "pass donate_argnums=/donate_argnames= for exactly jax.jit's behaviour."
-        )
-    remat = ours.get("remat", "auto")
-    policies = _remat_policy_names()
-    if not isinstance(remat, str) or (remat not in REMAT_CHOICES and remat not in policies):
-        close = difflib.get_close_matches(str(remat), REMAT_CHOICES + policies, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        import jax
 
-        named = [n for n in policies if getattr(jax.checkpoint_policies, n, None) is remat]
-        if named:  # the policy object itself: the option takes its name
-            hint = (" Pass the policy's name as a string: "
-                    + " or ".join(f"remat={n!r}" for n in named) + ".")
-        raise ValueError(
-            f"remat={remat!r} is not a remat policy.{hint} Use 'auto', 'off', or one of "
-            f"jax.checkpoint_policies: {', '.join(policies)}."
-        )
-    if remat == "off" and ours.get("memory_budget") is not None:
-        raise ValueError("memory_budget is only met by rematerialization, which remat='off' turns "
-                         "off: drop one of the two (remat='auto' with the budget recomputes to "
-                         "meet it).")
-    placement = ours.get("placement", "auto")
-    if placement not in PLACEMENTS:
-        raise ValueError(f"placement={placement!r}: use 'auto' (cache read-only host constants, "
-                         "pass large constants as arguments, pack many small NumPy leaves into "
-                         "one transfer where measured faster), 'pack' (always pack) or 'off'.")
-    fallback = ours.get("fallback", "warn")
+def build_options(core: Mapping[str, Any], pass_options: Mapping[str, Any],
+                  jit_kwargs: Mapping[str, Any], known_passes: Sequence[str]) -> Options:
+    """Validate the core options and jax.jit's argnums; ``pass_options`` are already checked by
+    their passes' declarations (the manager's ``make_options`` does that)."""
+    fallback = core.get("fallback", "warn")
     if fallback not in FALLBACKS:
         raise ValueError(
             f"fallback={fallback!r}: use 'warn' (fall back to plain jax.jit with one warning) or "
             "'raise' (turn any internal error into an exception; for tests)."
         )
-    guard = ours.get("transfer_guard")
-    if guard not in TRANSFER_GUARDS:
-        raise ValueError(f"transfer_guard={guard!r}: use None, 'log', 'disallow' or 'allow'.")
-    passes = ours.get("passes")
+    passes = core.get("passes")
     if passes is not None:
         passes = tuple(_norm_tuple(passes, str, "passes"))
-        from autoopt.passes import registered_pass_names
-
-        known = registered_pass_names()
+        known = tuple(known_passes)
         for p in passes:
             if p not in known:
                 close = difflib.get_close_matches(p, known, n=1)
                 hint = f" Did you mean {close[0]!r}?" if close else ""
                 raise ValueError(f"passes: unknown pass {p!r}.{hint} Known passes: {', '.join(known)}.")
 
-    if "static_argnums" in jit_kwargs:
-        _norm_tuple(jit_kwargs["static_argnums"], int, "static_argnums")
-    if "static_argnames" in jit_kwargs:
-        _norm_tuple(jit_kwargs["static_argnames"], str, "static_argnames")
-    if "donate_argnums" in jit_kwargs:
-        _norm_tuple(jit_kwargs["donate_argnums"], int, "donate_argnums")
-    if "donate_argnames" in jit_kwargs:
-        _norm_tuple(jit_kwargs["donate_argnames"], str, "donate_argnames")
+    for name, kind in (("static_argnums", int), ("static_argnames", str),
+                       ("donate_argnums", int), ("donate_argnames", str)):
+        if name in jit_kwargs:
+            _norm_tuple(jit_kwargs[name], kind, name)
 
     return Options(
-        donate=donate,
-        remat=remat,
-        memory_budget=parse_bytes(ours.get("memory_budget")),
-        placement=placement,
-        explain=bool(ours.get("explain", False)),
-        verify=bool(ours.get("verify", False)),
+        explain=bool(core.get("explain", False)),
+        verify=bool(core.get("verify", False)),
         fallback=fallback,
-        transfer_guard=guard,
-        canonicalize_scalars=bool(ours.get("canonicalize_scalars", False)),
         passes=passes,
-        jit_kwargs=jit_kwargs,
+        jit_kwargs=dict(jit_kwargs),
+        pass_options=dict(pass_options),
     )

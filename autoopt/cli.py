@@ -250,7 +250,7 @@ def _options(ns) -> dict:
         except (ValueError, SyntaxError):
             out[key] = value
     try:
-        from autoopt._options import make_options
+        from autoopt.passes import make_options
 
         make_options(**out)
     except Exception as e:  # noqa: BLE001 - a bad option is bad input

@@ -29,6 +29,8 @@ from autoopt.codemod import (
     plan_source_edits,
     rewrite_code,
 )
+from autoopt.passes import registered_passes
+from autoopt.passes._base import resolve
 from autoopt.report import Finding
 
 
@@ -65,7 +67,13 @@ def assert_unchanged(command, before, findings, **kw):
 # --- every command -------------------------------------------------------------------------------
 
 def test_every_command_has_a_description_and_a_kind():
-    assert {c.KIND for c in COMMANDS} == {"scatter_to_dus", "remat", "donate", "placement"}
+    # One command per registered pass that declares one, for a kind that pass emits; commands
+    # that may insert statements run after the in-line edits.
+    declared = [p for p in registered_passes().values() if p.codemod]
+    assert sorted(c.__name__ for c in COMMANDS) == sorted(resolve(p.codemod).__name__ for p in declared)
+    assert all(resolve(p.codemod).KIND in p.kinds for p in declared)
+    assert [c.INSERTS_STATEMENTS for c in COMMANDS] == sorted(c.INSERTS_STATEMENTS for c in COMMANDS)
+    assert COMMANDS[-1] is PlacementCommand
     for c in COMMANDS:
         assert len(c.DESCRIPTION) > 20 and c.HINT
 

@@ -21,6 +21,7 @@ import pytest
 from jax import lax
 
 import autoopt
+from autoopt import passes
 from autoopt.passes import PassError, PassResult, registered_pass_names, registered_passes
 from autoopt.testing import assert_trees_equivalent
 
@@ -55,7 +56,9 @@ def _break(monkeypatch, name, run=None):
         raise Boom(f"injected failure in {name}")
 
     broken = dataclasses.replace(registered_passes()[name], run=run or boom, enabled=lambda o: True)
-    monkeypatch.setitem(registered_passes(), name, broken)
+    # The registry itself (the pipeline order is derived from it on every run), so that
+    # monkeypatch.undo() in the middle of a test puts the working pass back.
+    monkeypatch.setitem(passes._REGISTRY, name, broken)
 
 
 def _autoopt_warnings(record):

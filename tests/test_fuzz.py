@@ -27,8 +27,7 @@ from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 import autoopt
-from autoopt.testing import _fuzz
-from autoopt.testing import check_program, fuzz_cases, program_args, programs
+from autoopt.testing import _fuzz, check_program, fuzz_cases, program_args, programs
 
 _EXAMPLES = os.environ.get("AUTOOPT_FUZZ_EXAMPLES")
 if _EXAMPLES:

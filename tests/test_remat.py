@@ -8,10 +8,9 @@ import jax.numpy as jnp
 import pytest
 
 import autoopt
-from autoopt.passes.remat import _plan as _remat_plan
-from autoopt._options import make_options
-from autoopt.passes import PassContext
+from autoopt.passes import PassContext, make_options
 from autoopt.passes.remat import CPU_FLAGS, fence_for, jit_options, remat
+from autoopt.passes.remat import _plan as _remat_plan
 from autoopt.testing import assert_trees_equivalent
 
 L, N, D = 6, 2048, 64  # 512 KiB per activation, ~6 MiB of residuals

@@ -16,7 +16,6 @@ import pytest
 
 import autoopt
 from autoopt.report import KINDS, Finding, Report
-from autoopt.passes import registered_passes
 
 HERE = os.path.abspath(__file__)
 ANSI = "\x1b["
@@ -59,8 +58,6 @@ def test_real_donation_finding_points_at_the_users_def_line():
     assert f"test_report.py:{def_line(step)}" in report.render(color=False)
 
 
-@pytest.mark.skipif(not registered_passes()["scatter_to_dus"].rewrites,
-                    reason="the scatter_to_dus pass is not in this tree yet")
 def test_scatter_finding_points_at_the_at_set_line_and_the_diff_at_its_equation():
     report = autoopt.explain(step, jnp.zeros((8, 4)), 3, jnp.ones(4))
     line = def_line(step) + 1

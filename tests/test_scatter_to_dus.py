@@ -18,9 +18,9 @@ from jax.extend.core import primitives as P
 
 import autoopt
 from autoopt import _jaxpr
-from autoopt.passes.in_place import _ranges
-from autoopt._options import make_options
+from autoopt.passes import make_options
 from autoopt.passes._base import PassContext
+from autoopt.passes.in_place import _ranges
 from autoopt.passes.in_place._pass import _FALLBACK_SCOPE, scatter_to_dus
 from autoopt.testing import assert_equivalent
 

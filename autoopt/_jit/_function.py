@@ -36,8 +36,8 @@ from jax import tree_util
 from autoopt import _compat, _jaxpr, _trace
 from autoopt.passes.donation import _callsite
 from autoopt._errors import AutooptWarning, PassError
-from autoopt._options import Options, make_options
-from autoopt.passes import PassContext, PipelineResult, jit_options_for, run_pipeline
+from autoopt._options import Options
+from autoopt.passes import PassContext, PipelineResult, jit_options_for, make_options, option_names, run_pipeline
 
 log = logging.getLogger("autoopt")
 
@@ -851,7 +851,5 @@ def explain(fn: Callable, *args: Any, **kwargs: Any):
     Options of ``optimize`` may be given as keywords too; a keyword that is both an option and
     an argument of ``fn`` is taken as an option.
     """
-    from autoopt._options import _OUR_KEYWORDS, JIT_KEYWORDS
-
-    opts = {k: kwargs.pop(k) for k in list(kwargs) if k in _OUR_KEYWORDS or k in JIT_KEYWORDS}
+    opts = {k: kwargs.pop(k) for k in list(kwargs) if k in option_names()}
     return optimize(fn, **opts).explain(*args, **kwargs)

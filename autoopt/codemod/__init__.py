@@ -1,6 +1,8 @@
 """Source rewrites (libcst): the edits an expert would make, built from the report's findings.
 
-One command per module, each a LibCST ``VisitorBasedCodemodCommand`` with a ``DESCRIPTION``:
+One command per pass, declared by it (``Pass(codemod="module:Class")``) and living in its
+package; ``commands()`` (and ``COMMANDS``) lists the registered passes' commands. Each is a
+LibCST ``VisitorBasedCodemodCommand`` with a ``DESCRIPTION``; the built-ins:
 
 ================================  ===============  =========================================
 command                           finding kind     edit
@@ -37,12 +39,12 @@ from libcst.codemod import (
 )
 from libcst.codemod.visitors import AddImportsVisitor
 
+from autoopt._finding import Finding
 from autoopt.codemod._base import FindingCommand, finding_line
 from autoopt.passes.donation.codemod import DonateCommand
+from autoopt.passes.in_place.codemod import ScatterToDUSCommand
 from autoopt.passes.placement.codemod import PlacementCommand
 from autoopt.passes.remat.codemod import RematCommand
-from autoopt.passes.in_place.codemod import ScatterToDUSCommand
-from autoopt._finding import Finding
 
 __all__ = [
     "COMMANDS",
@@ -54,16 +56,31 @@ __all__ = [
     "RewriteResult",
     "ScatterToDUSCommand",
     "SourcePlan",
+    "commands",
     "plan_source_edits",
     "rewrite_code",
     "source_diff_for",
 ]
 
-# In-line edits first; PlacementCommand may insert statements, so it runs last (the lines of
-# earlier findings are re-mapped after every command anyway).
-COMMANDS: tuple[type[FindingCommand], ...] = (
-    ScatterToDUSCommand, RematCommand, DonateCommand, PlacementCommand)
-_BY_KIND = {c.KIND: c for c in COMMANDS}
+
+def commands() -> tuple[type[FindingCommand], ...]:
+    """The registered passes' commands (``Pass(codemod=...)``), in pipeline order, with those
+    that may insert statements (``INSERTS_STATEMENTS``) last: in-line edits first (the lines of
+    earlier findings are re-mapped after every command anyway)."""
+    from autoopt.passes import codemods
+
+    return tuple(sorted(codemods(), key=lambda c: c.INSERTS_STATEMENTS))  # sorted() is stable
+
+
+def _by_kind() -> dict[str, type[FindingCommand]]:
+    return {c.KIND: c for c in commands()}
+
+
+def __getattr__(name: str):
+    # COMMANDS is derived on every read, so a pass registered later has its command in it.
+    if name == "COMMANDS":
+        return commands()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +116,7 @@ def rewrite_code(code: str, findings: Sequence[Finding], *, function: str | None
     original = code
     outcomes: dict[int, str | None] = {}
     imports: list = []
-    for command in COMMANDS:
+    for command in commands():
         lines = _line_map(original, code) if code is not original else {}
         current = [_moved(f, lines) for f in findings]
         fn_line = lines.get(function_line, function_line) if function_line else function_line
@@ -223,9 +240,10 @@ def plan_source_edits(fn: Callable | None, findings: Sequence[Finding], *,
     fn_line = code_obj.co_firstlineno if code_obj is not None else None
     fn_name = getattr(fn, "__name__", None)
     findings = [_with_params(f, fn) for f in findings]
+    by_kind = _by_kind()
     groups: dict[str | None, list[int]] = {}
     for i, f in enumerate(findings):
-        command = _BY_KIND.get(f.kind)
+        command = by_kind.get(f.kind)
         if command is None or not command.wants(f):
             continue
         path = fn_file if f.kind == "donate" else (
@@ -239,7 +257,7 @@ def plan_source_edits(fn: Callable | None, findings: Sequence[Finding], *,
         why = no_source_reason(path)
         if why is not None:
             for i in idxs:
-                notes[i] = f"{why}; {_BY_KIND[findings[i].kind].HINT}"
+                notes[i] = f"{why}; {by_kind[findings[i].kind].HINT}"
             continue
         try:
             original = read_source(path)

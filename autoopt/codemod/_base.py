@@ -162,6 +162,9 @@ class FindingCommand(VisitorBasedCodemodCommand):
     KIND: ClassVar[str] = ""
     # What to write by hand, for the finding's note when there is no source to edit.
     HINT: ClassVar[str] = ""
+    # True when the command may insert whole statements: it then runs after the in-line edits
+    # (``autoopt.codemod.commands``), which keeps the earlier commands' lines simple to map.
+    INSERTS_STATEMENTS: ClassVar[bool] = False
     METADATA_DEPENDENCIES = (PositionProvider, ParentNodeProvider)
 
     def __init__(self, context: CodemodContext, findings: Sequence[Finding] = (), *,

@@ -1,40 +1,53 @@
 """Pass registry and manager.
 
 The manager owns order, checks and error context; passes stay pure (NB: torch.fx's
-``PassManager``). Order matters: rewrites first (scatter_to_dus, then remat, which must see the
-final forward/backward), analyses last (donation and transfers read the final program).
+``PassManager``). Each pass is one ``Pass(...)`` declaration (``_base.py``); from the registered
+declarations come the pipeline order (a topological sort of their ``after``/``before``
+constraints), the options ``optimize`` accepts (``make_options``), the finding kinds
+(``autoopt._finding.KINDS``), the codemod commands (``autoopt.codemod``) and the report's
+sections. The built-in passes are the subpackages here that define ``PASS``; their constraints
+give: rewrites first (scatter_to_dus, then remat, which must see the final forward/backward),
+analyses last (donation and transfers read the final program).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import importlib
 import logging
 import os
-from collections.abc import Sequence
+import pkgutil
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from jax.extend.core import ClosedJaxpr
 
-from autoopt import _jaxpr
+from autoopt import _finding, _jaxpr, _options
 from autoopt._errors import PassError
 from autoopt._finding import Finding
-from autoopt.passes._base import Pass, PassContext, PassResult
+from autoopt._options import Option, Options
+from autoopt.passes._base import Pass, PassContext, PassResult, resolve
 
 __all__ = [
+    "Option",
     "Pass",
     "PassContext",
     "PassResult",
     "PassError",
     "PipelineResult",
+    "enabled_passes",
+    "jit_options_for",
+    "make_options",
+    "option_names",
+    "register",
     "registered_passes",
     "registered_pass_names",
+    "report_sections",
     "run_pipeline",
 ]
 
 log = logging.getLogger("autoopt")
-
-# Module per pass, in pipeline order. Each module defines ``PASS: Pass``.
-_ORDER = ("in_place", "remat", "donation", "placement")
 
 # Type-check every rewritten program (tests turn this on; it costs a walk per pass).
 CHECK_REWRITES = os.environ.get("AUTOOPT_CHECK", "") not in ("", "0")
@@ -51,35 +64,151 @@ class PipelineResult:
     def changed(self) -> bool:
         return self.jaxpr is not self.original
 
-    def info(self, pass_name: str) -> dict:
-        for name, r in self.results:
-            if name == pass_name:
-                return dict(r.info)
-        return {}
+
+# --- the registry --------------------------------------------------------------------------------
+
+# name -> Pass, in registration order (the pipeline order is derived, see ``_ordered``).
+_REGISTRY: dict[str, Pass] = {}
 
 
-_REGISTRY: dict[str, Pass] | None = None
+class Registration:
+    """What ``register`` returns: call it (or leave its ``with`` block) to unregister the pass,
+    putting back the pass it replaced, if any."""
+
+    def __init__(self, p: Pass, replaced: Pass | None):
+        self.pass_ = p
+        self._replaced = replaced
+        self._done = False
+
+    def __call__(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        if _REGISTRY.get(self.pass_.name) is not self.pass_:
+            return  # replaced since: the newer registration owns the name
+        if self._replaced is not None:
+            _put(self._replaced)
+        else:
+            _remove(self.pass_.name)
+
+    def __enter__(self) -> Pass:
+        return self.pass_
+
+    def __exit__(self, *exc) -> None:
+        self()
+
+
+def register(p: Pass, *, replace: bool = False) -> Registration:
+    """Add ``p`` to the pipeline; returns the callable that removes it again.
+
+    Refused (nothing registered): a name already taken (unless ``replace``: then unregistering
+    puts the old pass back), an option name another pass or ``optimize`` itself already has,
+    order constraints that name an unknown pass or make a cycle.
+    """
+    if not isinstance(p, Pass):
+        raise TypeError(f"register() takes a Pass, got {type(p).__name__}.")
+    old = _REGISTRY.get(p.name)
+    if old is not None and not replace:
+        raise ValueError(f"a pass named {p.name!r} is already registered; unregister it first or "
+                         "pass replace=True.")
+    _check_options_free(p)
+    _put(p)
+    try:
+        _ordered()
+    except ValueError:
+        if old is not None:
+            _put(old)
+        else:
+            _remove(p.name)
+        raise
+    return Registration(p, old)
+
+
+def _put(p: Pass) -> None:
+    _REGISTRY[p.name] = p
+    _finding.register_kinds(p.name, p.kinds)
+
+
+def _remove(name: str) -> None:
+    dependents = sorted(q.name for q in _REGISTRY.values()
+                        if q.name != name and name in (*q.after, *q.before))
+    if dependents:
+        raise ValueError(f"cannot unregister pass {name!r}: the order constraints of "
+                         f"{', '.join(map(repr, dependents))} name it; unregister those first.")
+    del _REGISTRY[name]
+    _finding.unregister_kinds(name)
+
+
+def _check_options_free(p: Pass) -> None:
+    taken = {o.name: q.name for q in _REGISTRY.values() if q.name != p.name for o in q.options}
+    for o in p.options:
+        if o.name in _options.CORE_KEYWORDS or o.name in _options.JIT_KEYWORDS:
+            raise ValueError(f"pass {p.name!r} declares option {o.name!r}, which is optimize()'s "
+                             "own keyword; name the option after the pass.")
+        if o.name in taken:
+            raise ValueError(f"pass {p.name!r} declares option {o.name!r}, which pass "
+                             f"{taken[o.name]!r} already declares; name the option after the pass.")
+
+
+def _ordered() -> list[Pass]:
+    """The registered passes, sorted by their ``after``/``before`` constraints.
+
+    Kahn's algorithm; among passes whose constraints are met the first by name runs first, so the
+    order never depends on import or registration order. Raises ValueError naming the passes
+    for a constraint on an unknown pass or a cycle.
+    """
+    reg = _REGISTRY
+    edges: dict[str, set[str]] = {n: set() for n in reg}  # n -> passes that must run after n
+    for p in reg.values():
+        for other, first, then in ([(o, o, p.name) for o in p.after]
+                                   + [(o, p.name, o) for o in p.before]):
+            if other not in reg:
+                raise ValueError(f"pass {p.name!r} is ordered relative to {other!r}, which is not "
+                                 f"a registered pass (registered: {', '.join(sorted(reg))}).")
+            edges[first].add(then)
+    indegree = {n: 0 for n in reg}
+    for targets in edges.values():
+        for t in targets:
+            indegree[t] += 1
+    ready = [n for n, d in indegree.items() if d == 0]
+    heapq.heapify(ready)
+    order: list[str] = []
+    while ready:
+        n = heapq.heappop(ready)
+        order.append(n)
+        for t in edges[n]:
+            indegree[t] -= 1
+            if indegree[t] == 0:
+                heapq.heappush(ready, t)
+    if len(order) < len(reg):
+        raise ValueError(f"the order constraints of passes form a cycle: {_cycle(edges, set(reg) - set(order))}. "
+                         "Drop one of the after=/before= constraints.")
+    return [reg[n] for n in order]
+
+
+def _cycle(edges: Mapping[str, set[str]], left: set[str]) -> str:
+    """One cycle among ``left`` (the passes Kahn's algorithm could not order), as 'a -> b -> a'."""
+    path = [min(left)]
+    while True:
+        nxt = min(t for t in edges[path[-1]] if t in left)
+        if nxt in path:
+            cyc = path[path.index(nxt):] + [nxt]
+            return " -> ".join(cyc)
+        path.append(nxt)
 
 
 def registered_passes() -> dict[str, Pass]:
-    global _REGISTRY
-    if _REGISTRY is None:
-        reg = {}
-        for mod in _ORDER:
-            p = importlib.import_module(f"autoopt.passes.{mod}").PASS
-            reg[p.name] = p
-        _REGISTRY = reg
-    return _REGISTRY
+    """Name -> Pass, in pipeline order (a new dict: ``register`` changes the registry)."""
+    return {p.name: p for p in _ordered()}
 
 
 def registered_pass_names() -> tuple[str, ...]:
-    return tuple(registered_passes())
+    return tuple(p.name for p in _ordered())
 
 
 def enabled_passes(options) -> list[Pass]:
     wanted = options.passes
-    return [p for name, p in registered_passes().items()
-            if (wanted is None or name in wanted) and p.enabled(options)]
+    return [p for p in _ordered() if (wanted is None or p.name in wanted) and p.enabled(options)]
 
 
 def jit_options_for(options, backend: str) -> dict:
@@ -93,6 +222,48 @@ def jit_options_for(options, backend: str) -> dict:
                 merged[k] = v
     return merged
 
+
+def report_sections() -> list[Callable[..., None]]:
+    """The report's sections that passes declare, in pipeline order: ``section(report, console)``."""
+    return [resolve(p.report_section) for p in _ordered() if p.report_section is not None]
+
+
+def codemods() -> list[Any]:
+    """The ``FindingCommand`` classes the passes declare, in pipeline order (importing them
+    imports libcst)."""
+    return [resolve(p.codemod) for p in _ordered() if p.codemod is not None]
+
+
+# --- options -------------------------------------------------------------------------------------
+
+def _declared_options() -> dict[str, Option]:
+    return {o.name: o for p in _ordered() for o in p.options}
+
+
+def option_names() -> tuple[str, ...]:
+    """Every keyword ``optimize`` takes: the passes' options, its own, and jax.jit's."""
+    return (*_declared_options(), *_options.CORE_KEYWORDS, *_options.JIT_KEYWORDS)
+
+
+def make_options(**kwargs: Any) -> Options:
+    """Validated ``Options`` from ``optimize``'s keywords: each pass option by its declaration's
+    ``check``, then each pass's ``check_options`` across options, then the core options."""
+    passes = _ordered()
+    declared = {o.name: o for p in passes for o in p.options}
+    core, given, jit_kwargs = _options.split_keywords(kwargs, tuple(declared))
+    values: dict[str, Any] = {}
+    for name, opt in declared.items():
+        if name not in given:
+            values[name] = opt.default
+        else:
+            values[name] = opt.check(given[name]) if opt.check is not None else given[name]
+    for p in passes:
+        if p.check_options is not None:
+            p.check_options(values)
+    return _options.build_options(core, values, jit_kwargs, tuple(p.name for p in passes))
+
+
+# --- running -------------------------------------------------------------------------------------
 
 def run_pipeline(closed: ClosedJaxpr, ctx: PassContext) -> PipelineResult:
     """Run every enabled pass in order. Raises PassError (never a bare exception) on failure."""
@@ -120,3 +291,21 @@ def run_pipeline(closed: ClosedJaxpr, ctx: PassContext) -> PipelineResult:
             current = result.jaxpr
             log.debug("pass %s changed the program", name)
     return PipelineResult(closed, current, tuple(findings), tuple(results))
+
+
+def _register_builtins() -> None:
+    """Every subpackage here that defines ``PASS`` is a built-in pass (no list to keep)."""
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if not info.ispkg:
+            continue
+        p = getattr(importlib.import_module(f"{__name__}.{info.name}"), "PASS", None)
+        if isinstance(p, Pass):
+            _check_options_free(p)
+            _REGISTRY[p.name] = p
+    # Constraints between the built-ins checked once all of them are known; their kinds listed
+    # in pipeline order.
+    for p in _ordered():
+        _finding.register_kinds(p.name, p.kinds)
+
+
+_register_builtins()

@@ -7,13 +7,14 @@ their input, never compile the user's function on the call path, and report thro
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from jax.extend.core import ClosedJaxpr
 
-from autoopt._options import Options
 from autoopt._finding import Finding
+from autoopt._options import Option, Options
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,35 +42,68 @@ class PassContext:
 
 @dataclasses.dataclass(frozen=True)
 class PassResult:
-    """What every pass returns: the new program, whether it changed, and what was found.
-
-    ``info`` is pass-specific data for other layers (donation's aliasable leaves), never text.
-    """
+    """What every pass returns: the new program, whether it changed, and what was found."""
 
     jaxpr: ClosedJaxpr
     changed: bool = False
     findings: tuple[Finding, ...] = ()
-    info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def unchanged(cls, jaxpr: ClosedJaxpr, findings=(), info=None) -> PassResult:
-        return cls(jaxpr=jaxpr, changed=False, findings=tuple(findings), info=info or {})
+    def unchanged(cls, jaxpr: ClosedJaxpr, findings=()) -> PassResult:
+        return cls(jaxpr=jaxpr, changed=False, findings=tuple(findings))
 
 
 PassFn = Callable[[ClosedJaxpr, PassContext], PassResult]
 
 
+def _always(options: Options) -> bool:
+    return True
+
+
+def _no_jit_options(options: Options, backend: str) -> Mapping[str, Any]:
+    return {}
+
+
 @dataclasses.dataclass(frozen=True)
 class Pass:
-    """A registered pass. ``enabled(options)`` says whether the user's options turn it on."""
+    """A pass, declared once: everything the manager, the options, the report and the codemods
+    need to know about it. ``autoopt.passes.register(PASS)`` is the only other step.
+
+    NB: torch.fx's ``PassManager`` takes order as constraints between passes
+    (``this_before_that_pass_constraint``); here each pass states its own, by name.
+
+    - ``kinds``: the ``Finding.kind`` values it emits (its package's call-time findings too).
+    - ``after`` / ``before``: names of passes it must run after / before. The manager sorts the
+      registered passes by these (ties broken by name), and refuses unknown names and cycles.
+    - ``options``: the ``optimize`` keywords it owns (``Option(name, default, check, doc)``);
+      read back as ``options.<name>``. ``check_options(values)`` sees every pass option at once,
+      for checks across options (it raises; it returns nothing).
+    - ``enabled(options)``: whether the user's options turn it on.
+    - ``jit_options(options, backend)``: compile options it needs for every signature, decided
+      before anything is traced (jax.jit takes compiler_options per jit object, not per
+      signature). Example: remat on XLA:CPU may need xla_disable_hlo_passes.
+    - ``codemod``: ``"module:Class"`` of its ``FindingCommand``, imported only when source edits
+      are planned (so importing autoopt does not import libcst).
+    - ``report_section``: ``"module:function"`` (or the function) called as
+      ``section(report, console)`` after the summary, for a table of its own.
+    """
 
     name: str
     run: PassFn
-    enabled: Callable[[Options], bool] = lambda options: True
-    # A rewrite changes the program; an analysis only reports. The manager re-checks types after
-    # every rewrite when checks are on.
-    rewrites: bool = True
-    # Compile options this pass needs for every signature of a function, decided from the options
-    # and the backend before anything is traced (jax.jit takes compiler_options per jit object,
-    # not per signature). Example: remat on XLA:CPU may need xla_disable_hlo_passes.
-    jit_options: Callable[[Options, str], Mapping[str, Any]] = lambda options, backend: {}
+    kinds: tuple[str, ...] = ()
+    after: tuple[str, ...] = ()
+    before: tuple[str, ...] = ()
+    options: tuple[Option, ...] = ()
+    enabled: Callable[[Options], bool] = _always
+    jit_options: Callable[[Options, str], Mapping[str, Any]] = _no_jit_options
+    check_options: Callable[[Mapping[str, Any]], None] | None = None
+    codemod: str | None = None
+    report_section: str | Callable[..., None] | None = None
+
+
+def resolve(ref: str | Callable | None) -> Any:
+    """``"package.module:attr"`` -> the attribute (imported now); anything else as it is."""
+    if not isinstance(ref, str):
+        return ref
+    module, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module), attr)

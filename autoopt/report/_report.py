@@ -22,6 +22,7 @@ from jax.extend.core import ClosedJaxpr
 
 from autoopt._memory import format_bytes
 from autoopt.report._diff import equation_diff
+from autoopt.report._format import short_location as _short_loc
 from autoopt._finding import Finding
 
 log = logging.getLogger("autoopt")
@@ -311,7 +312,8 @@ def _render(report: Report, console: Any) -> None:
         console.print(Text(f"fell back to plain jax.jit: {report.fallback}", style="red"))
     _render_summary(report, console)
     _render_memory(report, console)
-    _render_remat(report, console)
+    for section in _pass_sections():  # each pass's own tables (remat's plans), in pass order
+        section(report, console)
     diff = report.diff
     if diff:
         console.print()
@@ -342,6 +344,12 @@ def _render(report: Report, console: Any) -> None:
             style = "bold" if line.startswith(("---", "+++")) else "red" if line.startswith("-") \
                 else "green" if line.startswith("+") else "cyan" if line.startswith("@@") else None
             console.print(Text(line, style=style), no_wrap=True, overflow="ignore", crop=False)
+
+
+def _pass_sections() -> list:
+    from autoopt.passes import report_sections
+
+    return report_sections()
 
 
 def _render_summary(report: Report, console: Any) -> None:
@@ -380,41 +388,6 @@ def _render_summary(report: Report, console: Any) -> None:
             f.message,
         )
     console.print(table)
-
-
-def _render_remat(report: Report, console: Any) -> None:
-    """Per remat decision: what the backward recomputes and what it keeps, by source line, with
-    the bytes and the FLOPs the recomputation adds (from the finding's details)."""
-    from rich.table import Table
-    from rich.text import Text
-
-    for f in report.findings:
-        rows = [*(f.details.get("recomputed") or ()), *(f.details.get("kept") or ())]
-        if f.kind != "remat" or not f.applied or not rows:
-            continue
-        console.print()
-        console.print(Text("remat: what the backward recomputes and keeps", style="bold"))
-        console.print(Text(f"plan {f.details.get('plan', '?')}; "
-                           f"{f.details.get('mechanism', '?')}", style="dim"))
-        table = Table(box=None, pad_edge=False, expand=False, show_edge=False)
-        for col, right in (("", False), ("source line", False), ("values", True),
-                           ("bytes", True), ("added FLOPs", True)):
-            table.add_column(col, justify="right" if right else "left", no_wrap=True)
-        table.add_column("operations", overflow="fold", ratio=1)
-        for r in rows:
-            flops = r.get("flops")
-            table.add_row(r.get("what", ""), _short_loc(r.get("location")),
-                          str(r.get("values", "")), format_bytes(r.get("bytes") or 0),
-                          "-" if flops is None else _fmt_count(flops),
-                          "/".join(r.get("primitives", ())))
-        console.print(table)
-
-
-def _fmt_count(n: float) -> str:
-    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n:.0f}"
 
 
 def _render_memory(report: Report, console: Any) -> None:
@@ -457,10 +430,3 @@ def _display_path(loc: str) -> str:
         rel = path
     shown = path if rel.startswith("..") else rel
     return f"{shown}:{line}"
-
-
-def _short_loc(loc: str | None) -> str:
-    if not loc:
-        return "-"
-    path, _, line = loc.rpartition(":")
-    return f"{os.path.basename(path)}:{line}"

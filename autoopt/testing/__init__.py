@@ -14,7 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from autoopt._compare import assert_trees_equivalent, tolerance
-from autoopt.testing._fuzz import FuzzCase, Program, check_program, fuzz_cases, program_args, programs
+from autoopt.testing._fuzz import (
+    FuzzCase,
+    Program,
+    check_program,
+    fuzz_cases,
+    program_args,
+    programs,
+)
 
 __all__ = [
     "assert_equivalent",
@@ -40,9 +47,10 @@ def assert_equivalent(fn, *args: Any, exact: bool = False, **kwargs: Any) -> Any
     ``donate`` is given explicitly.
     """
     from autoopt._jit._function import optimize
-    from autoopt._options import _OUR_KEYWORDS, JIT_KEYWORDS
+    from autoopt.passes import option_names
 
-    opts = {k: kwargs.pop(k) for k in list(kwargs) if k in _OUR_KEYWORDS or k in JIT_KEYWORDS}
+    names = option_names()
+    opts = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
     opts.setdefault("fallback", "raise")
     opts.setdefault("donate", "off")
     static = {k: opts[k] for k in ("static_argnums", "static_argnames") if k in opts}

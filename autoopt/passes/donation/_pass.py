@@ -20,6 +20,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from autoopt._finding import Finding
+from autoopt._options import Option
 from autoopt.passes._base import Pass, PassContext, PassResult
 
 
@@ -103,7 +104,29 @@ def donation(closed, ctx: PassContext) -> PassResult:
                          "has no output of the same shape and dtype to reuse its buffer."),
                 details={"arg": arg, "name": root, "leaves": leaves, "aliasable": False},
             ))
-    return PassResult.unchanged(closed, findings, info={"donatable": chosen, "pairs": pairs})
+    return PassResult.unchanged(closed, findings)
 
 
-PASS = Pass(name="donation", run=donation, rewrites=False)
+DONATE_POLICIES = ("safe", "auto", "off")
+
+
+def _check_donate(donate):
+    if donate not in DONATE_POLICIES:
+        raise ValueError(
+            f"donate={donate!r} is not a donation policy. Use 'safe' (default: donate what is "
+            "provably dead after the call), 'auto' (donate every aliasable argument), 'off', or "
+            "pass donate_argnums=/donate_argnames= for exactly jax.jit's behaviour."
+        )
+    return donate
+
+
+# An analysis: it reads the final program, after every rewrite.
+PASS = Pass(
+    name="donation",
+    run=donation,
+    kinds=("donate",),
+    after=("remat",),
+    options=(Option("donate", "safe", _check_donate,
+                    "'safe', 'auto' or 'off': which arguments' buffers the outputs may reuse"),),
+    codemod="autoopt.passes.donation.codemod:DonateCommand",
+)

@@ -582,4 +582,9 @@ def scatter_to_dus(closed, ctx: PassContext) -> PassResult:
     return PassResult(jaxpr=new, changed=changed, findings=tuple(findings.values()))
 
 
-PASS = Pass(name="scatter_to_dus", run=scatter_to_dus, enabled=lambda o: True, rewrites=True)
+PASS = Pass(
+    name="scatter_to_dus",
+    run=scatter_to_dus,
+    kinds=("scatter_to_dus",),
+    codemod="autoopt.passes.in_place.codemod:ScatterToDUSCommand",
+)

@@ -1,6 +1,6 @@
 """Device-to-host stalls inside the program: host callbacks, found anywhere in the jaxpr.
 
-An analysis (``rewrites=False``): ``jax.pure_callback``, ``io_callback``, ``jax.debug.callback``
+An analysis (it never changes the program): ``jax.pure_callback``, ``io_callback``, ``jax.debug.callback``
 and ``jax.debug.print`` copy their operands to the host, run Python while the device waits for
 the result (or, for the debug ones, for the ordered effect), and copy results back. Inside a
 ``scan`` or ``while`` they do so every iteration. They are reported, with the user's line and
@@ -20,6 +20,7 @@ import numpy as np
 
 from autoopt import _jaxpr
 from autoopt._finding import Finding
+from autoopt._options import Option
 from autoopt.passes._base import Pass, PassContext, PassResult
 
 # Primitive name -> how users spell it.
@@ -89,7 +90,41 @@ def transfers(closed, ctx: PassContext) -> PassResult:
                      f"{advice}."),
             details=cb,
         ))
-    return PassResult.unchanged(closed, findings, info={"host_callbacks": found})
+    return PassResult.unchanged(closed, findings)
 
 
-PASS = Pass(name="transfers", run=transfers, rewrites=False)
+TRANSFER_GUARDS = (None, "log", "disallow", "allow")
+PLACEMENTS = ("auto", "pack", "off")
+
+
+def _check_placement(placement):
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement={placement!r}: use 'auto' (cache read-only host constants, "
+                         "pass large constants as arguments, pack many small NumPy leaves into "
+                         "one transfer where measured faster), 'pack' (always pack) or 'off'.")
+    return placement
+
+
+def _check_guard(guard):
+    if guard not in TRANSFER_GUARDS:
+        raise ValueError(f"transfer_guard={guard!r}: use None, 'log', 'disallow' or 'allow'.")
+    return guard
+
+
+# An analysis of the final program. Its package's placer acts on every call's host inputs and
+# reports "placement" findings; the options below are the placer's.
+PASS = Pass(
+    name="transfers",
+    run=transfers,
+    kinds=("placement", "transfer"),
+    after=("remat",),
+    options=(
+        Option("placement", "auto", _check_placement,
+               "'auto', 'pack' or 'off': how host inputs and constants reach the device"),
+        Option("transfer_guard", None, _check_guard,
+               "None, 'log', 'disallow' or 'allow': implicit host-to-device transfers"),
+        Option("canonicalize_scalars", False, bool,
+               "place Python scalars as weakly typed device scalars once"),
+    ),
+    codemod="autoopt.passes.placement.codemod:PlacementCommand",
+)

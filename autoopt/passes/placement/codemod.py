@@ -131,6 +131,7 @@ class PlacementCommand(FindingCommand):
     DESCRIPTION = ("Place what the placement pass placed: loop-fed batches through "
                    "`autoopt.prefetch(...)`, loop-invariant host arrays once with `jax.device_put`.")
     KIND = "placement"
+    INSERTS_STATEMENTS = True  # a `jax.device_put` line before the loop
     HINT = ("iterate over `autoopt.prefetch(batches)` and `jax.device_put` constant host arrays "
             "once, before the loop")
 

@@ -45,6 +45,7 @@ training step (0.1-0.2 s each for the 16-layer MLP of the benchmark, seconds for
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import logging
 import math
@@ -56,11 +57,12 @@ import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from autoopt import _compat, _jaxpr
+from autoopt._finding import Finding
+from autoopt._memory import CompiledMemory, compiled_memory
+from autoopt._options import Option, parse_bytes
+from autoopt.passes._base import Pass, PassContext, PassResult
 from autoopt.passes.remat import _forward as _remat_forward
 from autoopt.passes.remat import _plan as _remat_plan
-from autoopt._memory import CompiledMemory, compiled_memory
-from autoopt._finding import Finding
-from autoopt.passes._base import Pass, PassContext, PassResult
 
 log = logging.getLogger("autoopt")
 
@@ -595,23 +597,16 @@ def _plan_level(closed: ClosedJaxpr, ctx: PassContext, where: str) -> tuple[Clos
     new_eqns = []
     changed = False
     for eqn in closed.jaxpr.eqns:
-        params = None
-        if eqn.primitive.name not in _jaxpr._OPAQUE_PRIMITIVES:
-            for name, idx, sub in _jaxpr.subjaxprs(eqn):
-                if not _has_backward(_remat_forward.as_jaxpr(sub)):
-                    continue
-                sub_closed = sub if isinstance(sub, ClosedJaxpr) else ClosedJaxpr(sub, ())
-                loc = _jaxpr.user_location(eqn)
-                new_sub, fs = _plan_level(sub_closed, ctx, f"the {eqn.primitive.name} body at {loc}")
-                findings.extend(fs)
-                if new_sub is sub_closed:
-                    continue
-                if not isinstance(sub, ClosedJaxpr):
-                    if new_sub.consts:
-                        continue
-                    new_sub = new_sub.jaxpr
-                params = dict(params or eqn.params)
-                _jaxpr.set_subjaxpr(params, name, idx, new_sub)
+        def plan(sub: ClosedJaxpr, eqn=eqn) -> ClosedJaxpr:
+            if not _has_backward(sub.jaxpr):
+                return sub
+            where = f"the {eqn.primitive.name} body at {_jaxpr.user_location(eqn)}"
+            new_sub, fs = _plan_level(sub, ctx, where)
+            findings.extend(fs)
+            return new_sub
+
+        # No re-trace of this level: only the changed bodies are swapped into its equations.
+        params = _jaxpr.with_subjaxprs(eqn, plan)
         if params is not None:
             eqn = eqn.replace(params=params)
             changed = True
@@ -643,7 +638,58 @@ def _is_tracer(x: Any) -> bool:
     return isinstance(x, jax.core.Tracer)
 
 
-PASS = Pass(name="remat", run=remat, enabled=lambda o: o.remat != "off", jit_options=jit_options)
+# --- the declaration -----------------------------------------------------------------------------
+
+# jax.checkpoint_policies names a user may force; "auto" and "off" are ours.
+REMAT_CHOICES = ("auto", "off")
+
+
+def _policy_names() -> tuple[str, ...]:
+    return tuple(n for n in dir(jax.checkpoint_policies)
+                 if not n.startswith("_") and callable(getattr(jax.checkpoint_policies, n)))
+
+
+def _check_remat(remat):
+    policies = _policy_names()
+    if not isinstance(remat, str) or (remat not in REMAT_CHOICES and remat not in policies):
+        close = difflib.get_close_matches(str(remat), REMAT_CHOICES + policies, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        named = [n for n in policies if getattr(jax.checkpoint_policies, n, None) is remat]
+        if named:  # the policy object itself: the option takes its name
+            hint = (" Pass the policy's name as a string: "
+                    + " or ".join(f"remat={n!r}" for n in named) + ".")
+        raise ValueError(
+            f"remat={remat!r} is not a remat policy.{hint} Use 'auto', 'off', or one of "
+            f"jax.checkpoint_policies: {', '.join(policies)}."
+        )
+    return remat
+
+
+def _check_budget_needs_remat(values) -> None:
+    if values["remat"] == "off" and values["memory_budget"] is not None:
+        raise ValueError("memory_budget is only met by rematerialization, which remat='off' turns "
+                         "off: drop one of the two (remat='auto' with the budget recomputes to "
+                         "meet it).")
+
+
+# A rewrite that must see the final forward/backward: after every other rewrite.
+PASS = Pass(
+    name="remat",
+    run=remat,
+    kinds=("remat",),
+    after=("scatter_to_dus",),
+    options=(
+        Option("remat", "auto", _check_remat,
+               "'auto', 'off', or a jax.checkpoint_policies name: what the backward recomputes"),
+        Option("memory_budget", None, parse_bytes,
+               "bytes or a string like '2GB': the compiled peak remat must reach"),
+    ),
+    check_options=_check_budget_needs_remat,
+    enabled=lambda o: o.remat != "off",
+    jit_options=jit_options,
+    codemod="autoopt.passes.remat.codemod:RematCommand",
+    report_section="autoopt.passes.remat._report:plans_section",
+)
 
 
 __all__ = ["PASS", "remat", "jit_options"]

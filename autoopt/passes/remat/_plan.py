@@ -620,21 +620,12 @@ def pareto(plans: Sequence[Plan]) -> list[Plan]:
 
 # --- the rewrite ---------------------------------------------------------------------------------
 
-def _bind(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
-    # NB: as jax.core.eval_jaxpr does in jax 0.10 (get_bind_params returns the params only).
-    params = eqn.primitive.get_bind_params(eqn.params)
-    out = eqn.primitive.bind(*invals, **params)
-    return list(out) if eqn.primitive.multiple_results else [out]
-
-
 def _run(eqn: JaxprEqn, invals: Sequence[Any], scope: str | None = None) -> list[Any]:
-    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), \
-            eqn.ctx.manager:
-        if scope is None:
-            return _bind(eqn, invals)
-        with jax.named_scope(scope):
-            return _bind(eqn, invals)
+    """``_jaxpr.rebind``, inside ``jax.named_scope(scope)`` when a scope is given."""
+    if scope is None:
+        return _jaxpr.rebind(eqn, invals)
+    with _jaxpr.at_source(eqn), jax.named_scope(scope):
+        return _jaxpr._bind(eqn, invals)
 
 
 def apply(closed: ClosedJaxpr, g: JointGraph, recompute: Iterable[int],
