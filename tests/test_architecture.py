@@ -48,6 +48,7 @@ INFRASTRUCTURE = frozenset(
         "_errors",
         "_finding",
         "_compare",
+        "_format",
         "_jit",
     )
 )

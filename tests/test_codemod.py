@@ -20,17 +20,13 @@ from libcst.codemod import (
 )
 
 import autoopt
-from autoopt.codemod import (
-    COMMANDS,
-    DonateCommand,
-    PlacementCommand,
-    RematCommand,
-    ScatterToDUSCommand,
-    plan_source_edits,
-    rewrite_code,
-)
+from autoopt.codemod import COMMANDS, plan_source_edits, rewrite_code
 from autoopt.passes import registered_passes
 from autoopt.passes._base import resolve
+from autoopt.passes.donation.codemod import DonateCommand
+from autoopt.passes.in_place.codemod import ScatterToDUSCommand
+from autoopt.passes.placement.codemod import PlacementCommand
+from autoopt.passes.remat.codemod import RematCommand
 from autoopt.report import Finding
 
 

@@ -40,26 +40,34 @@ from libcst.codemod import (
 from libcst.codemod.visitors import AddImportsVisitor
 
 from autoopt._finding import Finding
-from autoopt.codemod._base import FindingCommand, finding_line
-from autoopt.passes.donation.codemod import DonateCommand
-from autoopt.passes.in_place.codemod import ScatterToDUSCommand
-from autoopt.passes.placement.codemod import PlacementCommand
-from autoopt.passes.remat.codemod import RematCommand
+from autoopt.codemod._base import (
+    LIBRARY_ROOTS,
+    FindingCommand,
+    ModuleImports,
+    comma_separated,
+    dotted_name,
+    finding_line,
+    template,
+)
 
 __all__ = [
+    # the runner
     "COMMANDS",
-    "DonateCommand",
     "FileEdit",
-    "FindingCommand",
-    "PlacementCommand",
-    "RematCommand",
     "RewriteResult",
-    "ScatterToDUSCommand",
     "SourcePlan",
     "commands",
     "plan_source_edits",
     "rewrite_code",
     "source_diff_for",
+    # the base every pass's command builds on (commands live with their pass)
+    "LIBRARY_ROOTS",
+    "FindingCommand",
+    "ModuleImports",
+    "comma_separated",
+    "dotted_name",
+    "finding_line",
+    "template",
 ]
 
 
@@ -249,7 +257,10 @@ def plan_source_edits(fn: Callable | None, findings: Sequence[Finding], *,
         path = fn_file if f.kind == "donate" else (
             f.location.rpartition(":")[0] if f.location else fn_file)
         groups.setdefault(path, []).append(i)
-    evidence = [f for f in findings if f.kind == "donate" and not DonateCommand.wants(f)]
+    # Donate findings no command edits are evidence for the donate command (a call site that
+    # reuses an argument must stop it from suggesting donate_argnums for that argument).
+    evidence = [f for f in findings if f.kind in by_kind and not by_kind[f.kind].wants(f)
+                and f.kind == "donate"]
     notes: dict[int, str] = {}
     edited: set[int] = set()
     edits: list[FileEdit] = []

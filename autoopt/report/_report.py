@@ -22,7 +22,7 @@ from jax.extend.core import ClosedJaxpr
 
 from autoopt._memory import format_bytes
 from autoopt.report._diff import equation_diff
-from autoopt.report._format import short_location as _short_loc
+from autoopt._format import short_location as _short_loc
 from autoopt._finding import Finding
 
 log = logging.getLogger("autoopt")

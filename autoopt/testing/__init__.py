@@ -46,7 +46,7 @@ def assert_equivalent(fn, *args: Any, exact: bool = False, **kwargs: Any) -> Any
     Donation is turned off for the comparison (the reference must not see deleted inputs) unless
     ``donate`` is given explicitly.
     """
-    from autoopt._jit._function import optimize
+    from autoopt._jit import optimize
     from autoopt.passes import option_names
 
     names = option_names()

@@ -24,7 +24,7 @@ from __future__ import annotations
 import libcst as cst
 from libcst.metadata import ParentNodeProvider
 
-from autoopt.codemod._base import FindingCommand, comma_separated
+from autoopt.codemod import FindingCommand, comma_separated
 from autoopt._finding import Finding
 
 __all__ = ["DonateCommand"]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from autoopt.codemod._base import FindingCommand, dotted_name, template
+from autoopt.codemod import FindingCommand, dotted_name, template
 
 __all__ = ["ScatterToDUSCommand"]
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from autoopt.codemod._base import FindingCommand, finding_line
+from autoopt.codemod import FindingCommand, finding_line
 
 __all__ = ["PlacementCommand"]
 

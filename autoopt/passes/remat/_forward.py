@@ -25,7 +25,14 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from autoopt import _compat, _jaxpr
-from autoopt.passes.remat._plan import _is_var, _run, choose_cuts, fine_cuts, heavy, segment_counts
+from autoopt.passes.remat._plan import (
+    choose_cuts,
+    fine_cuts,
+    heavy,
+    is_var,
+    run_eqn,
+    segment_counts,
+)
 
 # A scan this long or longer is also offered as nested scans (sqrt(n) checkpoints).
 NEST_MIN_LENGTH = 16
@@ -127,13 +134,13 @@ def checkpoint_segments(closed: ClosedJaxpr, bounds: Sequence[int], policy,
     j = closed.jaxpr
     eqns = j.eqns
     later_uses: list[set] = [set() for _ in range(len(bounds))]
-    outvars = {v for v in j.outvars if _is_var(v)}
+    outvars = {v for v in j.outvars if is_var(v)}
     segs = list(zip(bounds, bounds[1:]))
     wrap = set(range(len(segs) - 1 if skip_last else len(segs)))
     for s_idx, (_lo, hi) in enumerate(segs):
         used = set(outvars)
         for e in eqns[hi:]:
-            used.update(v for v in e.invars if _is_var(v))
+            used.update(v for v in e.invars if is_var(v))
         later_uses[s_idx] = used
 
     def fn(*args):
@@ -150,15 +157,15 @@ def checkpoint_segments(closed: ClosedJaxpr, bounds: Sequence[int], policy,
             seg = eqns[lo:hi]
             if s_idx not in wrap or not seg:
                 for e in seg:
-                    for v, val in zip(e.outvars, _run(e, [read(u) for u in e.invars])):
-                        if _is_var(v):
+                    for v, val in zip(e.outvars, run_eqn(e, [read(u) for u in e.invars])):
+                        if is_var(v):
                             env[v] = val
                 continue
-            defined = {v for e in seg for v in e.outvars if _is_var(v)}
+            defined = {v for e in seg for v in e.outvars if is_var(v)}
             ins = []
             for e in seg:
                 for u in e.invars:
-                    if _is_var(u) and u not in defined and u not in ins:
+                    if is_var(u) and u not in defined and u not in ins:
                         ins.append(u)
             outs = [v for v in defined if v in later_uses[s_idx]]
             outs.sort(key=lambda v: next(k for k, e in enumerate(seg) if v in e.outvars))
@@ -166,8 +173,8 @@ def checkpoint_segments(closed: ClosedJaxpr, bounds: Sequence[int], policy,
             def segment(*vals, seg=seg, ins=ins, outs=outs):
                 local = dict(zip(ins, vals))
                 for e in seg:
-                    for v, val in zip(e.outvars, _run(e, [read(u, local) for u in e.invars])):
-                        if _is_var(v):
+                    for v, val in zip(e.outvars, run_eqn(e, [read(u, local) for u in e.invars])):
+                        if is_var(v):
                             local[v] = val
                 return [local[v] for v in outs]
 

@@ -141,7 +141,7 @@ def _as_jaxpr(j) -> Jaxpr:
     return j.jaxpr if isinstance(j, ClosedJaxpr) else j
 
 
-def _is_var(v) -> bool:
+def is_var(v) -> bool:
     return isinstance(v, Var) and not isinstance(v, Literal) and not isinstance(v, DropVar)
 
 
@@ -186,14 +186,14 @@ def joint_graph(jaxpr: Jaxpr) -> JointGraph | None:
     producer: dict = {}
     for i, e in enumerate(eqns):
         for v in e.outvars:
-            if _is_var(v):
+            if is_var(v):
                 producer[v] = i
     forward = tuple(i for i in range(len(eqns)) if i not in backward)
     seen: set = set()
     residuals = []
     for i in sorted(backward):
         for v in eqns[i].invars:
-            if _is_var(v) and v in producer and producer[v] not in backward and v not in seen:
+            if is_var(v) and v in producer and producer[v] not in backward and v not in seen:
                 seen.add(v)
                 residuals.append(v)
     # A forward equation may be recomputed when it is pure and reads only forward values or
@@ -203,12 +203,12 @@ def joint_graph(jaxpr: Jaxpr) -> JointGraph | None:
         e = eqns[i]
         if not recomputable(e):
             continue
-        if all(not _is_var(v) or v not in producer or producer[v] not in backward for v in e.invars):
+        if all(not is_var(v) or v not in producer or producer[v] not in backward for v in e.invars):
             eligible.add(i)
-    ins = [[v for v in e.invars if _is_var(v)] for e in eqns]
-    outs = [[v for v in e.outvars if _is_var(v)] for e in eqns]
+    ins = [[v for v in e.invars if is_var(v)] for e in eqns]
+    outs = [[v for v in e.outvars if is_var(v)] for e in eqns]
     nbytes = {v: aval_bytes(v.aval) for vs in ins + outs for v in vs}
-    nbytes.update((v, aval_bytes(v.aval)) for v in jaxpr.outvars if _is_var(v))
+    nbytes.update((v, aval_bytes(v.aval)) for v in jaxpr.outvars if is_var(v))
     flops = [eqn_flops(e) if i not in backward else 0.0 for i, e in enumerate(eqns)]
     return JointGraph(jaxpr, backward, producer, tuple(residuals), forward, frozenset(eligible),
                       ins, outs, nbytes, flops)
@@ -273,7 +273,7 @@ def schedule(g: JointGraph, recompute: Iterable[int]) -> Schedule:
             last_bwd_val = g.outs[t][-1]
     # Dead-code: a forward equation stays when one of its outputs is still read in the original
     # form (by the forward, the backward through a kept value, a recompute block, or the outputs).
-    needed = {v for v in g.jaxpr.outvars if _is_var(v)} | external_reads
+    needed = {v for v in g.jaxpr.outvars if is_var(v)} | external_reads
     for t in g.backward:
         needed.update(v for v in ins[t] if producer.get(v) not in rec)
     dead = set()
@@ -309,7 +309,7 @@ def simulated_peak(g: JointGraph, s: Schedule) -> tuple[int, int]:
         for v in ins:
             last[v] = k
     for v in g.jaxpr.outvars:
-        if _is_var(v):
+        if is_var(v):
             last[v] = len(ops)
     live = peak = integral = 0
     for k, (ins, outs) in enumerate(ops):
@@ -379,7 +379,7 @@ def cheap_plan(g: JointGraph) -> Plan:
     """The min-cut over cheap forward operations: save the fewest bytes from which the backward
     recomputes the residuals using elementwise and layout work only."""
     eqns = g.jaxpr.eqns
-    fwd_vars = [v for i in g.forward for v in eqns[i].outvars if _is_var(v)]
+    fwd_vars = [v for i in g.forward for v in eqns[i].outvars if is_var(v)]
     index = {v: k for k, v in enumerate(fwd_vars)}
     n = 2 * len(fwd_vars) + 2
     src, snk = n - 2, n - 1
@@ -394,7 +394,7 @@ def cheap_plan(g: JointGraph) -> Plan:
         if v in residual:
             edges.append((2 * k + 1, snk, inf))
         for u in eqns[p].invars:
-            if _is_var(u) and u in index:
+            if is_var(u) and u in index:
                 edges.append((2 * index[u] + 1, 2 * k, inf))
     side = _max_flow_min_cut(n, edges, src, snk)
     rec = frozenset(g.producer[v] for v, k in index.items()
@@ -408,11 +408,11 @@ def fine_cuts(eqns: Sequence[JaxprEqn], end: int | None = None) -> list[tuple[in
     ``[(position, crossing bytes)]``; the cut at position k runs before ``eqns[k]``. Only
     positions up to ``end`` are considered."""
     end = len(eqns) - 1 if end is None else end
-    producer = {v: k for k, e in enumerate(eqns) for v in e.outvars if _is_var(v)}
+    producer = {v: k for k, e in enumerate(eqns) for v in e.outvars if is_var(v)}
     last_use: dict = {}
     for k, e in enumerate(eqns):
         for v in e.invars:
-            if _is_var(v) and v in producer:
+            if is_var(v) and v in producer:
                 last_use[v] = k
     delta = [0] * (len(eqns) + 2)
     for v, k_last in last_use.items():
@@ -493,7 +493,7 @@ def _segment_recompute(g: JointGraph, bounds: Sequence[int], chosen: Iterable[in
         if keep_boundaries:
             for k in range(hi, len(g.forward)):
                 for v in eqns[g.forward[k]].invars:
-                    if _is_var(v) and lo <= pos.get(g.producer.get(v, -1), -1) < hi:
+                    if is_var(v) and lo <= pos.get(g.producer.get(v, -1), -1) < hi:
                         keep.add(g.producer[v])
         for k in range(lo, hi):
             i = g.forward[k]
@@ -620,7 +620,7 @@ def pareto(plans: Sequence[Plan]) -> list[Plan]:
 
 # --- the rewrite ---------------------------------------------------------------------------------
 
-def _run(eqn: JaxprEqn, invals: Sequence[Any], scope: str | None = None) -> list[Any]:
+def run_eqn(eqn: JaxprEqn, invals: Sequence[Any], scope: str | None = None) -> list[Any]:
     """``_jaxpr.rebind``, inside ``jax.named_scope(scope)`` when a scope is given."""
     if scope is None:
         return _jaxpr.rebind(eqn, invals)
@@ -649,7 +649,7 @@ def apply(closed: ClosedJaxpr, g: JointGraph, recompute: Iterable[int],
         regions = _backward_regions(g, s)
         # Backward values defined in a region and read after it (or returned).
         in_region = {k: t for t, r in regions.items() for k in r}
-        escaping = {v for v in j.outvars if _is_var(v)}
+        escaping = {v for v in j.outvars if is_var(v)}
         for k, ins_k in enumerate(g.ins):
             for u in ins_k:
                 p = g.producer.get(u)
@@ -690,8 +690,8 @@ def apply(closed: ClosedJaxpr, g: JointGraph, recompute: Iterable[int],
                     if region:
                         continue
                     ins = [read(v, t in g.backward) for v in e.invars]
-                    for v, val in zip(e.outvars, _run(e, ins)):
-                        if _is_var(v):
+                    for v, val in zip(e.outvars, run_eqn(e, ins)):
+                        if is_var(v):
                             env[v] = val
                     continue
                 # The barrier keeps XLA from merging the recomputation into the forward (CSE)
@@ -707,12 +707,12 @@ def apply(closed: ClosedJaxpr, g: JointGraph, recompute: Iterable[int],
                     ins = [u.val if isinstance(u, Literal) else
                            renv[u] if g.producer.get(u) in s.recompute else local[u]
                            for u in pe.invars]
-                    for v, val in zip(pe.outvars, _run(pe, ins, "autoopt_remat")):
-                        if _is_var(v):
+                    for v, val in zip(pe.outvars, run_eqn(pe, ins, "autoopt_remat")):
+                        if is_var(v):
                             renv[v] = val
             ins = [read(v, t in g.backward) for v in e.invars]
-            for v, val in zip(e.outvars, _run(e, ins)):
-                if _is_var(v):
+            for v, val in zip(e.outvars, run_eqn(e, ins)):
+                if is_var(v):
                     env[v] = val
         return [read(v, False) for v in j.outvars]
 
@@ -801,16 +801,16 @@ def _cond_fenced(eqns, b: Block, s: Schedule, g: JointGraph, ext: list, anchor: 
             ins = [u.val if isinstance(u, Literal) else
                    renv[u] if u in renv else local[u]
                    for u in pe.invars]
-            for v, val in zip(pe.outvars, _run(pe, ins, "autoopt_remat")):
-                if _is_var(v):
+            for v, val in zip(pe.outvars, run_eqn(pe, ins, "autoopt_remat")):
+                if is_var(v):
                     renv[v] = val
         benv = dict(zip(rin, ext_vals[n_ext:]))
         for k in region:
             e = eqns[k]
             ins = [u.val if isinstance(u, Literal) else
                    benv[u] if u in benv else renv[u] for u in e.invars]
-            for v, val in zip(e.outvars, _run(e, ins)):
-                if _is_var(v):
+            for v, val in zip(e.outvars, run_eqn(e, ins)):
+                if is_var(v):
                     benv[v] = val
         return [renv[v] for v in outs_needed] + [benv[v] for v in bdefs_out]
 
@@ -899,7 +899,7 @@ def scan_pairs(g: JointGraph) -> list[ScanPair]:
         for v in vs:
             readers.setdefault(v, set()).add(t)
     for v in g.jaxpr.outvars:
-        if _is_var(v):
+        if is_var(v):
             readers.setdefault(v, set()).add(-1)
     pairs = []
     for f in g.forward:
@@ -907,7 +907,7 @@ def scan_pairs(g: JointGraph) -> list[ScanPair]:
         if e.primitive.name != "scan" or f not in g.eligible:
             continue
         nk = e.params["num_carry"]
-        res = [k for k in range(nk, len(e.outvars)) if _is_var(e.outvars[k])
+        res = [k for k in range(nk, len(e.outvars)) if is_var(e.outvars[k])
                and readers.get(e.outvars[k]) and all(t in g.backward for t in readers[e.outvars[k]])]
         bwds = {t for k in res for t in readers[e.outvars[k]]}
         if not res or len(bwds) != 1:
@@ -917,7 +917,7 @@ def scan_pairs(g: JointGraph) -> list[ScanPair]:
         if be.primitive.name != "scan" or be.params["length"] != e.params["length"]:
             continue
         first_x = be.params["num_consts"] + be.params["num_carry"]
-        pos = {v: i for i, v in enumerate(be.invars) if i >= first_x and _is_var(v)}
+        pos = {v: i for i, v in enumerate(be.invars) if i >= first_x and is_var(v)}
         if any(e.outvars[k] not in pos for k in res):
             continue
         if sum(1 for v in be.invars if any(v is e.outvars[k] for k in res)) != len(res):
@@ -958,9 +958,9 @@ def apply_scan_checkpoints(closed: ClosedJaxpr, g: JointGraph, pairs: Sequence[S
                 outs = _checkpointed_forward_scan(e, [read(v) for v in e.invars], by_fwd[t],
                                                   carries, t)
             else:
-                outs = _run(e, [read(v) for v in e.invars])
+                outs = run_eqn(e, [read(v) for v in e.invars])
             for v, val in zip(e.outvars, outs):
-                if _is_var(v) and val is not None:
+                if is_var(v) and val is not None:
                     env[v] = val
         return [read(v) for v in j.outvars]
 
@@ -977,7 +977,7 @@ def _checkpointed_forward_scan(e: JaxprEqn, ins: list, p: ScanPair, carries: dic
         return [*outs[:nk], *[outs[k] for k in keep], *a[nc:nc + nk]]
 
     nb = _compat.trace_closed_jaxpr(new_body, body.in_avals, name="autoopt.remat.fwd_scan")
-    res = _run(e.replace(params=dict(e.params, jaxpr=nb)), ins)
+    res = run_eqn(e.replace(params=dict(e.params, jaxpr=nb)), ins)
     carries[t] = res[nk + len(keep):]
     out: list = list(res[:nk]) + [None] * (len(e.outvars) - nk)
     for i, k in enumerate(keep):
@@ -1016,4 +1016,4 @@ def _recomputing_backward_scan(e: JaxprEqn, ins: list, fe: JaxprEqn, f_ins: list
     new_ins = (list(ins[:nc]) + list(f_consts) + list(ins[nc:nc + nk]) + [ins[k] for k in xs_idx]
                + list(carry_stack) + list(f_xs))
     params = dict(e.params, jaxpr=nb, num_consts=nc + n_fc)
-    return _run(e.replace(params=params), new_ins)
+    return run_eqn(e.replace(params=params), new_ins)

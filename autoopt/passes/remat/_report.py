@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from autoopt._format import format_count, short_location
 from autoopt._memory import format_bytes
-from autoopt.report._format import format_count, short_location
 
 
 def plans_section(report, console: Any) -> None:

@@ -22,7 +22,7 @@ import os
 
 import libcst as cst
 
-from autoopt.codemod._base import FindingCommand, comma_separated, dotted_name
+from autoopt.codemod import FindingCommand, comma_separated, dotted_name
 
 __all__ = ["RematCommand"]
 
