@@ -201,8 +201,9 @@ def test_fast_path_keeps_passing_hoisted_constants():
     x = _fresh()
     for _ in range(4):
         x = f(x)
-    donating = [j for key, j in f._jits.items() if key != ((), ())]
-    assert [j._cache_size() for j in donating] == [1]
+    inspection = f.inspect(x)
+    donating = [key for key in inspection.donation_variants if key != ((), ())]
+    assert donating == [inspection.donated] and inspection.jit._cache_size() == 1
     np.testing.assert_allclose(x, 1 + 4 * _BIG[0, :3], rtol=1e-6)
 
 

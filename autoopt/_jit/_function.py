@@ -491,10 +491,12 @@ class OptimizedFunction:
         if program is None:
             raise ValueError("inspect() and explain() cannot run on arguments traced by an "
                              "enclosing transformation; call them with concrete arrays.")
+        variants = frozenset(self._caches.jits)  # before inspect() itself makes one
         jit, donated = self._aot_choice(program, args, kwargs)
-        return self._inspection(program, jit, donated)
+        return self._inspection(program, jit, donated, variants)
 
-    def _inspection(self, program: Program, jit, donated: tuple) -> Inspection:
+    def _inspection(self, program: Program, jit, donated: tuple,
+                    variants: frozenset | None = None) -> Inspection:
         policy, caches = self._policy, self._caches
         return Inspection(
             function=self.__wrapped__,
@@ -509,7 +511,7 @@ class OptimizedFunction:
             jit=jit,
             donated=donated,
             programs=types.MappingProxyType(dict(caches.programs)),
-            donation_variants=frozenset(caches.jits),
+            donation_variants=frozenset(caches.jits) if variants is None else variants,
             call_sites=tuple(caches.site_proofs.values()),
             fast_entries=(sum(len(s.fast or {}) for s in list(caches.sites.values()))
                           + len(caches.auto_fast or {})),

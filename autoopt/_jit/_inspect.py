@@ -35,7 +35,8 @@ class Inspection:
 
     About the function (every signature so far): ``programs`` (trace-side signature ->
     program: how many signatures were traced), ``donation_variants`` (the donated sets a jit
-    object exists for; ``((), ())`` is the plain one), ``call_sites`` (the call-site proofs
+    object exists for, calls having made them before this ``inspect``; ``((), ())`` is the
+    plain one), ``call_sites`` (the call-site proofs
     recorded under ``"safe"``, one per source line), ``fast_entries`` (plans cached for the
     fast path, all sites), ``placement`` (the placer's figures, None when no option asks for a
     placer), ``eager_autodiff_watched`` (calls still check for eager ``jax.grad``) and
