@@ -51,7 +51,7 @@ def main() -> None:
             r["auto"].append(loop(fa, w0, cols))
             r["pack"].append(loop(fp, w0, cols))
         j, a, p = (statistics.median(r[k]) for k in ("jit", "auto", "pack"))
-        modes = {hit[0].mode for hit in fa._placer._layouts.values() if hit[0] is not None}
+        modes = {layout.mode for layout in fa.inspect(w0, cols).placement.packed_layouts}
         chose = "/".join(sorted(modes)) or "jit (too few leaves)"
         print(f"| {n} | {j:.1f} | {a:.1f} | {j / a:.2f}x | {chose} | {p:.1f} | {j / p:.2f}x |")
 

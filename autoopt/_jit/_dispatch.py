@@ -1,4 +1,4 @@
-"""One call's route: ``dispatch(args) -> CallPlan``.
+"""One call's route: ``dispatch(site, args, kwargs) -> CallPlan``.
 
 The policy (``Policy``) is fixed when ``optimize`` builds the wrapper, as ``equinox.filter_jit``
 fixes its filter; everything that changes between calls lives in one ``Caches`` object. Every
@@ -14,6 +14,7 @@ call, a function's or a decorated method's, goes through ``dispatch``:
 4. the donation policy: ``"safe"`` donates what the call site proves dead and the reference
    counts confirm, ``"auto"`` every aliasable argument, else the plain jit object.
 
+``make_dispatch`` builds the function that does this, once per ``OptimizedFunction``.
 The plan says which jit object runs, what it donates, whether the placer runs and whether to
 verify; ``OptimizedFunction`` executes it. Nothing here catches a TypeError: the user's own
 errors propagate from the one call of the user's function, as from jax.jit.
@@ -31,6 +32,7 @@ import jax
 from autoopt import _compat, _trace
 from autoopt._jit import _static_leaves
 from autoopt._jit._program import FAST_ENTRIES, Program
+from autoopt._jit._static_leaves import _PLAIN_TYPES
 from autoopt._options import Options
 from autoopt.passes import jit_options_for
 from autoopt.passes.donation import _callsite
@@ -47,6 +49,7 @@ class Policy:
     donate: str  # "safe" | "auto" | "off" | "explicit" (the user's donate_argnums/argnames)
     static_argnums: tuple[int, ...]
     static_argnames: tuple[str, ...]
+    has_static: bool
     verify: bool
     backend: str
     jit_kwargs: Mapping[str, Any]  # jax.jit's keywords, with the passes' compiler options
@@ -61,10 +64,6 @@ class Policy:
     # The placer acts on every call, arrays or not (see ``remember_fast``).
     placer_every_call: bool
     fn_location: str | None
-
-    @property
-    def has_static(self) -> bool:
-        return bool(self.static_argnums or self.static_argnames)
 
     @classmethod
     def build(cls, options: Options, fn_location: str | None) -> Policy:
@@ -82,6 +81,7 @@ class Policy:
             donate="explicit" if options.explicit_donation else options.donate,
             static_argnums=options.static_argnums,
             static_argnames=options.static_argnames,
+            has_static=has_static,
             verify=bool(options.verify),
             backend=backend,
             jit_kwargs=jit_kwargs,
@@ -134,63 +134,79 @@ class CallPlan(NamedTuple):
     names: tuple = ()  # donated keyword arguments
     verify: bool = False  # compare with jax.jit of the original on a signature's first call
     static: _static_leaves.StaticSplit | None = None  # the call's non-array leaves, taken out
+    direct: bool = True  # neither ``static`` nor ``verify``: the jit object runs as it is
 
 
-def dispatch(of: OptimizedFunction, site, args: tuple, kwargs: dict, shift: int = 0) -> CallPlan:
-    """The plan for calling ``of`` with ``args``/``kwargs``.
+def make_dispatch(of: OptimizedFunction) -> Callable[..., CallPlan]:
+    """``dispatch(site, args, kwargs, shift=0) -> CallPlan`` for ``of``, its policy bound once.
 
-    ``site``: the caller's ``Site`` under ``"safe"`` (None elsewhere, or when the caller is not
-    the user's statement); ``shift``: 1 for a decorated method, whose ``args`` start with the
-    instance (its reference counts are checked against ``_callsite.BOUND_BASES``).
+    As ``equinox.filter_jit`` builds its wrapper once: the policy's fields are read here, so a
+    call reads them as closure cells, not attributes. ``site``: the caller's ``Site`` under
+    ``"safe"`` (None elsewhere); ``shift``: 1 for a decorated method, whose ``args`` start with
+    the instance (its reference counts are checked against ``_callsite.BOUND_BASES``).
 
     NB: ``args`` is passed down as the tuple the caller's ``*args`` built, never copied or
-    unpacked into names, so the reference counts read by the donation checks are those of the
-    calibrated probes (``_callsite._Probe``, ``_BoundProbe``).
+    unpacked into names while a reference count is read, so the counts the donation checks read
+    are those of the calibrated probes (``_callsite._Probe``, ``_BoundProbe``).
     """
-    policy = of._policy
-    caches = of._caches
-    if (caches.watch_autodiff or policy.nested_kwargs is not None) and \
-            not _compat.trace_state_clean():
-        split = _static_leaves.split_if_static(args, kwargs, policy.static_argnums,
-                                               policy.static_argnames)
-        if split is not None:
-            return of._static_leaf_plan(split)
-        if caches.watch_autodiff and _compat.eager_autodiff((args, kwargs)):
-            return CallPlan(of._eager_ad_jit())
-        if policy.nested_kwargs is not None:
-            return CallPlan(of._nested_jit())
-    donate = policy.donate
-    if donate == "safe":
-        if site is not None and site.donates:
-            fast = site.fast
-            if fast and not kwargs:
-                hit = _callsite.fast_hit(fast, args, True)
+    policy, caches = of._policy, of._caches
+    donate, nested = policy.donate, policy.nested_kwargs is not None
+    static_argnums, static_argnames = policy.static_argnums, policy.static_argnames
+    flat_ok = not policy.has_static
+    plain_plan = of._plain_plan
+    split_if_static, fast_hit = _static_leaves.split_if_static, _callsite.fast_hit
+    trace_state_clean, plain_types = _compat.trace_state_clean, _PLAIN_TYPES
+
+    def dispatch(site, args: tuple, kwargs: dict, shift: int = 0) -> CallPlan:
+        # 1. under a transformation
+        if (caches.watch_autodiff or nested) and not trace_state_clean():
+            split = split_if_static(args, kwargs, static_argnums, static_argnames)
+            if split is not None:
+                return of._static_leaf_plan(split)
+            if caches.watch_autodiff and _compat.eager_autodiff((args, kwargs)):
+                return CallPlan(of._eager_ad_jit())
+            if nested:
+                return CallPlan(of._nested_jit())
+        if donate == "safe":
+            if site is not None and site.donates:
+                fast = site.fast
+                if fast and not kwargs:  # 2. the site's cached plan
+                    hit = fast_hit(fast, args, True)
+                    if hit is not None:
+                        return hit
+                proof = site.proof
+                if proof.matches(args, kwargs, shift):  # else positions mean other arguments
+                    split = split_if_static(args, kwargs, static_argnums, static_argnames)
+                    if split is not None:  # 3.
+                        return of._static_leaf_plan(split)
+                    return plan_donating(  # 4.
+                        of, proof.positions, proof.names, args, kwargs, True, fast,
+                        _callsite.BOUND_BASES if shift else None, proof.unpack)
+        elif donate == "auto":
+            fast = caches.auto_fast if not shift else None
+            if fast and not kwargs:  # 2.
+                hit = fast_hit(fast, args, False)
                 if hit is not None:
                     return hit
-            proof = site.proof
-            if proof.matches(args, kwargs, shift):  # else positions would mean other arguments
-                split = _static_leaves.split_if_static(args, kwargs, policy.static_argnums,
-                                                       policy.static_argnames)
-                if split is not None:
-                    return of._static_leaf_plan(split)
-                return plan_donating(of, proof.positions, proof.names, args, kwargs, True, fast,
-                                     _callsite.BOUND_BASES if shift else None, proof.unpack)
-    elif donate == "auto":
-        fast = caches.auto_fast if not shift else None
-        if fast and not kwargs:
-            hit = _callsite.fast_hit(fast, args, False)
-            if hit is not None:
-                return hit
-        split = _static_leaves.split_if_static(args, kwargs, policy.static_argnums,
-                                               policy.static_argnames)
+            split = split_if_static(args, kwargs, static_argnums, static_argnames)
+            if split is not None:  # 3.
+                return of._static_leaf_plan(split)
+            return plan_donating(of, tuple(range(len(args))), tuple(kwargs), args, kwargs,  # 4.
+                                 False, fast)
+        # 3. (split_if_static's first test inlined for flat arrays and scalars; ``a`` is freed
+        # when this returns, and no reference count is read on this route anyway), 4. plain.
+        if flat_ok and not kwargs:
+            for a in args:
+                if type(a) not in plain_types:
+                    break
+            else:
+                return plain_plan
+        split = split_if_static(args, kwargs, static_argnums, static_argnames)
         if split is not None:
             return of._static_leaf_plan(split)
-        return plan_donating(of, tuple(range(len(args))), tuple(kwargs), args, kwargs, False, fast)
-    split = _static_leaves.split_if_static(args, kwargs, policy.static_argnums,
-                                           policy.static_argnames)
-    if split is not None:
-        return of._static_leaf_plan(split)
-    return of._plain_plan
+        return plain_plan
+
+    return dispatch
 
 
 def plan_donating(of: OptimizedFunction, positions: tuple, names: tuple, args: tuple,
@@ -228,7 +244,7 @@ def plan_donating(of: OptimizedFunction, positions: tuple, names: tuple, args: t
     if not (pos or nms):
         return of._plain_plan
     return CallPlan(of._jit_for(pos, nms), pos, of._placer, program.const_ids, nms,
-                    policy.verify)
+                    policy.verify, direct=not policy.verify)
 
 
 def remember_fast(of: OptimizedFunction, fast: dict, program: Program | None,

@@ -1,5 +1,5 @@
 """``optimize``, ``explain`` and ``OptimizedFunction``: construction, tracing, and executing the
-plan ``_dispatch.dispatch`` chooses for each call.
+plan ``_dispatch`` chooses for each call.
 
 A call: ``__call__`` finds the caller's site (under ``"safe"``), ``dispatch`` returns a
 ``CallPlan`` (which jit object, what it donates, whether the placer runs, whether to verify, or
@@ -25,12 +25,13 @@ from typing import Any
 import jax
 from jax import tree_util
 
-from autoopt import _jaxpr, _trace, _compat
+from autoopt import _compat, _jaxpr, _trace
 from autoopt._errors import AutooptWarning, PassError
 from autoopt._jit import _static_leaves
-from autoopt._jit._dispatch import CallPlan, Caches, Policy, dispatch
+from autoopt._jit._dispatch import Caches, CallPlan, Policy, make_dispatch
 from autoopt._jit._inspect import Inspection
 from autoopt._jit._program import Program, Site, call_signature, trace_signature
+from autoopt._jit._static_leaves import _PLAIN_TYPES
 from autoopt._options import Options, make_options
 from autoopt.passes import PassContext, run_pipeline
 from autoopt.passes.donation import _callsite
@@ -143,7 +144,17 @@ class OptimizedFunction:
         # when no option asks for any of them.
         self._placer = placer_for(fn, options, policy.backend)
         self._plain = self._jit_for((), ())
-        self._plain_plan = CallPlan(self._plain, placer=self._placer, verify=policy.verify)
+        self._plain_plan = CallPlan(self._plain, placer=self._placer, verify=policy.verify,
+                                    direct=not policy.verify)
+        self._dispatch = make_dispatch(self)
+        # What ``__call__`` reads before it looks up a cached plan, as attributes (each a
+        # constant of the policy, or the same object as in ``_caches``): the call sites under
+        # "safe", the fast plans under "auto" (else None), whether a call may be under a
+        # transformation's special jit, whether the plain plan runs the jit object as it is.
+        self._sites = self._caches.sites if policy.donate == "safe" else None
+        self._auto_fast = self._caches.auto_fast if policy.donate == "auto" else None
+        self._nested = policy.nested_kwargs is not None
+        self._flat_plain = not (policy.verify or policy.has_static)
 
     # --- jit objects ---------------------------------------------------------------------------
 
@@ -308,26 +319,52 @@ class OptimizedFunction:
     # --- the call path (see _dispatch) -----------------------------------------------------------
 
     def __call__(self, *args, **kwargs):
-        if self._policy.donate == "safe":
-            frame = sys._getframe(1)
-            site = self._caches.sites.get((frame.f_code, frame.f_lasti))
-            if site is None:
-                site = self._prove(frame)
-            del frame
-        else:
-            site = None
-        plan = dispatch(self, site, args, kwargs)
-        if plan.static is None and not plan.verify:
-            placer = plan.placer
-            return plan.jit(*args, **kwargs) if placer is None else placer(plan.jit, args, kwargs)
-        return self._run(plan, args, kwargs)
+        # The plans that repeat are looked up here, without a call (each lookup is the same
+        # step of ``_dispatch``, which decides everything else): a call site's cached plan for
+        # this signature (under "safe" ``Site.fast``, under "auto" ``Caches.auto_fast``), and
+        # the plain plan of a call of flat arrays and scalars where nothing is donated.
+        caches = self._caches
+        site = None
+        if not ((caches.watch_autodiff or self._nested) and not _compat.trace_state_clean()):
+            sites = self._sites
+            if sites is not None:  # "safe"
+                frame = sys._getframe(1)
+                site = sites.get((frame.f_code, frame.f_lasti))
+                if site is None:
+                    site = self._prove(frame)
+                del frame
+                if site.donates:
+                    fast = site.fast
+                    if fast and not kwargs:
+                        plan = _callsite.fast_hit(fast, args, True)
+                        if plan is not None:
+                            jit, placer = plan[0], plan[2]
+                            return jit(*args) if placer is None else placer(jit, args, kwargs)
+                    return self._run(self._dispatch(site, args, kwargs), args, kwargs)
+            else:
+                fast = self._auto_fast
+                if fast is not None:  # "auto"
+                    if fast and not kwargs:
+                        plan = _callsite.fast_hit(fast, args, False)
+                        if plan is not None:
+                            jit, placer = plan[0], plan[2]
+                            return jit(*args) if placer is None else placer(jit, args, kwargs)
+                    return self._run(self._dispatch(None, args, kwargs), args, kwargs)
+            if self._flat_plain and not kwargs:
+                for a in args:
+                    if type(a) not in _PLAIN_TYPES:
+                        break
+                else:  # no static leaf, nothing donated: the plain plan
+                    placer = self._placer
+                    return self._plain(*args) if placer is None else placer(self._plain, args, kwargs)
+        return self._run(self._dispatch(site, args, kwargs), args, kwargs)
 
     def _run(self, plan: CallPlan, args: tuple, kwargs: dict):
         """Execute a plan (``__call__`` inlines the common case)."""
         split = plan.static
         if split is not None:
             sub = plan.jit
-            out = sub._run(dispatch(sub, None, split.args, split.kwargs), split.args, split.kwargs)
+            out = sub._run(sub._dispatch(None, split.args, split.kwargs), split.args, split.kwargs)
             return _static_leaves.outputs_put_back(sub.__wrapped__, split, out,
                                                    self._policy.static_argnums,
                                                    self._policy.static_argnames)
@@ -353,7 +390,7 @@ class OptimizedFunction:
         # The function for these static leaves runs its own dispatch without a call site: under
         # "safe" nothing is donated (the proof's reference counts are about the caller's
         # objects, not the rebuilt trees); "auto" and explicit donation apply as usual.
-        return CallPlan(self._static_leaf_fn(split.key), static=split)
+        return CallPlan(self._static_leaf_fn(split.key), static=split, direct=False)
 
     def _prove(self, frame, shift: int = 0, key: tuple | None = None) -> Site:
         """The call site's proof, cached; ``shift`` moves positions past a bound instance."""
@@ -553,7 +590,7 @@ class _BoundOptimized:
             del frame
         else:
             site = None
-        return owner._run(dispatch(owner, site, full, kwargs, 1), full, kwargs)
+        return owner._run(owner._dispatch(site, full, kwargs, 1), full, kwargs)
 
     def __getattr__(self, name):
         attr = getattr(self._owner, name)

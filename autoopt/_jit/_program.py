@@ -24,7 +24,7 @@ from typing import Any
 
 from jax import tree_util
 
-from autoopt import _jaxpr, _trace, _compat
+from autoopt import _compat, _jaxpr, _trace
 from autoopt.passes import PipelineResult
 from autoopt.passes.donation import _callsite
 
