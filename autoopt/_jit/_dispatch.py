@@ -2,7 +2,9 @@
 
 The policy (``Policy``) is fixed when ``optimize`` builds the wrapper, as ``equinox.filter_jit``
 fixes its filter; everything that changes between calls lives in one ``Caches`` object. Every
-call, a function's or a decorated method's, goes through ``dispatch``:
+call, a function's or a decorated method's, follows these steps (``OptimizedFunction.__call__``
+takes steps 2 and 4's plain plan of a flat call itself, without calling ``dispatch``: they are
+what repeats, and a Python call costs as much as either):
 
 1. under a transformation (``jax.grad`` applied eagerly, an outer jit), the jit object made for
    that case;

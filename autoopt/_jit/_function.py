@@ -1,11 +1,13 @@
 """``optimize``, ``explain`` and ``OptimizedFunction``: construction, tracing, and executing the
 plan ``_dispatch`` chooses for each call.
 
-A call: ``__call__`` finds the caller's site (under ``"safe"``), ``dispatch`` returns a
-``CallPlan`` (which jit object, what it donates, whether the placer runs, whether to verify, or
-the function for the call's static leaves), and the plan runs. Decorated methods, ``trace``,
-``lower``, ``explain`` and ``inspect`` go through the same preparation (``_prepare``: the
-static-leaf split) and program lookup (``_program_for_call``).
+A call: ``__call__`` finds the caller's site (under ``"safe"``), takes the plan cached for a
+repeating call (the site's plan for this signature, or the plain plan of flat arguments), else
+asks ``dispatch`` for a ``CallPlan`` (which jit object, what it donates, whether the placer runs,
+whether to verify, or the function for the call's static leaves); then the plan runs. A decorated
+method is the same call with the instance in front (``_BoundOptimized``). ``trace``, ``lower``,
+``explain`` and ``inspect`` share one preparation (``_prepare``: the static-leaf split) and one
+program lookup (``_program_for_call``).
 """
 
 from __future__ import annotations
