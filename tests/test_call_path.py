@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -167,3 +169,22 @@ def test_a_bound_method_inspects_with_its_instance():
     x = m.step(jnp.ones(3))
     inspection = m.step.inspect(x)
     assert inspection.donated == ((1,), ())  # the position past the instance
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class _Scale:
+    """An instance that is itself a pytree of arrays, with an output it could alias."""
+
+    w: jax.Array
+
+    @autoopt.optimize
+    def apply(self, x):
+        return x * self.w, self.w + 1
+
+
+def test_inspect_of_a_method_under_safe_never_counts_the_instance_as_donated():
+    s = _Scale(jnp.ones(3))
+    x = jnp.ones(3) + 0
+    inspection = s.apply.inspect(x)
+    assert inspection.donated == ((1,), ())  # x; never the instance (position 0)

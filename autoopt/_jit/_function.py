@@ -471,11 +471,12 @@ class OptimizedFunction:
             return self, args, kwargs
         return self._static_leaf_fn(split.key), split.args, split.kwargs
 
-    def _aot_choice(self, program: Program | None, args: tuple,
-                    kwargs: dict) -> tuple[Any, tuple[tuple, tuple]]:
+    def _aot_choice(self, program: Program | None, args: tuple, kwargs: dict,
+                    shift: int = 0) -> tuple[Any, tuple[tuple, tuple]]:
         """``(jit object, (donated positions, names))`` of a call: under ``"auto"`` every
         aliasable argument, under ``"safe"`` what a call site rebinding every argument it passes
-        would donate, else the plain jit object (explicit donation: the user's own)."""
+        would donate (never a decorated method's instance: ``shift``), else the plain jit object
+        (explicit donation: the user's own)."""
         policy = self._policy
         if policy.donate == "explicit":
             jit_kwargs = policy.jit_kwargs
@@ -486,7 +487,8 @@ class OptimizedFunction:
         if policy.donate not in ("auto", "safe") or program is None:
             return self._plain, ((), ())
         static = _trace.normalize_static(policy.static_argnums, len(args))
-        donated = program.donatable(tuple(i for i in range(len(args)) if i not in static),
+        first = shift if policy.donate == "safe" else 0
+        donated = program.donatable(tuple(i for i in range(first, len(args)) if i not in static),
                                     tuple(k for k in kwargs if k not in policy.static_argnames))
         return (self._jit_for(*donated) if donated[0] or donated[1] else self._plain), donated
 
@@ -525,13 +527,13 @@ class OptimizedFunction:
         of, args, kwargs = self._prepare(args, kwargs)
         return of._inspect_prepared(args, kwargs)
 
-    def _inspect_prepared(self, args: tuple, kwargs: dict) -> Inspection:
+    def _inspect_prepared(self, args: tuple, kwargs: dict, shift: int = 0) -> Inspection:
         program = self._program_for_call(args, kwargs)
         if program is None:
             raise ValueError("inspect() and explain() cannot run on arguments traced by an "
                              "enclosing transformation; call them with concrete arrays.")
         variants = frozenset(self._caches.jits)  # before inspect() itself makes one
-        jit, donated = self._aot_choice(program, args, kwargs)
+        jit, donated = self._aot_choice(program, args, kwargs, shift)
         return self._inspection(program, jit, donated, variants)
 
     def _inspection(self, program: Program, jit, donated: tuple,
@@ -594,9 +596,14 @@ class _BoundOptimized:
             site = None
         return owner._run(owner._dispatch(site, full, kwargs, 1), full, kwargs)
 
+    def inspect(self, *args, **kwargs) -> Inspection:
+        """As ``OptimizedFunction.inspect``, with the instance in front."""
+        of, full, kwargs = self._owner._prepare((self._instance, *args), kwargs)
+        return of._inspect_prepared(full, kwargs, shift=1)
+
     def __getattr__(self, name):
         attr = getattr(self._owner, name)
-        if name in ("lower", "trace", "explain", "inspect"):
+        if name in ("lower", "trace", "explain"):
             return functools.partial(attr, self._instance)
         return attr
 

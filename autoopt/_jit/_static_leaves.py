@@ -117,8 +117,9 @@ def with_static_leaves(fn: Callable, key: tuple, static_argnums: tuple,
     """``fn`` taking the arguments ``split_if_static`` made, with the static leaves put back.
 
     Its output's non-array leaves are kept in ``.output_parts``, keyed by the signature of the
-    arguments (``_trace.signature_key``, the same for the tracers inside the trace and the
-    concrete arguments after the call), for ``outputs_put_back``."""
+    arguments (``_program.trace_signature``: ``jax.typeof`` of each leaf, the same for the
+    tracers inside the trace and the concrete arguments after the call), for
+    ``outputs_put_back``."""
     by_arg = {part[0]: part for part in key}
 
     @functools.wraps(fn)  # jax.jit reads the signature (static_argnames) through __wrapped__
@@ -142,6 +143,6 @@ def outputs_put_back(fn: Callable, split: StaticSplit, out, static_argnums: tupl
 
 
 def _signature(args: tuple, kwargs: dict, static_argnums, static_argnames):
-    dyn_tree, statics = _trace.split_args(args, kwargs, static_argnums, static_argnames)
-    leaves, in_tree = tree_util.tree_flatten(dyn_tree)
-    return _trace.signature_key(leaves, in_tree, statics, len(args))
+    from autoopt._jit._program import trace_signature
+
+    return trace_signature(args, kwargs, static_argnums, static_argnames)[0]
