@@ -1,8 +1,7 @@
 """Function + arguments -> ClosedJaxpr, with the pytree structure, static values and user names.
 
-One ``TracedProgram`` per input signature. The signature key is computed the same way from
-concrete arguments (on the call path) and from tracers (inside jax.jit's trace of our wrapper),
-so both sides find the same cached program.
+One ``TracedProgram`` per input signature (``Signature``; ``autoopt._jit._program`` computes it
+from tracers inside jax.jit's trace of the wrapper and from concrete arguments on the call path).
 """
 
 from __future__ import annotations
@@ -60,7 +59,8 @@ def leaf_type(x: Any):
 
 
 class Signature(NamedTuple):
-    """What one traced program is for (a key of ``OptimizedFunction._programs``)."""
+    """What one traced program is for: the one notion of signature (``autoopt._jit._program``
+    says where it is computed, and how)."""
 
     in_tree: Any
     statics: tuple

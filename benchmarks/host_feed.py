@@ -114,7 +114,7 @@ def many_leaves(rounds: int, steps: int, n_leaves: int = 64, step=features_step)
         )
         runs["vectorized rewrite (not placement)"] = by_hand(vectorized)
     times = _interleave(runs, rounds, steps)
-    modes = {hit[0].mode for hit in fast._placer._layouts.values() if hit[0] is not None}
+    modes = {layout.mode for layout in fast.inspect(w, batches[0]).placement.packed_layouts}
     print(f"\n(placement='auto' chose: {'/'.join(sorted(modes)) or 'nothing to pack'})")
     return times
 

@@ -64,7 +64,7 @@ def main() -> None:
         runs["pack"] = loop(fp, w0, cols, a.calls)
         med = interleave(runs, a.rounds, per=a.calls).medians()
         j, au, pk = (med[k] * 1e6 for k in ("jit", "auto", "pack"))
-        modes = {hit[0].mode for hit in fa._placer._layouts.values() if hit[0] is not None}
+        modes = {layout.mode for layout in fa.inspect(w0, cols).placement.packed_layouts}
         chose = "/".join(sorted(modes)) or "jit (too few leaves)"
         rows.append(
             (n, f"{j:.1f}", f"{au:.1f}", f"{j / au:.2f}x", chose, f"{pk:.1f}", f"{j / pk:.2f}x")

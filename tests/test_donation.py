@@ -314,8 +314,8 @@ def test_auto_policy_donates_containers_whose_parts_are_referenced_elsewhere():
 # statement in a loop, so every iteration after the first exercises that path.
 
 
-def _fast_entries(fast_fn) -> int:
-    return sum(len(site.fast or {}) for site in fast_fn._sites.values()) + len(fast_fn._auto_fast or {})
+def _fast_entries(fast_fn, *args) -> int:
+    return fast_fn.inspect(*args).fast_entries
 
 
 def test_fast_path_keeps_donating_in_a_loop_and_values_match():
@@ -327,7 +327,7 @@ def test_fast_path_keeps_donating_in_a_loop_and_values_match():
         expected = jax.jit(lambda x, i: x.at[i].add(1.0))(expected, i % 4)
         pointer = pointer or x.unsafe_buffer_pointer()
         assert x.unsafe_buffer_pointer() == pointer
-    assert _fast_entries(f) == 1
+    assert _fast_entries(f, x, 0) == 1
     np.testing.assert_array_equal(x, expected)
 
 
@@ -339,7 +339,7 @@ def test_fast_path_refuses_when_a_later_iteration_keeps_another_reference():
         if i == 4:
             kept.append(x)  # from here the old x is still referenced: never donate it
         x = f(x)
-    assert _fast_entries(f) == 1  # the decision was cached, and still the check refused
+    assert _fast_entries(f, x) == 1  # the decision was cached, and still the check refused
     np.testing.assert_array_equal(kept[0], 16 * np.ones(3))
     np.testing.assert_array_equal(x, 64 * np.ones(3))
 
@@ -351,7 +351,7 @@ def test_fast_path_follows_a_change_of_signature():
         for _ in range(3):
             x = f(x)
         np.testing.assert_array_equal(x, 3 * np.ones(shape))
-    assert _fast_entries(f) == 2
+    assert _fast_entries(f, x) == 2
 
 
 def test_fast_path_does_not_donate_an_argument_without_matching_output():
@@ -493,7 +493,7 @@ def test_pytree_fast_path_keeps_donating_and_values_match():
         state = step(state, batch)
         expected = jax.jit(_step)(expected, batch)
         assert _pointers(state) == pointers
-    assert _fast_entries(step) == 1
+    assert _fast_entries(step, state, batch) == 1
     assert_trees_equivalent(expected, state, exact=True)
 
 
@@ -505,7 +505,7 @@ def test_pytree_fast_path_refuses_when_one_leaf_is_held_elsewhere():
             w = state["w"]  # one leaf is referenced from outside: keep the whole argument
         state = step(state, jnp.ones((2, 2)))
     assert not w.is_deleted()
-    assert _fast_entries(step) == 1
+    assert _fast_entries(step, state, jnp.ones((2, 2))) == 1
 
 
 def test_state_with_a_none_entry_is_donated():
@@ -561,9 +561,9 @@ def test_star_arguments_with_a_local_name_are_not_donated_and_say_why():
     kept = [x]
     x = step(x, *rest)
     assert not kept[0].is_deleted()
-    [site] = step._sites.values()
-    assert not site.donates
-    assert "`*` unpacking" in site.proof.reasons[0][1]
+    [proof] = step.inspect(x, *rest).call_sites
+    assert not proof.any
+    assert "`*` unpacking" in proof.reasons[0][1]
 
 
 def test_a_call_with_another_shape_than_written_is_not_donated():
@@ -586,9 +586,10 @@ def test_fast_path_with_numpy_batches_donates_the_state_and_keeps_placing():
         b = {"x": np.full((4,), float(i), np.float32)}
         w = f(w, b, table)
         assert w.unsafe_buffer_pointer() == pointer
-    assert _fast_entries(f) == 1
-    assert f._placer.stats.constants_placed == 1
-    assert f._placer.stats.cached >= 6  # every call served the table from the cache
+    assert _fast_entries(f, w, b, table) == 1
+    stats = f.inspect(w, b, table).placement.stats
+    assert stats.constants_placed == 1
+    assert stats.cached >= 6  # every call served the table from the cache
     np.testing.assert_allclose(w, (4 * sum(range(6)) + 6 * 64) * np.ones(3))
 
 

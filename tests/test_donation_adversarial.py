@@ -138,7 +138,7 @@ def test_device_put_to_the_same_device_shares_the_buffer_and_is_not_donated():
 
 def test_user_error_on_a_donating_call_raises_without_an_autoopt_warning():
     """When the user's function raises while tracing (a new signature at a rebinding site),
-    ``_call_donating`` catches it as a donation failure: it warns "autoopt fell back to plain
+    ``_dispatch.plan_donating`` catches it as a donation failure: it warns "autoopt fell back to plain
     jax.jit ... Results are unaffected" (which uses up the one-time warning), then calls the
     plain jit, which traces the function a second time and raises. jax.jit raises once, with no
     warning. The donation path should let exceptions from tracing the user's function through
@@ -170,7 +170,7 @@ def test_argument_also_captured_as_a_constant_is_not_donated(tmp_path):
     the cached program, and ``y`` is donated anyway. The program now holds a deleted constant:
     the next call that traces the wrapper again (here a non-donating call, another jit object)
     raises "Array has been deleted". jax.jit returns 2 + 3 = 5. Suggested fix: after
-    ``_program_concrete``, drop candidates whose arrays are among the program's consts (by id),
+    ``_program_for_call``, drop candidates whose arrays are among the program's consts (by id),
     or re-check the reference counts after the trace."""
     ns: dict = {"autoopt": autoopt, "jnp": jnp}
     src = ("y = jnp.ones(3) + 0\n"
@@ -194,14 +194,15 @@ def test_fast_path_keeps_passing_hoisted_constants():
     """With placement="auto" (default) a closed-over constant of >= 1 MiB is passed to the jit
     as a device argument (``_autoopt_hoisted``) by the placer. Found in review: the fast entry
     cached ``placer=None``, so calls 2..n called the jit without the hoisted argument (a second
-    compile, the constant embedded in the HLO). Fixed in ``_remember_fast`` (``hoists``) while
+    compile, the constant embedded in the HLO). Fixed in ``_dispatch.remember_fast`` (``hoists``) while
     this review ran; this guards it: one executable for the donating jit."""
     f = autoopt.optimize(lambda v: v + jnp.asarray(_BIG)[0, :3])
     x = _fresh()
     for _ in range(4):
         x = f(x)
-    donating = [j for key, j in f._jits.items() if key != ((), ())]
-    assert [j._cache_size() for j in donating] == [1]
+    inspection = f.inspect(x)
+    donating = [key for key in inspection.donation_variants if key != ((), ())]
+    assert donating == [inspection.donated] and inspection.jit._cache_size() == 1
     np.testing.assert_allclose(x, 1 + 4 * _BIG[0, :3], rtol=1e-6)
 
 
@@ -220,7 +221,7 @@ def test_failed_tuple_unpacking_of_the_result_leaves_the_argument_usable():
 
 
 def test_enable_x64_after_a_call_retraces_as_jax_jit_does():
-    """autoopt's program cache (``_programs``, keyed by ``_trace.signature_key``: avals and
+    """autoopt's program cache (``Caches.programs``, keyed by ``_trace.signature_key``: avals and
     statics) ignores jax's trace context, which jax.jit's own cache includes. A function traced
     once under 32-bit mode is reused inside ``jax.enable_x64(True)``: ``v.astype(float)`` stays
     float32 where jax.jit gives float64. (Not the fast path's doing; every path shares the

@@ -65,7 +65,7 @@ def _checks() -> dict[str, str | None]:
         pointers = [s.data.unsafe_buffer_pointer() for s in x.addressable_shards]
         x = f(x)
         assert [s.data.unsafe_buffer_pointer() for s in x.addressable_shards] == pointers
-        assert ((0,), ()) in f._jits
+        assert ((0,), ()) in f.inspect(x).donation_variants
         assert x.sharding.is_equivalent_to(rows, 2), x.sharding
         np.testing.assert_allclose(np.asarray(x), 3.0)
 
@@ -83,7 +83,7 @@ def _checks() -> dict[str, str | None]:
         x = jax.device_put(np.arange(32, dtype=np.float32), NamedSharding(auto_mesh, P("data")))
         opt = autoopt.optimize(f, fallback="raise")
         assert_trees_equivalent(jax.jit(f)(x), opt(x))
-        program = opt._program_concrete((x,), {})
+        inspection = opt.inspect(x)
 
         def bodies(closed):
             from autoopt._jaxpr import iter_eqns
@@ -91,7 +91,7 @@ def _checks() -> dict[str, str | None]:
             return [str(s.eqn.params["jaxpr"]) for s in iter_eqns(closed)
                     if s.eqn.primitive.name == "shard_map"]
 
-        assert bodies(program.final) == bodies(program.traced.closed) != []
+        assert bodies(inspection.optimized) == bodies(inspection.traced) != []
 
     def check_prefetch_splits_each_batch_across_the_mesh():
         batches = [{"x": np.full((64, 4), i, np.float32), "y": np.arange(64, dtype=np.int32)}
@@ -136,7 +136,8 @@ def _checks() -> dict[str, str | None]:
         ref = jax.jit(f)(state, batch, table)
         opt = autoopt.optimize(f, placement="pack", fallback="raise")
         assert_trees_equivalent(ref, opt(state, batch, table))
-        assert opt._placer.stats.last.cached == 1 and opt._placer.stats.last.packed_leaves == 2
+        last = opt.inspect(state, batch, table).placement.stats.last
+        assert last.cached == 1 and last.packed_leaves == 2
 
     results: dict[str, str | None] = {}
     for name, check in sorted(locals().items()):

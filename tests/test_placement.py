@@ -68,7 +68,7 @@ def test_many_numpy_leaves_cost_one_implicit_transfer_instead_of_one_each(capfd)
     naive(w, feats), opt(w, feats)  # compile outside the counted calls
     assert _count_transfers(capfd, lambda: naive(w, feats)) == 24
     assert _count_transfers(capfd, lambda: opt(w, feats)) == 1
-    last = opt._placer.stats.last
+    last = opt.inspect(w, feats).placement.stats.last
     assert (last.before, last.implicit, last.packed_leaves) == (24, 1, 24)
 
 
@@ -95,7 +95,7 @@ def test_pooled_host_buffers_are_never_overwritten_under_a_running_step():
     outs = [opt(b) for b in batches]  # no blocking: steps queue up while the next is packed
     for b, out in zip(batches, outs):
         assert_trees_equivalent(jax.jit(slow)(b), out)
-    (layout, _, _), = [v for v in opt._placer._layouts.values() if v[0] is not None]
+    (layout,) = opt.inspect(batches[0]).placement.packed_layouts
     assert 1 <= len(layout.pools[0]) <= _packing._POOL_SIZE  # reused, not one a call
 
 
@@ -122,7 +122,7 @@ def test_large_aligned_array_is_left_to_jits_zero_copy_path():
 
     opt = autoopt.optimize(f, placement="pack", fallback="raise")
     assert float(opt(big, small)) == float(jax.jit(f)(big, small))
-    last = opt._placer.stats.last
+    last = opt.inspect(big, small).placement.stats.last
     assert last.packed_leaves == 2 and last.implicit == 2  # the packed buffer and `big`
 
 
@@ -137,9 +137,10 @@ def test_numpy_batch_does_not_stop_the_state_from_being_donated():
     pointer = state.unsafe_buffer_pointer()  # an int: holds no reference to `state`
     state = opt(state, batch)
     assert state.unsafe_buffer_pointer() == pointer  # the output reused the donated buffer
-    assert ((0,), ()) in opt._jits
+    inspection = opt.inspect(state, batch)
+    assert ((0,), ()) in inspection.donation_variants
     np.testing.assert_allclose(np.asarray(state), np.full((4, 4), 64.0))
-    assert opt._placer.stats.last.packed_leaves == 2
+    assert inspection.placement.stats.last.packed_leaves == 2
 
 
 def test_static_arguments_and_numpy_keyword_arguments():
@@ -177,7 +178,7 @@ def test_in_shardings_turns_packing_off_but_not_correctness():
     a, b = np.ones(3, np.float32), np.arange(3, dtype=np.float32)
     opt = autoopt.optimize(f, in_shardings=(s, s), fallback="raise")
     assert_trees_equivalent(jax.jit(f, in_shardings=(s, s))(a, b), opt(a, b))
-    assert opt._placer.stats.last.packed_leaves == 0
+    assert opt.inspect(a, b).placement.stats.last.packed_leaves == 0
 
 
 def test_placement_off_leaves_numpy_to_jit(capfd):
@@ -185,7 +186,7 @@ def test_placement_off_leaves_numpy_to_jit(capfd):
     opt = autoopt.optimize(_step, placement="off", fallback="raise")
     w = jnp.eye(8)
     opt(w, feats)
-    assert opt._placer is None
+    assert opt.inspect(w, feats).placement is None
     assert _count_transfers(capfd, lambda: opt(w, feats)) == 5
 
 
@@ -195,16 +196,16 @@ def test_device_only_calls_are_scanned_only_while_watching_then_sampled():
     x = jnp.zeros(3)
     for _ in range(200):
         x = f(x)
-    scanned = f._placer.stats.calls_scanned
+    scanned = f.inspect(x).placement.stats.calls_scanned
     assert scanned < 20  # 8 watched calls, then one in 32
-    assert not f._placer._active
+    assert not f.inspect(x).placement.active
     for _ in range(33):
         x = f(np.asarray(x))
-    assert f._placer._active  # a sampled call saw the host array
+    assert f.inspect(x).placement.active  # a sampled call saw the host array
     assert float(x[0]) == 233.0
     for _ in range(_placement._IDLE_CALLS):
         x = f(x)
-    assert not f._placer._active  # host arrays stopped coming: lean again
+    assert not f.inspect(x).placement.active  # host arrays stopped coming: lean again
 
 
 def _tune_with(monkeypatch, opt, args, jit_s, pack_s):
@@ -219,7 +220,7 @@ def _tune_with(monkeypatch, opt, args, jit_s, pack_s):
     ref = jax.jit(_step)(*args)
     for _ in range(2 * (_packing._TUNE_SAMPLES + 1) * _packing._TUNE_RUN):
         assert_trees_equivalent(ref, opt(*args))
-    (layout,) = [hit[0] for hit in opt._placer._layouts.values() if hit[0] is not None]
+    (layout,) = opt.inspect(*args).placement.packed_layouts
     return layout
 
 
@@ -229,7 +230,7 @@ def test_auto_packs_a_feed_whose_first_calls_measured_packing_faster(capfd, monk
     layout = _tune_with(monkeypatch, opt, (w, feats), jit_s=1.0, pack_s=0.5)
     assert layout.mode == "pack"
     assert _count_transfers(capfd, lambda: opt(w, feats)) == 1
-    assert opt._placer._active
+    assert opt.inspect(w, feats).placement.active
 
 
 def test_auto_leaves_a_feed_to_jit_when_packing_measured_slower_and_goes_lean(capfd, monkeypatch):
@@ -238,7 +239,7 @@ def test_auto_leaves_a_feed_to_jit_when_packing_measured_slower_and_goes_lean(ca
     layout = _tune_with(monkeypatch, opt, (w, feats), jit_s=1.0, pack_s=0.95)  # within the margin
     assert layout.mode == "jit"
     assert _count_transfers(capfd, lambda: opt(w, feats)) == 16
-    assert not opt._placer._active  # nothing left to place: the lean path
+    assert not opt.inspect(w, feats).placement.active  # nothing left to place: the lean path
 
 
 def test_auto_tuning_on_real_timings_settles_and_keeps_every_value():
@@ -247,7 +248,7 @@ def test_auto_tuning_on_real_timings_settles_and_keeps_every_value():
     ref = jax.jit(_step)(w, feats)
     for _ in range(2 * (_packing._TUNE_SAMPLES + 1) * _packing._TUNE_RUN):
         assert_trees_equivalent(ref, opt(w, feats))
-    (layout,) = [hit[0] for hit in opt._placer._layouts.values() if hit[0] is not None]
+    (layout,) = opt.inspect(w, feats).placement.packed_layouts
     assert layout.mode in ("jit", "pack")
     assert all(len(t) == _packing._TUNE_SAMPLES + 1 for t in layout.timings.values())
 
@@ -257,7 +258,7 @@ def test_auto_never_packs_a_few_leaves_and_never_tunes_them():
     opt = autoopt.optimize(_step, donate="off", fallback="raise")
     for _ in range(3):
         assert_trees_equivalent(jax.jit(_step)(w, feats), opt(w, feats))
-    assert all(hit[0] is None for hit in opt._placer._layouts.values())
+    assert opt.inspect(w, feats).placement.packed_layouts == ()
 
 
 def test_fast_path_rechecks_shapes_dtypes_and_flags_of_a_remembered_feed():
@@ -276,7 +277,7 @@ def test_fast_path_rechecks_shapes_dtypes_and_flags_of_a_remembered_feed():
     calls.append(ro)
     for feats in calls + calls:
         assert_trees_equivalent(jax.jit(f)(feats), opt(feats), exact=True)
-    assert opt._placer.stats.cached == 2  # the read-only leaf, served from the constant cache
+    assert opt.inspect(ro).placement.stats.cached == 2  # the read-only leaf, served from the constant cache
 
 
 def test_constant_served_by_the_fast_path_is_placed_again_after_explicit_donation():
@@ -322,8 +323,9 @@ def test_read_only_array_is_placed_once_and_reused(capfd):
     opt = autoopt.optimize(f, fallback="raise")
     for _ in range(3):
         assert_trees_equivalent(jax.jit(f)(table, x), opt(table, x))
-    assert opt._placer.stats.constants_placed == 1
-    assert opt._placer.stats.cached == 3
+    stats = opt.inspect(table, x).placement.stats
+    assert stats.constants_placed == 1
+    assert stats.cached == 3
     assert _count_transfers(capfd, lambda: opt(table, x)) == 0
     assert _count_transfers(capfd, lambda: jax.jit(f)(table, x)) == 1
 
@@ -374,7 +376,7 @@ def test_read_only_view_of_a_writeable_array_is_not_cached():
     assert float(opt(view)) == 32.0
     base[:] = 3.0
     assert float(opt(view)) == 96.0
-    assert opt._placer.stats.cached == 0
+    assert opt.inspect(view).placement.stats.cached == 0
 
 
 def test_read_only_reshape_of_a_private_temporary_counts_as_read_only():
@@ -465,11 +467,11 @@ def test_canonicalize_scalars_compiles_once_for_2_2p0_true_and_float32():
     x = jnp.arange(3.0)
     for s in (2.0, 2, np.float32(2), True, 3):
         assert_trees_equivalent(jax.jit(f)(x, s), opt(x, s))
-    assert len(opt._programs) == 1
+    assert len(opt.inspect(x, 2.0).programs) == 1
     plain = autoopt.optimize(_scaled([]), fallback="raise")
     for s in (2.0, 2, np.float32(2), True):
         plain(x, s)
-    assert len(plain._programs) == 4
+    assert len(plain.inspect(x, 2.0).programs) == 4
 
 
 def test_inexact_scalar_conversions_are_never_made():
@@ -510,7 +512,7 @@ def test_large_closed_over_constant_is_reported_at_its_line():
 
 
 def _hlo_chars(opt, *args, **kwargs) -> int:
-    return len(opt._plain.lower(*args, **kwargs).as_text())
+    return len(opt.inspect(*args).jit.lower(*args, **kwargs).as_text())
 
 
 def test_large_closed_over_constant_is_passed_as_a_device_argument_not_embedded(caplog):
@@ -527,7 +529,7 @@ def test_large_closed_over_constant_is_passed_as_a_device_argument_not_embedded(
             assert_trees_equivalent(ref, opt(x))
     compiles = [r for r in caplog.records if "Finished XLA compilation of jit(f)" in r.getMessage()]
     assert len(compiles) == 1  # the cut-short trace compiled nothing
-    hoisted = opt._placer._hoisted
+    hoisted = opt.inspect(x).placement.hoisted
     assert hoisted is not None and len(hoisted.devs) == 1
     assert _hlo_chars(opt, x, _autoopt_hoisted=hoisted) < 100_000  # the program, not the data
     assert _hlo_chars(autoopt.optimize(f, placement="off"), x) > 4_000_000  # embedded as before
@@ -563,7 +565,7 @@ def test_hoisted_constants_compose_with_grad_vmap_disable_jit_and_donation(caplo
         for _ in range(4):  # the donating fast path keeps passing the constants: one compile
             got = opt_step(got)
     assert_trees_equivalent(ref, got)
-    assert opt_step._placer._hoisted is not None
+    assert opt_step.inspect(got).placement.hoisted is not None
     assert sum("Finished XLA compilation of jit(step)" in r.getMessage()
                for r in caplog.records) == 1
 
@@ -584,7 +586,8 @@ def test_guard_disallow_accepts_numpy_that_autoopt_placed_itself():
     opt = autoopt.optimize(_step, transfer_guard="disallow", placement="pack", fallback="raise")
     w, feats = jnp.eye(8), _feats(n=6)
     assert_trees_equivalent(jax.jit(_step)(w, feats), opt(w, feats))
-    assert opt._placer.stats.last.explicit == 1 and opt._placer.stats.last.implicit == 0
+    last = opt.inspect(w, feats).placement.stats.last
+    assert last.explicit == 1 and last.implicit == 0
 
 
 def test_guard_with_placement_off_raises_for_numpy():

@@ -362,13 +362,13 @@ def test_eager_grad_of_an_optimized_forward_keeps_fewer_residuals_and_equal_grad
     ws, x = _params()
     opt = autoopt.optimize(mlp_loss, fallback="raise", memory_budget=1)
     got = jax.grad(opt)(ws, x)
-    assert opt._eager_ad_jit is not None  # the eager call took its own program
+    assert opt.inspect(ws, x).eager_autodiff_jit is not None  # the eager call took its own program
     assert_trees_equivalent(jax.grad(jax.jit(mlp_loss))(ws, x), got)
     assert _residual_bytes(opt, ws, x) <= 0.5 * _residual_bytes(jax.jit(mlp_loss), ws, x)
     # Under an outer jit the two halves are one program again: the eager path is not taken.
     fresh = autoopt.optimize(mlp_loss, fallback="raise", memory_budget=1)
     assert_trees_equivalent(jax.jit(jax.grad(mlp_loss))(ws, x), jax.jit(jax.grad(fresh))(ws, x))
-    assert fresh._eager_ad_jit is None
+    assert fresh.inspect(ws, x).eager_autodiff_jit is None
 
 
 def test_eager_grad_with_a_function_leaf_in_the_arguments_takes_the_static_leaf_path():
@@ -393,10 +393,10 @@ def test_a_training_step_stops_watching_for_eager_autodiff_after_its_first_call(
     ws, x = _params(layers=2)
     step = autoopt.optimize(train_step)
     step(ws, x)
-    assert not step._watch_autodiff
+    assert not step.inspect(ws, x).eager_autodiff_watched
     loss = autoopt.optimize(mlp_loss)
     loss(ws, x)
-    assert loss._watch_autodiff
+    assert loss.inspect(ws, x).eager_autodiff_watched
 
 
 # --- loops, branches, custom_vjp, stop_gradient ---------------------------------------------------

@@ -1,19 +1,13 @@
-"""``optimize`` and ``OptimizedFunction``: the signature cache and the call path.
+"""``optimize``, ``explain`` and ``OptimizedFunction``: construction, tracing, and executing the
+plan ``_dispatch`` chooses for each call.
 
-How a call runs. ``jax.jit`` wraps a small function (``_wrapper``) that, while jit traces it,
-traces the user's function once to a jaxpr, runs the passes, and evaluates the optimized jaxpr
-into jit's trace. So JAX's own C++ dispatch keeps the signature cache: a cached call costs what
-``jax.jit`` costs plus one Python method call (and, under ``donate="safe"``, one dict lookup on
-the caller's code position). A naive ``make_jaxpr`` + ``jit`` per call costs ~26 ms; this path
-costs microseconds.
-
-Donation varies per call (the ``"safe"`` proof depends on the caller's statement), so there is
-one ``jax.jit`` object per donated-argument set. Choosing it in full (reference walk, call-side
-signature, the program's aliasing) costs 5-7 us; a call site that passes flat arguments (jax
-arrays and Python scalars) caches that choice per signature (``_Site``) and re-checks only
-what can change between calls, about 1 us (``_callsite.fast_hit``). Each traces the wrapper separately, but the
-wrapper caches the traced and optimized program per signature, so the user's function is
-traced once per signature whatever the variant.
+A call: ``__call__`` finds the caller's site (under ``"safe"``), takes the plan cached for a
+repeating call (the site's plan for this signature, or the plain plan of flat arguments), else
+asks ``dispatch`` for a ``CallPlan`` (which jit object, what it donates, whether the placer runs,
+whether to verify, or the function for the call's static leaves); then the plan runs. A decorated
+method is the same call with the instance in front (``_BoundOptimized``). ``trace``, ``lower``,
+``explain`` and ``inspect`` share one preparation (``_prepare``: the static-leaf split) and one
+program lookup (``_program_for_call``).
 """
 
 from __future__ import annotations
@@ -25,19 +19,24 @@ import logging
 import os
 import sys
 import threading
+import types
 import warnings
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 from jax import tree_util
 
 from autoopt import _compat, _jaxpr, _trace
-from autoopt.passes.donation import _callsite
 from autoopt._errors import AutooptWarning, PassError
+from autoopt._jit import _static_leaves
+from autoopt._jit._dispatch import Caches, CallPlan, Policy, make_dispatch
+from autoopt._jit._inspect import Inspection
+from autoopt._jit._program import Program, Site, call_signature, trace_signature
+from autoopt._jit._static_leaves import _PLAIN_TYPES
 from autoopt._options import Options
-from autoopt.passes import PassContext, PipelineResult, jit_options_for, make_options, option_names, run_pipeline
+from autoopt.passes import PassContext, make_options, option_names, run_pipeline
+from autoopt.passes.donation import _callsite
 
 log = logging.getLogger("autoopt")
 
@@ -125,244 +124,48 @@ def _framework_check(args: tuple, kwargs: dict) -> None:
             )
 
 
-def _concrete_type(x: Any):
-    aval = getattr(x, "aval", None)  # a stored attribute on jax.Array: no computation
-    if aval is not None:
-        return aval
-    t = type(x)
-    if t in _PY_SCALARS:  # Python scalars: weak-typed, one signature per type (as in jax.jit)
-        return t
-    return _trace.leaf_type(x)
-
-
-_PY_SCALARS = frozenset({int, float, complex, bool})
-
-
-# --- non-array leaves ---------------------------------------------------------------------------
-# Equinox modules carry activation functions, flags and other Python objects as pytree leaves;
-# jax.jit refuses them. As ``equinox.filter_jit`` does, such leaves are made static: each argument
-# holding them is passed as the same tree with those leaves set to None, and a function per set
-# of static leaves puts them back (and takes non-array leaves out of the output the same way).
-# Only tried after jax.jit has refused the call, so the normal call path pays nothing.
-
-_ARRAY_LEAF_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex, jax.ShapeDtypeStruct)
-
-
-def _split_tree(where, value) -> tuple[Any, tuple | None]:
-    """``(value with its non-array leaves set to None, (where, treedef, ((index, leaf), ...)))``;
-    the second is None when every leaf is an array."""
-    leaves, treedef = tree_util.tree_flatten(value)
-    fixed = tuple((j, x) for j, x in enumerate(leaves)
-                  if not (isinstance(x, _ARRAY_LEAF_TYPES) or hasattr(x, "__jax_array__")))
-    if not fixed:
-        return value, None
-    at = dict(fixed)
-    return tree_util.tree_unflatten(treedef, [None if j in at else x for j, x in enumerate(leaves)]), \
-        (where, treedef, fixed)
-
-
-def _put_back(part: tuple | None, value):
-    """Inverse of ``_split_tree``."""
-    if part is None:
-        return value
-    _, treedef, fixed = part
-    at, arrays = dict(fixed), iter(tree_util.tree_leaves(value))
-    return tree_util.tree_unflatten(treedef, [at[j] if j in at else next(arrays)
-                                              for j in range(treedef.num_leaves)])
-
-
-def _split_static_leaves(args: tuple, kwargs: dict, static_argnums, static_argnames):
-    """``(key, dyn_args, dyn_kwargs)``, or None when every leaf is an array. ``key`` (hashable)
-    holds each split argument's ``_split_tree`` part."""
-    static_pos = _trace.normalize_static(static_argnums, len(args))
-    parts: list = []
-
-    def split(where, value):
-        dyn, part = _split_tree(where, value)
-        if part is not None:
-            try:
-                hash(part)
-            except TypeError:
-                bad = next(x for _, x in part[2] if not isinstance(x, Hashable))
-                raise TypeError(
-                    f"Argument {where!r} holds a {type(bad).__name__}, which is neither an array "
-                    "nor hashable, so it can be neither traced nor made static. Make it hashable, "
-                    "or pass the argument with static_argnums/static_argnames."
-                ) from None
-            parts.append(part)
-        return dyn
-
-    dyn_args = tuple(a if i in static_pos else split(i, a) for i, a in enumerate(args))
-    dyn_kwargs = {k: v if k in static_argnames else split(k, v) for k, v in kwargs.items()}
-    return (tuple(parts), dyn_args, dyn_kwargs) if parts else None
-
-
-def _array_signature(args: tuple, kwargs: dict) -> tuple:
-    """The same for concrete arrays and for tracers of them (static arguments by value)."""
-    leaves, treedef = tree_util.tree_flatten((args, kwargs))
-    return treedef, tuple(_trace.leaf_type(x) if isinstance(x, jax.Array | np.ndarray) else x
-                          for x in leaves)
-
-
-def _with_static_leaves(fn: Callable, key: tuple) -> Callable:
-    """``fn`` taking the arguments ``_split_static_leaves`` made, with the static leaves put back;
-    its output's non-array leaves are kept in ``.output_parts`` (per argument signature) for
-    ``_put_back`` after the call."""
-    by_arg = {part[0]: part for part in key}
-
-    @functools.wraps(fn)  # jax.jit reads the signature (static_argnames) through __wrapped__
-    def with_static_leaves(*args, **kwargs):
-        sig = _array_signature(args, kwargs)
-        args = tuple(_put_back(by_arg.get(i), a) for i, a in enumerate(args))
-        out = fn(*args, **{k: _put_back(by_arg.get(k), v) for k, v in kwargs.items()})
-        out, part = _split_tree("output", out)
-        with_static_leaves.output_parts[sig] = part
-        return out
-
-    with_static_leaves.output_parts = {}
-    return with_static_leaves
-
-
-class _Program:
-    """One signature's traced program and everything decided about it. Immutable after build,
-    except for the small memo of donatable sets (a dict; writes are atomic)."""
-
-    __slots__ = ("traced", "pipeline", "final", "fallback_reason", "_donatable", "verified",
-                 "_const_ids")
-
-    def __init__(self, traced: _trace.TracedProgram, pipeline: PipelineResult | None,
-                 fallback_reason: str | None):
-        self.traced = traced
-        self.pipeline = pipeline
-        self.final = pipeline.jaxpr if pipeline is not None else traced.closed
-        self.fallback_reason = fallback_reason
-        self._donatable: dict = {}
-        self.verified = False
-        self._const_ids: frozenset[int] | None = None
-
-    @property
-    def const_ids(self) -> frozenset[int]:
-        """Identities of the arrays the traced or optimized program holds as constants."""
-        if self._const_ids is None:
-            self._const_ids = _jaxpr.const_ids(self.traced.closed) | _jaxpr.const_ids(self.final)
-        return self._const_ids
-
-    def unpacks_to(self, n: int | None) -> bool:
-        """The result unpacks into ``n`` targets (``a, b = f(x)``); True when not unpacked."""
-        if n is None:
-            return True
-        tree = self.traced.out_tree
-        data = tree.node_data()  # None for a single leaf
-        return (data is not None and issubclass(data[0], tuple | list)
-                and len(tree_util.treedef_children(tree)) == n)
-
-    def donatable(self, positions: tuple, names: tuple) -> tuple[tuple, tuple]:
-        """The subset of candidate arguments whose every leaf an output aliases."""
-        key = (positions, names)
-        hit = self._donatable.get(key)
-        if hit is not None:
-            return hit
-        from autoopt.passes.donation import donatable_args
-
-        t = self.traced
-        chosen, _ = donatable_args(self.final.in_avals, self.final.out_avals, t.in_arg_of_leaf,
-                                   list(positions) + list(names))
-        hit = (tuple(p for p in positions if p in chosen), tuple(n for n in names if n in chosen))
-        self._donatable[key] = hit
-        return hit
-
-
-# Per call site, at most this many signatures keep a fast-path decision (a loop over many
-# shapes falls back to the general path, which is correct, only slower).
-_FAST_ENTRIES = 32
-
-
-class _Site:
-    """One call site of an OptimizedFunction: its proof, and the fast path's decisions.
-
-    ``fast`` maps the signature of flat positional arguments (every one a jax array or a Python
-    scalar: ``_callsite.flat_signature``) to ``(jit object, donated positions)``. None when the
-    function has static arguments or ``verify=True``, whose general path does more per call.
-    """
-
-    __slots__ = ("proof", "donates", "fast")
-
-    def __init__(self, proof: _callsite.CallSiteProof, fast: dict | None):
-        self.proof = proof
-        self.donates = proof.any  # read on every call: an attribute, not the property
-        self.fast = fast
-
-
 _JAX_DIR = os.path.dirname(os.path.abspath(jax.__file__)) + os.sep
 
 
 class OptimizedFunction:
-    """What ``optimize`` returns: call it like the ``jax.jit`` of the original function."""
+    """What ``optimize`` returns: call it like the ``jax.jit`` of the original function.
 
-    def __init__(self, fn: Callable, options: Options):
+    ``_policy`` (frozen) is what ``optimize`` decided; ``_caches`` what calls learned. The plain
+    jit object (nothing donated) and the placer are built once, here.
+    """
+
+    def __init__(self, fn: Callable, options: Options, policy: Policy | None = None):
         self.__wrapped__ = fn
         functools.update_wrapper(self, fn, updated=())
-        self._options = options
-        self._static_argnums = options.static_argnums
-        self._static_argnames = options.static_argnames
-        backend = options.jit_kwargs.get("backend") or jax.default_backend()
-        self._backend = backend
-        jit_kwargs = dict(options.jit_kwargs)
-        for k, v in jit_options_for(options, backend).items():
-            if k == "compiler_options":
-                jit_kwargs["compiler_options"] = {**v, **(jit_kwargs.get("compiler_options") or {})}
-            else:
-                jit_kwargs.setdefault(k, v)
-        # jax.jit refuses compiler_options on a jit called inside another trace (grad, an outer
-        # jit, vmap): such calls go to a jit without them (the outer program's options govern
-        # the whole computation anyway). None when there are no compiler options.
-        nested_kwargs = {k: v for k, v in jit_kwargs.items() if k != "compiler_options"}
-        self._nested_kwargs = nested_kwargs if jit_kwargs != nested_kwargs else None
-        self._nested = None
-        # Eager autodiff (see _eager_ad_call): checked on every call only while remat could plan
-        # a forward for it (~0.2 us a call): until the first program is built, then only if a
-        # program was a forward remat can plan (passes.remat.forward_plannable). A training
-        # step with its own backward, or remat off, stops paying after its first call.
-        self._remat_auto = options.remat == "auto" and not options.explicit_donation
-        self._watch_autodiff = self._remat_auto
-        self._any_plannable = False
-        self._eager_ad_jit = None
-        self._explicit_donation = options.explicit_donation
-        self._jit_kwargs = jit_kwargs
-        self._policy = "explicit" if options.explicit_donation else options.donate
-        self._programs: dict[tuple, _Program] = {}  # trace-side signature -> program
-        self._eager_ad_programs: dict[tuple, _Program] = {}  # the same, for _eager_ad_call
-        self._by_concrete: dict[tuple, _Program] = {}  # call-side signature -> program
-        self._tls = threading.local()  # the program the last trace on this thread used
-        self._has_static = bool(self._static_argnums or self._static_argnames)
-        self._key_locks: dict[tuple, threading.RLock] = {}
-        self._lock = threading.Lock()
-        self._warned = False
-        self._sites: dict[tuple, _Site] = {}
-        # The fast path needs no static arguments (their positions shift the flat signature)
-        # and no verify=True (which checks the first call of each signature).
-        self._fast_ok = not self._has_static and not options.verify
-        self._auto_fast: dict | None = {} if self._fast_ok else None
-        self._site_reasons: dict[str, _callsite.CallSiteProof] = {}
+        self._policy = policy = policy or Policy.build(options, _fn_location(fn))
+        self._caches = Caches(policy)
         self._wrapper = self._make_wrapper()
-        self._jits: dict[tuple, Any] = {}
-        self._plain = self._jit_for((), ())
-        self._fn_location = _fn_location(fn)
-        self._static_leaf_fns: dict[tuple, OptimizedFunction] = {}  # see _split_static_leaves
         from autoopt.passes.placement._placer import placer_for
 
         # Host inputs (packing, cached constants), scalar canonicalization, transfer guard; None
-        # when no option asks for any of them. See _placement.
-        self._placer = placer_for(self)
-        # Options under which the placer acts on every call, arrays or not (see _remember_fast).
-        self._placer_every_call = (options.transfer_guard in ("log", "disallow")
-                                   or bool(options.canonicalize_scalars))
+        # when no option asks for any of them.
+        self._placer = placer_for(fn, options, policy.backend)
+        self._plain = self._jit_for((), ())
+        self._plain_plan = CallPlan(self._plain, placer=self._placer, verify=policy.verify,
+                                    direct=not policy.verify)
+        self._dispatch = make_dispatch(self)
+        # What ``__call__`` reads before it looks up a cached plan, as attributes (each a
+        # constant of the policy, or the same object as in ``_caches``): the call sites under
+        # "safe", the fast plans under "auto" (else None), whether a call may be under a
+        # transformation's special jit, whether the plain plan runs the jit object as it is.
+        self._sites = self._caches.sites if policy.donate == "safe" else None
+        self._auto_fast = self._caches.auto_fast if policy.donate == "auto" else None
+        self._nested = policy.nested_kwargs is not None
+        self._flat_plain = not (policy.verify or policy.has_static)
 
     # --- jit objects ---------------------------------------------------------------------------
 
     def _make_wrapper(self, eager_autodiff: bool = False) -> Callable:
-        """The function jax.jit traces. ``eager_autodiff``: the wrapper of ``_eager_ad_jit``,
-        whose programs are planned for a caller that differentiates them eagerly (see there)."""
+        """The function jax.jit traces: while jit traces it, it traces the user's function once
+        per signature to a jaxpr, runs the passes, and evaluates the optimized jaxpr into jit's
+        trace. So JAX's own C++ dispatch keeps the signature cache, and a cached call costs what
+        jax.jit costs plus the dispatch. ``eager_autodiff``: the wrapper of the eager-autodiff
+        jit, whose programs are planned for a caller that differentiates them eagerly."""
         fn = self.__wrapped__
 
         def wrapper(*args, **kwargs):
@@ -375,7 +178,7 @@ class OptimizedFunction:
             if _compat.jit_disabled():
                 # jax.jit calls us eagerly under disable_jit: run the original, as jit would.
                 return fn(*args, **kwargs)
-            program, leaves = self._program_for(args, kwargs, eager_autodiff)
+            program, leaves = self._program_for_trace(args, kwargs, eager_autodiff)
             outs = self._evaluate(program, leaves, hoisted)
             return tree_util.tree_unflatten(program.traced.out_tree, outs)
 
@@ -384,81 +187,110 @@ class OptimizedFunction:
         return wrapper
 
     def _jit_for(self, positions: tuple, names: tuple):
+        """The jit object donating these arguments (one per donated set: donation varies per
+        call, and each jit object traces the wrapper, which finds the program cached)."""
+        caches = self._caches
         key = (positions, names)
-        j = self._jits.get(key)
+        j = caches.jits.get(key)
         if j is not None:
             return j
-        with self._lock:
-            j = self._jits.get(key)
+        with caches.lock:
+            j = caches.jits.get(key)
             if j is not None:
                 return j
-            kw = dict(self._jit_kwargs)
-            if not self._explicit_donation:
+            kw = dict(self._policy.jit_kwargs)
+            if self._policy.donate != "explicit":
                 kw["donate_argnums"] = positions
                 kw["donate_argnames"] = names
             j = jax.jit(self._wrapper, **kw)
-            self._jits[key] = j
+            caches.jits[key] = j
         return j
+
+    def _eager_ad_jit(self):
+        """The jit object of a call differentiated eagerly (``jax.grad(f)(x)`` outside any jit):
+        JAX runs the forward and the backward as two executables and keeps the forward's
+        residuals alive in between, so remat plans for it are measured that way
+        (``passes.remat``), in a program of its own: under an outer jit the two halves are one
+        program again, where XLA:CPU merges checkpoints back (jax-ml/jax#19822). Nothing is
+        donated (the arguments are traced)."""
+        caches = self._caches
+        j = caches.eager_ad_jit
+        if j is None:
+            with caches.lock:
+                if caches.eager_ad_jit is None:
+                    kw = {k: v for k, v in self._policy.jit_kwargs.items()
+                          if k not in ("compiler_options", "donate_argnums", "donate_argnames")}
+                    caches.eager_ad_jit = jax.jit(self._make_wrapper(eager_autodiff=True), **kw)
+                j = caches.eager_ad_jit
+        return j
+
+    def _nested_jit(self):
+        """The jit object of a call inside another trace (see ``Policy.nested_kwargs``)."""
+        caches = self._caches
+        if caches.nested is None:
+            caches.nested = jax.jit(self._wrapper, **self._policy.nested_kwargs)
+        return caches.nested
 
     # --- tracing and passes (runs inside jax.jit's trace) -------------------------------------
 
-    def _program_for(self, args: tuple, kwargs: dict,
-                     eager_autodiff: bool = False) -> tuple[_Program, list]:
-        dyn_tree, statics = _trace.split_args(args, kwargs, self._static_argnums, self._static_argnames)
-        leaves, in_tree = tree_util.tree_flatten(dyn_tree)
-        key = _trace.signature_key(leaves, in_tree, statics, len(args))
-        programs = self._eager_ad_programs if eager_autodiff else self._programs
+    def _program_for_trace(self, args: tuple, kwargs: dict,
+                           eager_autodiff: bool = False) -> tuple[Program, list]:
+        policy, caches = self._policy, self._caches
+        key, leaves = trace_signature(args, kwargs, policy.static_argnums, policy.static_argnames)
+        programs = caches.eager_ad_programs if eager_autodiff else caches.programs
         program = programs.get(key)
         if program is not None:
-            self._tls.last_program = program
+            caches.tls.last_program = program
             return program, leaves
-        with self._lock:
-            lock = self._key_locks.setdefault((key, eager_autodiff), threading.RLock())
+        with caches.lock:
+            lock = caches.key_locks.setdefault((key, eager_autodiff), threading.RLock())
         with lock:
             program = programs.get(key)
             if program is None:
                 program = self._build(args, kwargs, eager_autodiff)
                 if not program.traced.captures_tracers:
                     programs[key] = program
-        self._tls.last_program = program
+        caches.tls.last_program = program
         return program, leaves
 
-    def _build(self, args: tuple, kwargs: dict, eager_autodiff: bool = False) -> _Program:
+    def _build(self, args: tuple, kwargs: dict, eager_autodiff: bool = False) -> Program:
+        policy, caches = self._policy, self._caches
         _framework_check(args, kwargs)
         # The user's own errors (shape mismatches, non-array outputs) propagate unchanged, as
         # from jax.jit: they are not autoopt's to swallow.
         traced = _trace.trace_program(self.__wrapped__, args, kwargs,
-                                      self._static_argnums, self._static_argnames)
+                                      policy.static_argnums, policy.static_argnames)
         ctx = PassContext(
-            options=self._options,
+            options=policy.options,
             in_leaf_names=traced.in_leaf_names,
             in_arg_of_leaf=traced.in_arg_of_leaf,
             out_leaf_names=traced.out_leaf_names,
-            backend=self._backend,
+            backend=policy.backend,
             fn_name=getattr(self.__wrapped__, "__name__", "fn"),
-            fn_location=self._fn_location,
+            fn_location=policy.fn_location,
             under_autodiff=eager_autodiff,
         )
-        if self._remat_auto and not eager_autodiff:
+        if policy.remat_auto and not eager_autodiff:
             from autoopt.passes.remat import forward_plannable
 
             if forward_plannable(traced.closed):
-                self._any_plannable = True  # (never reset: one plannable program keeps it)
-            self._watch_autodiff = self._any_plannable
+                caches.any_plannable = True  # (never reset: one plannable program keeps it)
+            caches.watch_autodiff = caches.any_plannable
         try:
             pipeline = run_pipeline(traced.closed, ctx)
         except PassError as e:
             self._fall_back(e, e.pass_name)
-            program = _Program(traced, None, str(e))
+            program = Program(traced, None, str(e))
         else:
-            program = _Program(traced, pipeline, None)
-        if self._options.explain:
+            program = Program(traced, pipeline, None)
+        if policy.options.explain:
             from autoopt.report._report import log_report
 
-            log_report(self, program)  # once per signature: _build runs once per signature
+            # once per signature: _build runs once per signature. No call yet: no jit chosen.
+            log_report(self._inspection(program, None, ((), ())))
         return program
 
-    def _evaluate(self, program: _Program, leaves: list, hoisted=None) -> list:
+    def _evaluate(self, program: Program, leaves: list, hoisted=None) -> list:
         final, original = program.final, program.traced.closed
         if self._placer is not None:  # large constants become device arguments (_hoist)
             from autoopt.passes.placement._hoist import with_hoisted_consts
@@ -475,10 +307,10 @@ class OptimizedFunction:
             return _jaxpr.eval_closed(original, *leaves)
 
     def _fall_back(self, error: BaseException, where: str) -> None:
-        if self._options.fallback == "raise":
+        if self._policy.options.fallback == "raise":
             raise error
-        if not self._warned:
-            self._warned = True
+        if not self._caches.warned:
+            self._caches.warned = True
             warnings.warn(
                 f"autoopt fell back to plain jax.jit for {getattr(self.__wrapped__, '__name__', 'fn')} "
                 f"({where}): {str(error).rstrip('.')}. Results are unaffected; pass fallback='raise' to debug.",
@@ -486,241 +318,137 @@ class OptimizedFunction:
                 stacklevel=4,
             )
 
-    # --- the call path -------------------------------------------------------------------------
+    # --- the call path (see _dispatch) -----------------------------------------------------------
 
     def __call__(self, *args, **kwargs):
-        try:  # free when nothing is raised (CPython 3.11+)
-            if (self._watch_autodiff or self._nested_kwargs is not None) and \
-                    not _compat.trace_state_clean():
-                if self._watch_autodiff and _compat.eager_autodiff((args, kwargs)):
-                    return self._eager_ad_call(args, kwargs)
-                if self._nested_kwargs is not None:
-                    if self._nested is None:
-                        self._nested = jax.jit(self._wrapper, **self._nested_kwargs)
-                    return self._nested(*args, **kwargs)
-            policy = self._policy
-            if policy == "safe":
+        # The plans that repeat are looked up here, without a call (each lookup is the same
+        # step of ``_dispatch``, which decides everything else): a call site's cached plan for
+        # this signature (under "safe" ``Site.fast``, under "auto" ``Caches.auto_fast``), and
+        # the plain plan of a call of flat arrays and scalars where nothing is donated.
+        caches = self._caches
+        site = None
+        if not ((caches.watch_autodiff or self._nested) and not _compat.trace_state_clean()):
+            sites = self._sites
+            if sites is not None:  # "safe"
                 frame = sys._getframe(1)
-                site = self._sites.get((frame.f_code, frame.f_lasti))
+                site = sites.get((frame.f_code, frame.f_lasti))
                 if site is None:
                     site = self._prove(frame)
                 del frame
                 if site.donates:
                     fast = site.fast
-                    if fast and not kwargs:  # see _Site: the cached decision for flat arguments
-                        hit = _callsite.fast_hit(fast, args, True)
-                        if hit is not None:
-                            jitted, _, placer, _ = hit
-                            return jitted(*args) if placer is None else placer(jitted, args, kwargs)
-                    proof = site.proof
-                    if proof.matches(args, kwargs):  # else positions would mean other arguments
-                        return self._call_donating(proof.positions, proof.names, args, kwargs,
-                                                   True, fast, unpack=proof.unpack)
-            elif policy == "auto":
+                    if fast and not kwargs:
+                        plan = _callsite.fast_hit(fast, args, True)
+                        if plan is not None:
+                            jit, placer = plan[0], plan[2]
+                            return jit(*args) if placer is None else placer(jit, args, kwargs)
+                    return self._run(self._dispatch(site, args, kwargs), args, kwargs)
+            else:
                 fast = self._auto_fast
-                if fast and not kwargs:
-                    hit = _callsite.fast_hit(fast, args, False)
-                    if hit is not None:
-                        jitted, _, placer, _ = hit
-                        return jitted(*args) if placer is None else placer(jitted, args, kwargs)
-                return self._call_donating(tuple(range(len(args))), tuple(kwargs), args, kwargs,
-                                           False, fast)
-            if self._options.verify:
-                self._verify(args, kwargs)
-            placer = self._placer
-            if placer is not None:
-                return placer(self._plain, args, kwargs)
-            return self._plain(*args, **kwargs)
-        except TypeError:
-            # jax.jit refuses non-array leaves (an equinox module's activation function).
-            split = _split_static_leaves(args, kwargs, self._static_argnums, self._static_argnames)
-            if split is None:
-                raise
-        return self._call_static_leaves(split)
+                if fast is not None:  # "auto"
+                    if fast and not kwargs:
+                        plan = _callsite.fast_hit(fast, args, False)
+                        if plan is not None:
+                            jit, placer = plan[0], plan[2]
+                            return jit(*args) if placer is None else placer(jit, args, kwargs)
+                    return self._run(self._dispatch(None, args, kwargs), args, kwargs)
+            if self._flat_plain and not kwargs:
+                for a in args:
+                    if type(a) not in _PLAIN_TYPES:
+                        break
+                else:  # no static leaf, nothing donated: the plain plan
+                    placer = self._placer
+                    return self._plain(*args) if placer is None else placer(self._plain, args, kwargs)
+        return self._run(self._dispatch(site, args, kwargs), args, kwargs)
 
-    def _eager_ad_call(self, args: tuple, kwargs: dict):
-        """A call differentiated eagerly (``jax.grad(f)(x)`` outside any jit): JAX runs the
-        forward and the backward as two executables and keeps the forward's residuals alive in
-        between, so remat plans for it are measured that way (``passes.remat``), in a program of
-        its own: under an outer jit the two halves are one program again, where XLA:CPU merges
-        checkpoints back (jax-ml/jax#19822). Nothing is donated (the arguments are traced)."""
-        j = self._eager_ad_jit
-        if j is None:
-            with self._lock:
-                if self._eager_ad_jit is None:
-                    kw = {k: v for k, v in self._jit_kwargs.items()
-                          if k not in ("compiler_options", "donate_argnums", "donate_argnames")}
-                    self._eager_ad_jit = jax.jit(self._make_wrapper(eager_autodiff=True), **kw)
-                j = self._eager_ad_jit
-        return j(*args, **kwargs)
+    def _run(self, plan: CallPlan, args: tuple, kwargs: dict):
+        """Execute a plan (``__call__`` inlines the common case)."""
+        split = plan.static
+        if split is not None:
+            sub = plan.jit
+            out = sub._run(sub._dispatch(None, split.args, split.kwargs), split.args, split.kwargs)
+            return _static_leaves.outputs_put_back(sub.__wrapped__, split, out,
+                                                   self._policy.static_argnums,
+                                                   self._policy.static_argnames)
+        if plan.verify:
+            self._verify(args, kwargs)
+        placer = plan.placer
+        if placer is not None:
+            return placer(plan.jit, args, kwargs)
+        return plan.jit(*args, **kwargs)
 
-    def _static_leaf_fn(self, split: tuple) -> tuple[OptimizedFunction, tuple, dict]:
-        """The optimized function for arguments with these static leaves (one per set of them)."""
-        key, dyn_args, dyn_kwargs = split
-        sub = self._static_leaf_fns.get(key)
+    def _static_leaf_fn(self, key: tuple) -> OptimizedFunction:
+        """The optimized function for arguments with these static leaves (one per set)."""
+        fns = self._caches.static_leaf_fns
+        sub = fns.get(key)
         if sub is None:
-            sub = OptimizedFunction(_with_static_leaves(self.__wrapped__, key), self._options)
-            sub._fn_location = self._fn_location
-            sub = self._static_leaf_fns.setdefault(key, sub)
-        return sub, dyn_args, dyn_kwargs
+            policy = self._policy
+            fn = _static_leaves.with_static_leaves(self.__wrapped__, key, policy.static_argnums,
+                                                   policy.static_argnames)
+            sub = fns.setdefault(key, OptimizedFunction(fn, policy.options, policy))
+        return sub
 
-    def _call_static_leaves(self, split: tuple):
-        sub, args, kwargs = self._static_leaf_fn(split)
-        # Under "safe" nothing is donated here: the proof's reference counts are about the
-        # caller's objects, not the rebuilt trees. "auto" and explicit donation apply as usual.
-        if self._policy == "auto":
-            out = sub._call_donating(tuple(range(len(args))), tuple(kwargs), args, kwargs, False)
-        else:
-            if self._options.verify:
-                sub._verify(args, kwargs)
-            out = sub._plain(*args, **kwargs)
-        parts = sub.__wrapped__.output_parts
-        return _put_back(parts.get(_array_signature(args, kwargs)), out)
+    def _static_leaf_plan(self, split: _static_leaves.StaticSplit) -> CallPlan:
+        # The function for these static leaves runs its own dispatch without a call site: under
+        # "safe" nothing is donated (the proof's reference counts are about the caller's
+        # objects, not the rebuilt trees); "auto" and explicit donation apply as usual.
+        return CallPlan(self._static_leaf_fn(split.key), static=split, direct=False)
 
-    def _prove(self, frame, shift: int = 0, key: tuple | None = None) -> _Site:
+    def _prove(self, frame, shift: int = 0, key: tuple | None = None) -> Site:
         """The call site's proof, cached; ``shift`` moves positions past a bound instance."""
+        policy, caches = self._policy, self._caches
         proof = _callsite.prove_call_site(frame, self)
         if shift:
             proof = dataclasses.replace(
                 proof, positions=tuple(p + shift for p in proof.positions),
                 reasons=tuple((k + shift if isinstance(k, int) else k, why)
                               for k, why in proof.reasons))
-        static = set(self._static_argnums)
-        if static or self._static_argnames:
+        if policy.has_static:
+            static = set(policy.static_argnums)
             proof = dataclasses.replace(
                 proof, positions=tuple(p for p in proof.positions if p not in static),
-                names=tuple(n for n in proof.names if n not in self._static_argnames))
-        site = _Site(proof, {} if self._fast_ok and not shift else None)
-        self._sites[key or (frame.f_code, frame.f_lasti)] = site
+                names=tuple(n for n in proof.names if n not in policy.static_argnames))
+        # A method's fast path would need its own baselines (_callsite.BOUND_BASES): none.
+        site = Site(proof, {} if policy.fast_ok and not shift else None)
+        caches.sites[key or (frame.f_code, frame.f_lasti)] = site
         # A call from inside jax (jax.grad, vmap calling the function) is not the user's call
         # site: nothing is donated there (the arguments are traced), and the report should not
         # name a line of jax's own source.
         if proof.location and not frame.f_code.co_filename.startswith(_JAX_DIR):
-            self._site_reasons[proof.location] = proof
+            caches.site_proofs[proof.location] = proof
         return site
 
-    def _call_donating(self, positions: tuple, names: tuple, args: tuple, kwargs: dict,
-                       check_refs: bool, fast: dict | None = None, bases: tuple | None = None,
-                       unpack: int | None = None):
-        """The general donating call: every check, then the jit object for what may be donated.
-
-        Cost (measured, tiny function): ~5-7 us over a plain jax.jit call with donation, most of
-        it the reference walk and the call-side signature. With ``fast`` (the site's cache), the
-        decision for this signature is recorded there, so the next call with the same signature
-        takes ``__call__``'s fast path (~1 us for flat arguments).
-        """
-        jitted = self._plain
-        if not (_compat.jit_disabled() or _compat.debug_nans_enabled()):
-            if self._has_static:
-                static = _trace.normalize_static(self._static_argnums, len(args))
-                positions = tuple(p for p in positions if p not in static)
-                names = tuple(n for n in names if n not in self._static_argnames)
-            # The program first, outside the try: tracing runs the user's function, whose errors
-            # are the user's, as from jax.jit. And the references are counted after it, since a
-            # trace may capture an argument as a constant (a global the function reads).
-            program = self._program_concrete(args, kwargs) if positions or names else None
-            try:
-                if program is not None and program.unpacks_to(unpack):
-                    pos, nms, _reasons = _callsite.donation_checks(
-                        args, kwargs, positions, names, check_refs=check_refs, bases=bases,
-                        exclude=program.const_ids)
-                    pos, nms = program.donatable(pos, nms) if pos or nms else ((), ())
-                    if pos or nms:
-                        jitted = self._jits.get((pos, nms)) or self._jit_for(pos, nms)
-                if fast is not None and not kwargs and len(fast) < _FAST_ENTRIES:
-                    self._remember_fast(fast, program, positions, args, unpack)
-            except Exception as e:  # noqa: BLE001 - donation is an optimization; never break the call
-                self._fall_back(e, "donation")
-                jitted = self._plain
-        if self._options.verify:
-            self._verify(args, kwargs)
-        placer = self._placer
-        if placer is not None:
-            return placer(jitted, args, kwargs)
-        return jitted(*args, **kwargs)
-
-    def _remember_fast(self, fast: dict, program: _Program | None, positions: tuple,
-                       args: tuple, unpack: int | None) -> None:
-        """Record, for a call of positional arguments whose leaves are all jax arrays, Python
-        scalars or NumPy arrays, which of ``positions`` this signature donates.
-
-        Only the static half of the decision is cached (the program's aliasing, the call site's
-        proof); the run-time half (no other reference, not deleted, no array twice) is
-        re-checked on every fast call by ``_callsite.fast_hit``.
-        """
-        host = False
-        if _callsite.is_flat(args):
-            sig = _callsite.flat_signature(args)
-            is_donatable = _callsite.is_array
-        else:
-            tree = _callsite.tree_signature(args)
-            if tree is None:
-                return
-            sig, host = tree[0], _callsite.has_host_leaves(tree[1])
-            is_donatable = _callsite.all_array_leaves
-        program = program or self._program_concrete(args, {})
+    def _program_for_call(self, args: tuple, kwargs: dict) -> Program | None:
+        """The program for concrete arguments, tracing (not compiling) on a miss; None when it
+        captured an outer tracer (never cached)."""
+        policy, caches = self._policy, self._caches
+        ckey = call_signature(args, kwargs, policy.static_argnums, policy.static_argnames)
+        program = caches.by_call.get(ckey)
         if program is None:
-            return  # the program captured an outer tracer: never cached
-        arrays = tuple(p for p in positions if p < len(args) and is_donatable(args[p]))
-        pos = program.donatable(arrays, ())[0] if arrays and program.unpacks_to(unpack) else ()
-        jitted = (self._jits.get((pos, ())) or self._jit_for(pos, ())) if pos else self._plain
-        # The placer stays in the call for NumPy leaves, for large constants it passes as
-        # arguments, and when an option makes it act on every call. Otherwise it has nothing to
-        # do: it only counts Python scalars as implicit transfers, which this first (general)
-        # call already did, so the fast path skips it (~0.3 us a call).
-        placer = self._placer
-        if placer is not None and not (self._placer_every_call or host or placer.hoists(program)):
-            placer = None
-        # The program's own constants are never donated: under "safe" the reference counts
-        # already refuse them (the program holds one); "auto" compares identities (fast_hit).
-        fast[sig] = (jitted, pos, placer, program.const_ids)
-
-    def _concrete_key(self, args: tuple, kwargs: dict) -> tuple:
-        """Signature of concrete arguments, for finding their program without tracing.
-
-        Cheaper than the trace-side key (``x.aval`` is a stored attribute of a jax.Array) and
-        deliberately separate from it: the two sides never need to agree.
-        """
-        if self._has_static:
-            dyn_tree, statics = _trace.split_args(args, kwargs, self._static_argnums, self._static_argnames)
-        else:
-            dyn_tree, statics = (args, kwargs), ()
-        leaves, treedef = tree_util.tree_flatten(dyn_tree)
-        return (treedef, statics, len(args), tuple(map(_concrete_type, leaves)),
-                _compat.trace_context())
-
-    def _program_concrete(self, args: tuple, kwargs: dict) -> _Program | None:
-        """The program for concrete arguments, tracing (not compiling) on a miss."""
-        ckey = self._concrete_key(args, kwargs)
-        program = self._by_concrete.get(ckey)
-        if program is None:
-            dyn_tree, statics = _trace.split_args(args, kwargs, self._static_argnums,
-                                                  self._static_argnames)
-            leaves, in_tree = tree_util.tree_flatten(dyn_tree)
-            key = _trace.signature_key(leaves, in_tree, statics, len(args))
-            program = self._programs.get(key)
+            key, _ = trace_signature(args, kwargs, policy.static_argnums, policy.static_argnames)
+            program = caches.programs.get(key)
             if program is None:
                 # jax.jit may answer .trace from its own cache without running our wrapper, so
                 # take the program from the trace-side cache first, then from this thread's last.
-                self._tls.last_program = None
+                caches.tls.last_program = None
                 if self._placer is not None:  # may stop at large constants (see _hoist)
                     self._placer.trace_only(self._plain, args, kwargs)
                 else:
                     self._plain.trace(*args, **kwargs)
-                program = self._programs.get(key) or getattr(self._tls, "last_program", None)
+                program = caches.programs.get(key) or getattr(caches.tls, "last_program", None)
             if program is not None and not program.traced.captures_tracers:
-                self._by_concrete[ckey] = program
+                caches.by_call[ckey] = program
         return program
 
     def _verify(self, args: tuple, kwargs: dict) -> None:
         from autoopt._compare import assert_trees_equivalent
 
-        program = self._program_concrete(args, kwargs)
+        program = self._program_for_call(args, kwargs)
         if program is None or program.verified:
             return
-        static = dict(static_argnums=self._static_argnums or None,
-                      static_argnames=self._static_argnames or None)
-        expected = jax.jit(self.__wrapped__, **static)(*args, **kwargs)
+        policy = self._policy
+        expected = jax.jit(self.__wrapped__, static_argnums=policy.static_argnums or None,
+                           static_argnames=policy.static_argnames or None)(*args, **kwargs)
         got = self._plain(*args, **kwargs)
         assert_trees_equivalent(expected, got, what=f"optimize(verify=True) of "
                                 f"{getattr(self.__wrapped__, '__name__', 'fn')}")
@@ -732,65 +460,119 @@ class OptimizedFunction:
             return self
         return _BoundOptimized(self, instance)
 
-    # --- AOT and explain -----------------------------------------------------------------------
+    # --- AOT, explain, inspect: one preparation ------------------------------------------------
+
+    def _prepare(self, args: tuple, kwargs: dict) -> tuple[OptimizedFunction, tuple, dict]:
+        """The function and arguments a call reaches after the static-leaf split."""
+        policy = self._policy
+        split = _static_leaves.split_if_static(args, kwargs, policy.static_argnums,
+                                               policy.static_argnames)
+        if split is None:
+            return self, args, kwargs
+        return self._static_leaf_fn(split.key), split.args, split.kwargs
+
+    def _aot_choice(self, program: Program | None, args: tuple, kwargs: dict,
+                    shift: int = 0) -> tuple[Any, tuple[tuple, tuple]]:
+        """``(jit object, (donated positions, names))`` of a call: under ``"auto"`` every
+        aliasable argument, under ``"safe"`` what a call site rebinding every argument it passes
+        would donate (never a decorated method's instance: ``shift``), else the plain jit object
+        (explicit donation: the user's own)."""
+        policy = self._policy
+        if policy.donate == "explicit":
+            jit_kwargs = policy.jit_kwargs
+            nums, names = jit_kwargs.get("donate_argnums"), jit_kwargs.get("donate_argnames")
+            return self._plain, (
+                (nums,) if isinstance(nums, int) else tuple(nums or ()),
+                (names,) if isinstance(names, str) else tuple(names or ()))
+        if policy.donate not in ("auto", "safe") or program is None:
+            return self._plain, ((), ())
+        static = _trace.normalize_static(policy.static_argnums, len(args))
+        first = shift if policy.donate == "safe" else 0
+        donated = program.donatable(tuple(i for i in range(first, len(args)) if i not in static),
+                                    tuple(k for k in kwargs if k not in policy.static_argnames))
+        return (self._jit_for(*donated) if donated[0] or donated[1] else self._plain), donated
 
     def _aot_jit(self, args: tuple, kwargs: dict):
-        """The jit object a call would use when every aliasable argument is donated
-        (``"auto"``), or the plain one otherwise."""
-        if self._policy != "auto":
+        """The jit object ``trace``/``lower`` use: the ``"auto"`` call's, else the plain one."""
+        if self._policy.donate != "auto":
             return self._plain
-        program = self._program_concrete(args, kwargs)
-        if program is None:
-            return self._plain
-        pos, nms = program.donatable(tuple(range(len(args))), tuple(kwargs))
-        return self._jit_for(pos, nms)
+        return self._aot_choice(self._program_for_call(args, kwargs), args, kwargs)[0]
 
     def trace(self, *args, **kwargs) -> jax.stages.Traced:
         """As ``jax.jit(fn).trace``: the optimized program for these arguments."""
-        split = _split_static_leaves(args, kwargs, self._static_argnums, self._static_argnames)
-        if split is not None:
-            sub, args, kwargs = self._static_leaf_fn(split)
-            return sub.trace(*args, **kwargs)
-        return self._aot_jit(args, kwargs).trace(*args, **kwargs)
+        of, args, kwargs = self._prepare(args, kwargs)
+        return of._aot_jit(args, kwargs).trace(*args, **kwargs)
 
     def lower(self, *args, **kwargs) -> jax.stages.Lowered:
         """As ``jax.jit(fn).lower``: the optimized program for these arguments."""
-        split = _split_static_leaves(args, kwargs, self._static_argnums, self._static_argnames)
-        if split is not None:
-            sub, args, kwargs = self._static_leaf_fn(split)
-            return sub.lower(*args, **kwargs)
-        return self._aot_jit(args, kwargs).lower(*args, **kwargs)
+        of, args, kwargs = self._prepare(args, kwargs)
+        return of._aot_jit(args, kwargs).lower(*args, **kwargs)
 
     def explain(self, *args, **kwargs):
         """The Report for these arguments: findings, program diff, source edits, memory."""
+        from autoopt.passes.placement._findings import findings_for
         from autoopt.report import Report
 
-        split = _split_static_leaves(args, kwargs, self._static_argnums, self._static_argnames)
-        if split is not None:
-            sub, args, kwargs = self._static_leaf_fn(split)
-            return sub.explain(*args, **kwargs)
-        program = self._program_concrete(args, kwargs)
-        if program is None:
-            raise ValueError("explain() cannot run on arguments traced by an enclosing "
-                             "transformation; call it with concrete arrays.")
-        report = Report.from_program(self, program, args=args, kwargs=kwargs)
-        from autoopt.passes.placement._findings import findings_for
-
-        report.add_findings(findings_for(self, program, args, kwargs))
+        of, args, kwargs = self._prepare(args, kwargs)
+        inspection = of._inspect_prepared(args, kwargs)
+        report = Report.from_program(inspection, args=args, kwargs=kwargs)
+        report.add_findings(findings_for(inspection, args, kwargs))
         return report
+
+    def inspect(self, *args, **kwargs) -> Inspection:
+        """The narrow view of what a call with these arguments runs (see ``Inspection``).
+
+        Traces (never compiles) on a signature's first use. Arguments holding non-array leaves
+        are described by the function made for those static leaves."""
+        of, args, kwargs = self._prepare(args, kwargs)
+        return of._inspect_prepared(args, kwargs)
+
+    def _inspect_prepared(self, args: tuple, kwargs: dict, shift: int = 0) -> Inspection:
+        program = self._program_for_call(args, kwargs)
+        if program is None:
+            raise ValueError("inspect() and explain() cannot run on arguments traced by an "
+                             "enclosing transformation; call them with concrete arrays.")
+        variants = frozenset(self._caches.jits)  # before inspect() itself makes one
+        jit, donated = self._aot_choice(program, args, kwargs, shift)
+        return self._inspection(program, jit, donated, variants)
+
+    def _inspection(self, program: Program, jit, donated: tuple,
+                    variants: frozenset | None = None) -> Inspection:
+        policy, caches = self._policy, self._caches
+        return Inspection(
+            function=self.__wrapped__,
+            location=policy.fn_location,
+            options=policy.options,
+            backend=policy.backend,
+            program=program,
+            traced=program.traced.closed,
+            optimized=program.final,
+            findings=tuple(program.pipeline.findings) if program.pipeline is not None else (),
+            fallback=program.fallback_reason,
+            jit=jit,
+            donated=donated,
+            programs=types.MappingProxyType(dict(caches.programs)),
+            donation_variants=frozenset(caches.jits) if variants is None else variants,
+            call_sites=tuple(caches.site_proofs.values()),
+            fast_entries=(sum(len(s.fast or {}) for s in list(caches.sites.values()))
+                          + len(caches.auto_fast or {})),
+            placement=self._placer.figures() if self._placer is not None else None,
+            eager_autodiff_watched=caches.watch_autodiff,
+            eager_autodiff_jit=caches.eager_ad_jit,
+        )
 
     def __repr__(self) -> str:
         return f"<autoopt.optimize of {getattr(self.__wrapped__, '__qualname__', self.__wrapped__)!r}>"
 
 
 class _BoundOptimized:
-    """An OptimizedFunction bound to an instance (a decorated method).
+    """An OptimizedFunction bound to an instance (a decorated method): the same dispatch, with
+    the instance prepended and positions shifted by one.
 
     Under ``donate="safe"`` the call site's proof is about the arguments the caller wrote
-    (``state = trainer.step(state, batch)``), so its positions shift by one for the instance,
-    and the reference counts are checked against the baselines of this call shape
-    (``_callsite.BOUND_BASES``). The instance itself is never proven dead. ``donate="auto"`` and
-    explicit argnums work as for functions.
+    (``state = trainer.step(state, batch)``), and the reference counts are checked against the
+    baselines of this call shape (``_callsite.BOUND_BASES``). The instance itself is never
+    proven dead.
     """
 
     __slots__ = ("_owner", "_instance")
@@ -803,23 +585,21 @@ class _BoundOptimized:
         owner = self._owner
         # A new name, so the caller's tuple stays alive exactly as in the calibrated probe.
         full = (self._instance, *args)
-        if owner._policy == "safe":
+        if owner._policy.donate == "safe":
             frame = sys._getframe(1)
             key = ("bound", frame.f_code, frame.f_lasti)
-            site = owner._sites.get(key)
+            site = owner._caches.sites.get(key)
             if site is None:
                 site = owner._prove(frame, shift=1, key=key)
             del frame
-            proof = site.proof
-            if site.donates and proof.matches(args, kwargs):
-                return owner._call_donating(proof.positions, proof.names, full, kwargs, True,
-                                            bases=_callsite.BOUND_BASES, unpack=proof.unpack)
-        elif owner._policy == "auto":
-            return owner._call_donating(tuple(range(len(full))), tuple(kwargs), full, kwargs,
-                                        False)
-        if owner._placer is not None:
-            return owner._placer(owner._plain, full, kwargs)
-        return owner._plain(*full, **kwargs)
+        else:
+            site = None
+        return owner._run(owner._dispatch(site, full, kwargs, 1), full, kwargs)
+
+    def inspect(self, *args, **kwargs) -> Inspection:
+        """As ``OptimizedFunction.inspect``, with the instance in front."""
+        of, full, kwargs = self._owner._prepare((self._instance, *args), kwargs)
+        return of._inspect_prepared(full, kwargs, shift=1)
 
     def __getattr__(self, name):
         attr = getattr(self._owner, name)

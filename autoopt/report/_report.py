@@ -68,23 +68,24 @@ class Report:
     # --- building ------------------------------------------------------------------------------
 
     @classmethod
-    def from_program(cls, optimized, program, args: tuple | None = None,
+    def from_program(cls, inspection, args: tuple | None = None,
                      kwargs: dict | None = None) -> Report:
-        findings = list(program.pipeline.findings) if program.pipeline is not None else []
-        findings = _with_call_sites(findings, optimized)
+        """The report of one signature, from ``OptimizedFunction.inspect`` of its arguments
+        (``args``: compile them for the memory figures)."""
+        findings = _with_call_sites(list(inspection.findings), inspection)
         memory: dict[str, dict[str, int]] = {}
         if args is not None:
-            memory = _memory_before_after(optimized, args, kwargs or {})
+            memory = _memory_before_after(inspection, args, kwargs or {})
         report = cls(
             findings=findings,
-            before=program.traced.closed,
-            after=program.final,
+            before=inspection.traced,
+            after=inspection.optimized,
             memory=memory,
-            function=getattr(optimized.__wrapped__, "__qualname__", "fn"),
-            location=optimized._fn_location,
-            fallback=program.fallback_reason,
+            function=getattr(inspection.function, "__qualname__", "fn"),
+            location=inspection.location,
+            fallback=inspection.fallback,
         )
-        report._fn = optimized.__wrapped__
+        report._fn = inspection.function
         report._add_source_edits()
         return report
 
@@ -184,7 +185,7 @@ def _stdout_is_terminal() -> bool:
         return False
 
 
-def log_report(optimized, program) -> None:
+def log_report(inspection) -> None:
     """``optimize(..., explain=True)``: log the report of a freshly built program, as plain text.
 
     When nothing configured logging, the report would vanish (Python shows only warnings by
@@ -192,7 +193,7 @@ def log_report(optimized, program) -> None:
     ``explain=True`` must show something. Building the report never breaks the call.
     """
     try:
-        text = Report.from_program(optimized, program).render(color=False)
+        text = Report.from_program(inspection).render(color=False)
     except Exception as e:  # noqa: BLE001
         log.warning("autoopt could not build the explain report: %s", e)
         return
@@ -209,9 +210,9 @@ def log_report(optimized, program) -> None:
 _HANDLER_LOCK = threading.Lock()
 
 
-def _with_call_sites(findings: list[Finding], optimized) -> list[Finding]:
+def _with_call_sites(findings: list[Finding], inspection) -> list[Finding]:
     """Add what the recorded call sites proved (donation under ``"safe"``)."""
-    sites = list(getattr(optimized, "_site_reasons", {}).values())
+    sites = list(inspection.call_sites)
     if not sites:
         return findings
     out = list(findings)
@@ -248,7 +249,7 @@ def _with_call_sites(findings: list[Finding], optimized) -> list[Finding]:
     return out
 
 
-def _replay_original(optimized, program):
+def _replay_original(inspection):
     """A function with the user's signature that evaluates the traced, unoptimized program."""
     import functools
 
@@ -256,8 +257,9 @@ def _replay_original(optimized, program):
 
     from autoopt import _jaxpr, _trace
 
-    closed, out_tree = program.traced.closed, program.traced.out_tree
-    static_argnums, static_argnames = optimized._static_argnums, optimized._static_argnames
+    closed, out_tree = inspection.traced, inspection.program.traced.out_tree
+    static_argnums = inspection.options.static_argnums
+    static_argnames = inspection.options.static_argnames
 
     def replay(*args, **kwargs):
         dyn, _statics = _trace.split_args(args, kwargs, static_argnums, static_argnames)
@@ -265,31 +267,26 @@ def _replay_original(optimized, program):
         return tree_util.tree_unflatten(out_tree, outs)
 
     # jax.jit reads static_argnames/donate_argnames from the signature, through __wrapped__.
-    functools.update_wrapper(replay, optimized.__wrapped__, updated=())
+    functools.update_wrapper(replay, inspection.function, updated=())
     return replay
 
 
-def _memory_before_after(optimized, args: tuple, kwargs: dict) -> dict[str, dict[str, int]]:
+def _memory_before_after(inspection, args: tuple, kwargs: dict) -> dict[str, dict[str, int]]:
     import jax
 
     from autoopt._memory import compiled_memory
 
     out: dict[str, dict[str, int]] = {}
-    jit_kwargs = {k: v for k, v in optimized._options.jit_kwargs.items()}
+    jit_kwargs = {k: v for k, v in inspection.options.jit_kwargs.items()}
     try:
-        program = optimized._program_concrete(args, kwargs)
         # "before": the program as traced, before any pass, under the user's own jit options.
         # Replayed from the traced jaxpr rather than by tracing the user's function again, so
         # explain() runs the function's Python (and its side effects) once, as a call does.
-        before = compiled_memory(jax.jit(_replay_original(optimized, program), **jit_kwargs)
+        before = compiled_memory(jax.jit(_replay_original(inspection), **jit_kwargs)
                                  .lower(*args, **kwargs).compile())
-        if optimized._explicit_donation:
-            jitted = optimized._plain
-        else:
-            # "after": as a call that donates every aliasable argument would compile.
-            pos, nms = program.donatable(tuple(range(len(args))), tuple(kwargs))
-            jitted = optimized._jit_for(pos, nms)
-        after = compiled_memory(jitted.lower(*args, **kwargs).compile())
+        # "after": as the call inspect() describes compiles (under "safe": a call site that
+        # rebinds the arguments it passes).
+        after = compiled_memory(inspection.jit.lower(*args, **kwargs).compile())
     except Exception as e:  # noqa: BLE001 - a report without figures beats no report
         return {"error": {"message": str(e)}}  # type: ignore[dict-item]
     if before is not None:

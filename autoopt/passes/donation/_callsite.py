@@ -49,9 +49,10 @@ class CallSiteProof:
     def any(self) -> bool:
         return bool(self.positions or self.names)
 
-    def matches(self, args: tuple, kwargs: dict) -> bool:
-        """This call passes what the statement wrote (for a method: without the instance)."""
-        if self.n_positional is not None and len(args) != self.n_positional:
+    def matches(self, args: tuple, kwargs: dict, shift: int = 0) -> bool:
+        """This call passes what the statement wrote; ``shift``: arguments in front of what the
+        statement wrote (1 for a decorated method's instance)."""
+        if self.n_positional is not None and len(args) - shift != self.n_positional:
             return False
         return self.keywords is None or self.keywords == kwargs.keys()
 

@@ -29,24 +29,24 @@ _LARGE_CONSTANT_BYTES = 1 << 20
 _PY_SCALARS = frozenset({bool, int, float, complex})
 
 
-def findings_for(optimized, program, args: tuple, kwargs: dict) -> list:
-    """Placement findings for one call's concrete arguments: host arrays and scalars (with the
-    argument name and the caller's line), recompile triggers, large closed-over constants, and
-    the transfer counts the placer measured."""
+def findings_for(inspection, args: tuple, kwargs: dict) -> list:
+    """Placement findings for one call's concrete arguments (``inspection``: the
+    ``OptimizedFunction.inspect`` of them): host arrays and scalars (with the argument name and
+    the caller's line), recompile triggers, large closed-over constants, and the transfer counts
+    the placer measured."""
     out: list[Finding] = []
-    o = optimized._options
-    placer = getattr(optimized, "_placer", None)
-    stats = placer.stats if placer is not None else None
-    site = (stats.first_host_site if stats is not None else None) or optimized._fn_location
-    fn = optimized.__wrapped__
-    dyn, statics = _trace.split_args(args, kwargs, optimized._static_argnums, optimized._static_argnames)
+    o = inspection.options
+    stats = inspection.placement.stats if inspection.placement is not None else None
+    site = (stats.first_host_site if stats is not None else None) or inspection.location
+    fn = inspection.function
+    dyn, statics = _trace.split_args(args, kwargs, o.static_argnums, o.static_argnames)
     leaves = tree_util.tree_leaves(dyn)
     names, _ = _trace.leaf_names_and_args(fn, dyn, statics, len(args))
     on = o.placement in ("auto", "pack")
     # placement="auto" packs a layout only where its first calls measured packing faster
     pack_on = o.placement == "pack" or bool(
         stats is not None and stats.last is not None and stats.last.packed_leaves)
-    cpu = optimized._backend == "cpu"
+    cpu = inspection.backend == "cpu"
 
     arrays = [i for i, x in enumerate(leaves) if isinstance(x, np.ndarray)]
     scalars = [i for i, x in enumerate(leaves) if type(x) in _SCALAR_TYPES]
@@ -98,8 +98,8 @@ def findings_for(optimized, program, args: tuple, kwargs: dict) -> list:
                         "; pass canonicalize_scalars=True (each keeps its first call's type) or "
                         "pass jax arrays.")),
             details={"leaves": [names[i] for i in scalars], "strategy": "scalar"}))
-    out.extend(_recompile_findings(optimized, site))
-    out.extend(_closed_constant_findings(program, hoist=on))
+    out.extend(_recompile_findings(inspection.programs, site))
+    out.extend(_closed_constant_findings(inspection.program, hoist=on))
     if stats is not None and stats.last is not None:
         last = stats.last
         out.append(Finding(
@@ -113,10 +113,10 @@ def findings_for(optimized, program, args: tuple, kwargs: dict) -> list:
     return out
 
 
-def _recompile_findings(optimized, site) -> list:
+def _recompile_findings(programs, site) -> list:
     """Programs of this function that differ only in the type of scalar leaves."""
     groups: dict[tuple, list] = {}
-    for key, program in list(optimized._programs.items()):
+    for key, program in list(programs.items()):
         shapes = tuple(getattr(t, "shape", None) for t in key.types)  # key: _trace.Signature
         groups.setdefault(key._replace(types=shapes), []).append((key.types, program))
     out = []

@@ -339,6 +339,13 @@ class Placer:
         except HoistConstants as e:
             self._hoist(e.consts)
 
+    def figures(self) -> PlacementFigures:
+        """What ``OptimizedFunction.inspect`` reports about this placer."""
+        return PlacementFigures(
+            stats=self.stats, active=self._active, hoisted=self._hoisted,
+            packed_layouts=tuple(hit[0] for hit in list(self._layouts.values())
+                                 if hit[0] is not None))
+
     def hoists(self, program) -> bool:
         """Whether calls of ``program`` must go through the placer: it has large constants the
         placer passes as device arguments (the jit signature includes them)."""
@@ -659,9 +666,22 @@ class Placer:
                     f"JAX said: {e}") from e
 
 
-def placer_for(optimized) -> Placer | None:
-    """The placer an ``OptimizedFunction`` needs, or None when no option asks for one."""
-    o = optimized._options
+@dataclasses.dataclass(frozen=True)
+class PlacementFigures:
+    """The placer as ``OptimizedFunction.inspect`` shows it. ``stats``: the live transfer
+    counts; ``active``: calls take the full scan (not the lean path); ``hoisted``: the large
+    constants every call passes as device arguments, or None; ``packed_layouts``: the argument
+    layouts whose host leaves are packed (or tuned for packing under placement="auto")."""
+
+    stats: TransferStats
+    active: bool
+    hoisted: Any
+    packed_layouts: tuple
+
+
+def placer_for(fn, options, backend: str) -> Placer | None:
+    """The placer an ``OptimizedFunction`` of ``fn`` needs, or None when no option asks for one."""
+    o = options
     if o.placement == "off" and not o.canonicalize_scalars and o.transfer_guard in (None, "allow"):
         return None
-    return Placer(optimized.__wrapped__, o, optimized._backend)
+    return Placer(fn, o, backend)

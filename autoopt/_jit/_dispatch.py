@@ -1,0 +1,286 @@
+"""One call's route: ``dispatch(site, args, kwargs) -> CallPlan``.
+
+The policy (``Policy``) is fixed when ``optimize`` builds the wrapper, as ``equinox.filter_jit``
+fixes its filter; everything that changes between calls lives in one ``Caches`` object. Every
+call, a function's or a decorated method's, follows these steps (``OptimizedFunction.__call__``
+takes steps 2 and 4's plain plan of a flat call itself, without calling ``dispatch``: they are
+what repeats, and a Python call costs as much as either):
+
+1. under a transformation (``jax.grad`` applied eagerly, an outer jit), the jit object made for
+   that case;
+2. a call site's cached plan for this signature (``Site.fast``), its run-time half re-checked by
+   ``_callsite.fast_hit``; a hit proves every leaf an array, a scalar or a NumPy array;
+3. otherwise non-array leaves are looked for before jax.jit is called: a call holding some goes
+   to the function made for those static leaves (``_static_leaves``), nothing donated under
+   ``"safe"`` (the proof's reference counts are about the caller's objects, not rebuilt trees);
+4. the donation policy: ``"safe"`` donates what the call site proves dead and the reference
+   counts confirm, ``"auto"`` every aliasable argument, else the plain jit object.
+
+``make_dispatch`` builds the function that does this, once per ``OptimizedFunction``.
+The plan says which jit object runs, what it donates, whether the placer runs and whether to
+verify; ``OptimizedFunction`` executes it. Nothing here catches a TypeError: the user's own
+errors propagate from the one call of the user's function, as from jax.jit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import jax
+
+from autoopt import _compat, _trace
+from autoopt._jit import _static_leaves
+from autoopt._jit._program import FAST_ENTRIES, Program
+from autoopt._jit._static_leaves import _PLAIN_TYPES
+from autoopt._options import Options
+from autoopt.passes import jit_options_for
+from autoopt.passes.donation import _callsite
+
+if TYPE_CHECKING:
+    from autoopt._jit._function import OptimizedFunction
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Everything decided when the wrapper is built; read, never written, by calls."""
+
+    options: Options
+    donate: str  # "safe" | "auto" | "off" | "explicit" (the user's donate_argnums/argnames)
+    static_argnums: tuple[int, ...]
+    static_argnames: tuple[str, ...]
+    has_static: bool
+    verify: bool
+    backend: str
+    jit_kwargs: Mapping[str, Any]  # jax.jit's keywords, with the passes' compiler options
+    # jax.jit refuses compiler_options on a jit called inside another trace (grad, an outer
+    # jit, vmap): such calls go to a jit without them (the outer program's options govern the
+    # whole computation anyway). None when there are no compiler options.
+    nested_kwargs: Mapping[str, Any] | None
+    remat_auto: bool  # remat may plan a forward for a caller that differentiates it eagerly
+    # The fast path needs no static arguments (their positions shift its signature) and no
+    # verify=True (which checks the first call of each signature).
+    fast_ok: bool
+    # The placer acts on every call, arrays or not (see ``remember_fast``).
+    placer_every_call: bool
+    fn_location: str | None
+
+    @classmethod
+    def build(cls, options: Options, fn_location: str | None) -> Policy:
+        backend = options.jit_kwargs.get("backend") or jax.default_backend()
+        jit_kwargs = dict(options.jit_kwargs)
+        for k, v in jit_options_for(options, backend).items():
+            if k == "compiler_options":
+                jit_kwargs["compiler_options"] = {**v, **(jit_kwargs.get("compiler_options") or {})}
+            else:
+                jit_kwargs.setdefault(k, v)
+        nested = {k: v for k, v in jit_kwargs.items() if k != "compiler_options"}
+        has_static = bool(options.static_argnums or options.static_argnames)
+        return cls(
+            options=options,
+            donate="explicit" if options.explicit_donation else options.donate,
+            static_argnums=options.static_argnums,
+            static_argnames=options.static_argnames,
+            has_static=has_static,
+            verify=bool(options.verify),
+            backend=backend,
+            jit_kwargs=jit_kwargs,
+            nested_kwargs=nested if nested != jit_kwargs else None,
+            remat_auto=options.remat == "auto" and not options.explicit_donation,
+            fast_ok=not has_static and not options.verify,
+            placer_every_call=(options.transfer_guard in ("log", "disallow")
+                               or bool(options.canonicalize_scalars)),
+            fn_location=fn_location,
+        )
+
+
+class Caches:
+    """What calls learn: programs per signature, jit objects per donated set, call sites."""
+
+    __slots__ = ("programs", "eager_ad_programs", "by_call", "sites", "site_proofs", "jits",
+                 "auto_fast", "static_leaf_fns", "key_locks", "lock", "tls", "warned",
+                 "watch_autodiff", "any_plannable", "eager_ad_jit", "nested")
+
+    def __init__(self, policy: Policy):
+        self.programs: dict[tuple, Program] = {}  # trace-side signature -> program
+        self.eager_ad_programs: dict[tuple, Program] = {}  # the same, for the eager-autodiff jit
+        self.by_call: dict[tuple, Program] = {}  # call-side signature -> program
+        self.sites: dict[tuple, Any] = {}  # (code, instruction offset) -> _program.Site
+        self.site_proofs: dict[str, _callsite.CallSiteProof] = {}  # "file:line" -> proof
+        self.jits: dict[tuple, Any] = {}  # (donated positions, names) -> jax.jit object
+        self.auto_fast: dict | None = {} if policy.fast_ok else None  # "auto"'s fast plans
+        self.static_leaf_fns: dict[tuple, Any] = {}  # static-leaf key -> OptimizedFunction
+        self.key_locks: dict[tuple, threading.RLock] = {}
+        self.lock = threading.Lock()
+        self.tls = threading.local()  # the program the last trace on this thread used
+        self.warned = False
+        # Eager autodiff is checked on every call only while remat could plan a forward for it:
+        # until the first program is built, then only if a program was a forward remat can
+        # plan (passes.remat.forward_plannable). A training step with its own backward, or
+        # remat off, stops paying for the check after its first call.
+        self.watch_autodiff = policy.remat_auto
+        self.any_plannable = False
+        self.eager_ad_jit = None
+        self.nested = None
+
+
+class CallPlan(NamedTuple):
+    """What one call runs. Positions 1 and 3 are read by ``_callsite.fast_hit``."""
+
+    jit: Any  # the jax.jit object (or, with ``static``, the OptimizedFunction for those leaves)
+    positions: tuple = ()  # donated positional arguments
+    placer: Any = None  # the placer the call goes through, or None
+    const_ids: frozenset = frozenset()  # the program's constants, never donated ("auto")
+    names: tuple = ()  # donated keyword arguments
+    verify: bool = False  # compare with jax.jit of the original on a signature's first call
+    static: _static_leaves.StaticSplit | None = None  # the call's non-array leaves, taken out
+    direct: bool = True  # neither ``static`` nor ``verify``: the jit object runs as it is
+
+
+def make_dispatch(of: OptimizedFunction) -> Callable[..., CallPlan]:
+    """``dispatch(site, args, kwargs, shift=0) -> CallPlan`` for ``of``, its policy bound once.
+
+    As ``equinox.filter_jit`` builds its wrapper once: the policy's fields are read here, so a
+    call reads them as closure cells, not attributes. ``site``: the caller's ``Site`` under
+    ``"safe"`` (None elsewhere); ``shift``: 1 for a decorated method, whose ``args`` start with
+    the instance (its reference counts are checked against ``_callsite.BOUND_BASES``).
+
+    NB: ``args`` is passed down as the tuple the caller's ``*args`` built, never copied or
+    unpacked into names while a reference count is read, so the counts the donation checks read
+    are those of the calibrated probes (``_callsite._Probe``, ``_BoundProbe``).
+    """
+    policy, caches = of._policy, of._caches
+    donate, nested = policy.donate, policy.nested_kwargs is not None
+    static_argnums, static_argnames = policy.static_argnums, policy.static_argnames
+    flat_ok = not policy.has_static
+    plain_plan = of._plain_plan
+    split_if_static, fast_hit = _static_leaves.split_if_static, _callsite.fast_hit
+    trace_state_clean, plain_types = _compat.trace_state_clean, _PLAIN_TYPES
+
+    def dispatch(site, args: tuple, kwargs: dict, shift: int = 0) -> CallPlan:
+        # 1. under a transformation
+        if (caches.watch_autodiff or nested) and not trace_state_clean():
+            split = split_if_static(args, kwargs, static_argnums, static_argnames)
+            if split is not None:
+                return of._static_leaf_plan(split)
+            if caches.watch_autodiff and _compat.eager_autodiff((args, kwargs)):
+                return CallPlan(of._eager_ad_jit())
+            if nested:
+                return CallPlan(of._nested_jit())
+        if donate == "safe":
+            if site is not None and site.donates:
+                fast = site.fast
+                if fast and not kwargs:  # 2. the site's cached plan
+                    hit = fast_hit(fast, args, True)
+                    if hit is not None:
+                        return hit
+                proof = site.proof
+                if proof.matches(args, kwargs, shift):  # else positions mean other arguments
+                    split = split_if_static(args, kwargs, static_argnums, static_argnames)
+                    if split is not None:  # 3.
+                        return of._static_leaf_plan(split)
+                    return plan_donating(  # 4.
+                        of, proof.positions, proof.names, args, kwargs, True, fast,
+                        _callsite.BOUND_BASES if shift else None, proof.unpack)
+        elif donate == "auto":
+            fast = caches.auto_fast if not shift else None
+            if fast and not kwargs:  # 2.
+                hit = fast_hit(fast, args, False)
+                if hit is not None:
+                    return hit
+            split = split_if_static(args, kwargs, static_argnums, static_argnames)
+            if split is not None:  # 3.
+                return of._static_leaf_plan(split)
+            return plan_donating(of, tuple(range(len(args))), tuple(kwargs), args, kwargs,  # 4.
+                                 False, fast)
+        # 3. (split_if_static's first test inlined for flat arrays and scalars; ``a`` is freed
+        # when this returns, and no reference count is read on this route anyway), 4. plain.
+        if flat_ok and not kwargs:
+            for a in args:
+                if type(a) not in plain_types:
+                    break
+            else:
+                return plain_plan
+        split = split_if_static(args, kwargs, static_argnums, static_argnames)
+        if split is not None:
+            return of._static_leaf_plan(split)
+        return plain_plan
+
+    return dispatch
+
+
+def plan_donating(of: OptimizedFunction, positions: tuple, names: tuple, args: tuple,
+                  kwargs: dict, check_refs: bool, fast: dict | None = None,
+                  bases: tuple | None = None, unpack: int | None = None) -> CallPlan:
+    """The general donating plan: every check, then the jit object for what may be donated.
+
+    Most of its cost is the reference walk and the call-side signature. With ``fast`` (the
+    site's cache), the decision for this signature is recorded there, so the next call with the
+    same signature takes the fast path.
+    """
+    policy = of._policy
+    if _compat.jit_disabled() or _compat.debug_nans_enabled():
+        return of._plain_plan
+    if policy.has_static:
+        static = _trace.normalize_static(policy.static_argnums, len(args))
+        positions = tuple(p for p in positions if p not in static)
+        names = tuple(n for n in names if n not in policy.static_argnames)
+    # The program first, outside the try: tracing runs the user's function, whose errors are
+    # the user's, as from jax.jit. And the references are counted after it, since a trace may
+    # capture an argument as a constant (a global the function reads).
+    program = of._program_for_call(args, kwargs) if positions or names else None
+    pos = nms = ()
+    try:
+        if program is not None and program.unpacks_to(unpack):
+            pos, nms, _reasons = _callsite.donation_checks(
+                args, kwargs, positions, names, check_refs=check_refs, bases=bases,
+                exclude=program.const_ids)
+            pos, nms = program.donatable(pos, nms) if pos or nms else ((), ())
+        if fast is not None and not kwargs and len(fast) < FAST_ENTRIES:
+            remember_fast(of, fast, program, positions, args, unpack)
+    except Exception as e:  # noqa: BLE001 - donation is an optimization; never break the call
+        of._fall_back(e, "donation")
+        return of._plain_plan
+    if not (pos or nms):
+        return of._plain_plan
+    return CallPlan(of._jit_for(pos, nms), pos, of._placer, program.const_ids, nms,
+                    policy.verify, direct=not policy.verify)
+
+
+def remember_fast(of: OptimizedFunction, fast: dict, program: Program | None,
+                  positions: tuple, args: tuple, unpack: int | None) -> None:
+    """Record, for a call of positional arguments whose leaves are all jax arrays, Python
+    scalars or NumPy arrays, the plan for its signature.
+
+    Only the static half of the decision is cached (the program's aliasing, the call site's
+    proof); the run-time half (no other reference, not deleted, no array twice) is re-checked
+    on every fast call by ``_callsite.fast_hit``.
+    """
+    host = False
+    if _callsite.is_flat(args):
+        sig = _callsite.flat_signature(args)
+        is_donatable: Callable = _callsite.is_array
+    else:
+        tree = _callsite.tree_signature(args)
+        if tree is None:
+            return
+        sig, host = tree[0], _callsite.has_host_leaves(tree[1])
+        is_donatable = _callsite.all_array_leaves
+    program = program or of._program_for_call(args, {})
+    if program is None:
+        return  # the program captured an outer tracer: never cached
+    arrays = tuple(p for p in positions if p < len(args) and is_donatable(args[p]))
+    pos = program.donatable(arrays, ())[0] if arrays and program.unpacks_to(unpack) else ()
+    jitted = of._jit_for(pos, ()) if pos else of._plain
+    # The placer stays in the call for NumPy leaves, for large constants it passes as
+    # arguments, and when an option makes it act on every call. Otherwise it has nothing to
+    # do: it only counts Python scalars as implicit transfers, which this first (general) call
+    # already did, so the fast path skips it.
+    placer = of._placer
+    if placer is not None and not (of._policy.placer_every_call or host or placer.hoists(program)):
+        placer = None
+    # The program's own constants are never donated: under "safe" the reference counts already
+    # refuse them (the program holds one); "auto" compares identities (fast_hit).
+    fast[sig] = CallPlan(jitted, pos, placer, program.const_ids)

@@ -1,0 +1,131 @@
+"""The per-signature ``Program``, the one notion of signature, and a call site's cached decisions.
+
+One signature (``_trace.Signature``): the dynamic arguments' tree, the static values, the number
+of positional arguments, one type per dynamic leaf, and the trace context (x64, dtype
+promotion), as jax.jit's own cache keys it. A program is traced once per signature.
+
+It is computed in three places, each a projection of the same tuple:
+
+- inside jax.jit's trace of the wrapper (``_trace.signature_key``: ``jax.typeof`` of tracers),
+  the key of the program cache;
+- on the call side, from concrete arguments (``call_signature``): the same tuple, except that a
+  jax array's type is its stored ``.aval`` and a Python scalar's is its Python type (as jax.jit
+  weak-types it), both read without computing anything. It indexes a second dict holding the
+  same ``Program`` objects, filled after the trace, so the two sides never need to agree;
+- on a call site's fast path (``_callsite.fast_hit``): for positional-only calls without static
+  arguments, the per-leaf types only (flat arguments: the tree is implied by the per-argument
+  types; pytrees: with the treedef). The trace context is not in it: a fast entry belongs to a
+  site, whose decision only ever selects among jit objects that key on the context themselves.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jax import tree_util
+
+from autoopt import _compat, _jaxpr, _trace
+from autoopt.passes import PipelineResult
+from autoopt.passes.donation import _callsite
+
+# Per call site, at most this many signatures keep a fast-path decision (a loop over many
+# shapes falls back to the general path, which is correct, only slower).
+FAST_ENTRIES = 32
+
+_PY_SCALARS = frozenset({int, float, complex, bool})
+
+
+class Program:
+    """One signature's traced program and everything decided about it. Immutable after build,
+    except for the small memo of donatable sets (a dict; writes are atomic) and ``verified``."""
+
+    __slots__ = ("traced", "pipeline", "final", "fallback_reason", "_donatable", "verified",
+                 "_const_ids")
+
+    def __init__(self, traced: _trace.TracedProgram, pipeline: PipelineResult | None,
+                 fallback_reason: str | None):
+        self.traced = traced
+        self.pipeline = pipeline
+        self.final = pipeline.jaxpr if pipeline is not None else traced.closed
+        self.fallback_reason = fallback_reason
+        self._donatable: dict = {}
+        self.verified = False
+        self._const_ids: frozenset[int] | None = None
+
+    @property
+    def const_ids(self) -> frozenset[int]:
+        """Identities of the arrays the traced or optimized program holds as constants."""
+        if self._const_ids is None:
+            self._const_ids = _jaxpr.const_ids(self.traced.closed) | _jaxpr.const_ids(self.final)
+        return self._const_ids
+
+    def unpacks_to(self, n: int | None) -> bool:
+        """The result unpacks into ``n`` targets (``a, b = f(x)``); True when not unpacked."""
+        if n is None:
+            return True
+        tree = self.traced.out_tree
+        data = tree.node_data()  # None for a single leaf
+        return (data is not None and issubclass(data[0], tuple | list)
+                and len(tree_util.treedef_children(tree)) == n)
+
+    def donatable(self, positions: tuple, names: tuple) -> tuple[tuple, tuple]:
+        """The subset of candidate arguments whose every leaf an output aliases."""
+        key = (positions, names)
+        hit = self._donatable.get(key)
+        if hit is not None:
+            return hit
+        from autoopt.passes.donation import donatable_args
+
+        t = self.traced
+        chosen, _ = donatable_args(self.final.in_avals, self.final.out_avals, t.in_arg_of_leaf,
+                                   list(positions) + list(names))
+        hit = (tuple(p for p in positions if p in chosen), tuple(n for n in names if n in chosen))
+        self._donatable[key] = hit
+        return hit
+
+
+def _call_leaf_type(x: Any):
+    aval = getattr(x, "aval", None)  # a stored attribute on jax.Array: no computation
+    if aval is not None:
+        return aval
+    t = type(x)
+    if t in _PY_SCALARS:  # weak-typed: one signature per Python type, as in jax.jit
+        return t
+    return _trace.leaf_type(x)
+
+
+def call_signature(args: tuple, kwargs: dict, static_argnums: tuple,
+                   static_argnames: tuple) -> _trace.Signature:
+    """The signature of concrete arguments (see the module docstring)."""
+    if static_argnums or static_argnames:
+        dyn_tree, statics = _trace.split_args(args, kwargs, static_argnums, static_argnames)
+    else:
+        dyn_tree, statics = (args, kwargs), ()
+    leaves, treedef = tree_util.tree_flatten(dyn_tree)
+    return _trace.Signature(treedef, statics, len(args), tuple(map(_call_leaf_type, leaves)),
+                            _compat.trace_context())
+
+
+def trace_signature(args: tuple, kwargs: dict, static_argnums: tuple,
+                    static_argnames: tuple) -> tuple[_trace.Signature, list]:
+    """``(signature, dynamic leaves)`` of the arguments jax.jit's trace hands the wrapper."""
+    dyn_tree, statics = _trace.split_args(args, kwargs, static_argnums, static_argnames)
+    leaves, in_tree = tree_util.tree_flatten(dyn_tree)
+    return _trace.signature_key(leaves, in_tree, statics, len(args)), leaves
+
+
+class Site:
+    """One call site of an OptimizedFunction: its proof, and the fast path's decisions.
+
+    ``fast`` maps the fast-path signature of positional arguments (see the module docstring) to
+    the cached ``CallPlan``. None when the function has static arguments, ``verify=True`` (whose
+    general path does more per call), or for a decorated method (its reference baselines are
+    another call shape's).
+    """
+
+    __slots__ = ("proof", "donates", "fast")
+
+    def __init__(self, proof: _callsite.CallSiteProof, fast: dict | None):
+        self.proof = proof
+        self.donates = proof.any  # read on every call: an attribute, not the property
+        self.fast = fast
