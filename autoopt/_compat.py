@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 from jax._src import api_util as _api_util
+from jax._src import array as _array
 from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import linear_util as _lu
@@ -21,12 +22,18 @@ from jax._src.interpreters import partial_eval as _pe
 from jax.core import Tracer
 
 __all__ = [
+    "ARRAY_IMPL",
     "user_frame",
     "trace_closed_jaxpr",
     "is_tracer",
     "debug_nans_enabled",
     "jaxpr_effects",
 ]
+
+# The concrete type of every jax.Array a computation returns. Named here rather than found by
+# ``type(jnp.zeros(()))``, which would initialize a backend at import time (after that,
+# ``jax.config.update("jax_num_cpu_devices", ...)`` and ``jax.distributed.initialize()`` fail).
+ARRAY_IMPL: type = _array.ArrayImpl
 
 
 def user_frame(source_info) -> tuple[str, int] | None:

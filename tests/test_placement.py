@@ -216,7 +216,7 @@ def _tune_with(monkeypatch, opt, args, jit_s, pack_s):
         if pos == _packing._TUNE_RUN - 1:  # the end of a run
             layout.record(strategy, jit_s if strategy == "jit" else pack_s)
 
-    monkeypatch.setattr(_placement, "_time_trial", fake)
+    monkeypatch.setattr(_placement, "time_trial", fake)
     ref = jax.jit(_step)(*args)
     for _ in range(2 * (_packing._TUNE_SAMPLES + 1) * _packing._TUNE_RUN):
         assert_trees_equivalent(ref, opt(*args))
@@ -286,7 +286,7 @@ def test_constant_served_by_the_fast_path_is_placed_again_after_explicit_donatio
     x = jnp.ones(16)
     for _ in range(3):
         opt(t, x)
-    _host_constants._CONSTANTS[(id(t), None)].device.delete()
+    _host_constants.CONSTANTS[(id(t), None)].device.delete()
     assert_trees_equivalent(jax.jit(lambda t, x: t @ x)(t, x), opt(t, x))
 
 
@@ -334,14 +334,14 @@ def test_a_cached_constant_the_caller_still_holds_survives_a_sweep():
     table = _table(seed=3)
     autoopt.optimize(lambda t: t.sum())(table)
     _host_constants.sweep_constants()
-    assert (id(table), None) in _host_constants._CONSTANTS
+    assert (id(table), None) in _host_constants.CONSTANTS
 
 
 def test_cached_copy_is_dropped_when_the_host_array_is_freed():
     opt = autoopt.optimize(lambda t: t.sum(), fallback="raise")
     table = _table(seed=2)
     opt(table).block_until_ready()
-    entry = _host_constants._CONSTANTS[(id(table), None)]
+    entry = _host_constants.CONSTANTS[(id(table), None)]
     device_copy = weakref.ref(entry.device)
     jax.block_until_ready(entry.device)  # a pending host-to-device copy still holds the host array
     del entry, table
@@ -429,8 +429,8 @@ def test_read_only_arguments_under_grad_and_an_outer_jit_never_cache_a_tracer():
     assert_trees_equivalent(jax.grad(jax.jit(f))(w, table), jax.grad(opt)(w, table))
     assert_trees_equivalent(jax.jit(f)(w, table), jax.jit(lambda w: opt(w, table))(w))
     assert_trees_equivalent(jax.jit(f)(w, table), opt(w, table))
-    assert (id(table), None) in _host_constants._CONSTANTS
-    assert not any(isinstance(e.device, jax.core.Tracer) for e in _host_constants._CONSTANTS.values())
+    assert (id(table), None) in _host_constants.CONSTANTS
+    assert not any(isinstance(e.device, jax.core.Tracer) for e in _host_constants.CONSTANTS.values())
 
 
 def test_a_cached_copy_donated_through_explicit_donate_argnums_is_placed_again():
@@ -612,7 +612,7 @@ def test_cached_copy_of_an_aligned_host_array_neither_aliases_it_nor_keeps_it_al
     table.flags.writeable = False
     opt = autoopt.optimize(lambda t: t.sum(), fallback="raise")
     assert float(opt(table)) == 1024.0
-    entry = _host_constants._CONSTANTS[(id(table), None)]
+    entry = _host_constants.CONSTANTS[(id(table), None)]
     jax.block_until_ready(entry.device)
     table.flags.writeable = True
     table[...] = 2.0  # the promise broken behind the cache's back: the copy must not change

@@ -175,7 +175,7 @@ def test_packed_prefetch_reuses_a_small_ring_of_host_buffers_and_keeps_every_bat
 def test_a_pooled_buffer_a_device_array_still_holds_is_never_handed_out_again():
     from autoopt.passes.placement import _packing
 
-    pool = _packing._Pool(np.float32, 16, size=2)
+    pool = _packing.Pool(np.float32, 16, size=2)
     a = pool.get()
     held = a  # stands for jax's reference while a computation reads the buffer
     del a

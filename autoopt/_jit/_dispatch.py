@@ -9,7 +9,7 @@ what repeats, and a Python call costs as much as either):
 1. under a transformation (``jax.grad`` applied eagerly, an outer jit), the jit object made for
    that case;
 2. a call site's cached plan for this signature (``Site.fast``), its run-time half re-checked by
-   ``_callsite.fast_hit``; a hit proves every leaf an array, a scalar or a NumPy array;
+   ``callsite.fast_hit``; a hit proves every leaf an array, a scalar or a NumPy array;
 3. otherwise non-array leaves are looked for before jax.jit is called: a call holding some goes
    to the function made for those static leaves (``_static_leaves``), nothing donated under
    ``"safe"`` (the proof's reference counts are about the caller's objects, not rebuilt trees);
@@ -34,10 +34,10 @@ import jax
 from autoopt import _compat, _trace
 from autoopt._jit import _static_leaves
 from autoopt._jit._program import FAST_ENTRIES, Program
-from autoopt._jit._static_leaves import _PLAIN_TYPES
+from autoopt._jit._static_leaves import PLAIN_TYPES
 from autoopt._options import Options
 from autoopt.passes import jit_options_for
-from autoopt.passes.donation import _callsite
+from autoopt.passes.donation import callsite
 
 if TYPE_CHECKING:
     from autoopt._jit._function import OptimizedFunction
@@ -53,7 +53,10 @@ class Policy:
     static_argnames: tuple[str, ...]
     has_static: bool
     verify: bool
-    backend: str
+    # jax.jit's backend= keyword, or None for the default backend: asked for only when a call
+    # needs it (``platform()``), since asking starts JAX's backend, after which
+    # ``jax_num_cpu_devices`` and ``jax.distributed.initialize()`` can no longer be set.
+    backend: str | None
     jit_kwargs: Mapping[str, Any]  # jax.jit's keywords, with the passes' compiler options
     # jax.jit refuses compiler_options on a jit called inside another trace (grad, an outer
     # jit, vmap): such calls go to a jit without them (the outer program's options govern the
@@ -67,9 +70,13 @@ class Policy:
     placer_every_call: bool
     fn_location: str | None
 
+    def platform(self) -> str:
+        """The platform programs compile for (starts JAX's backend: call it from a call)."""
+        return self.backend or jax.default_backend()
+
     @classmethod
     def build(cls, options: Options, fn_location: str | None) -> Policy:
-        backend = options.jit_kwargs.get("backend") or jax.default_backend()
+        backend = options.jit_kwargs.get("backend")
         jit_kwargs = dict(options.jit_kwargs)
         for k, v in jit_options_for(options, backend).items():
             if k == "compiler_options":
@@ -108,7 +115,7 @@ class Caches:
         self.eager_ad_programs: dict[tuple, Program] = {}  # the same, for the eager-autodiff jit
         self.by_call: dict[tuple, Program] = {}  # call-side signature -> program
         self.sites: dict[tuple, Any] = {}  # (code, instruction offset) -> _program.Site
-        self.site_proofs: dict[str, _callsite.CallSiteProof] = {}  # "file:line" -> proof
+        self.site_proofs: dict[str, callsite.CallSiteProof] = {}  # "file:line" -> proof
         self.jits: dict[tuple, Any] = {}  # (donated positions, names) -> jax.jit object
         self.auto_fast: dict | None = {} if policy.fast_ok else None  # "auto"'s fast plans
         self.static_leaf_fns: dict[tuple, Any] = {}  # static-leaf key -> OptimizedFunction
@@ -127,7 +134,7 @@ class Caches:
 
 
 class CallPlan(NamedTuple):
-    """What one call runs. Positions 1 and 3 are read by ``_callsite.fast_hit``."""
+    """What one call runs. Positions 1 and 3 are read by ``callsite.fast_hit``."""
 
     jit: Any  # the jax.jit object (or, with ``static``, the OptimizedFunction for those leaves)
     positions: tuple = ()  # donated positional arguments
@@ -145,19 +152,19 @@ def make_dispatch(of: OptimizedFunction) -> Callable[..., CallPlan]:
     As ``equinox.filter_jit`` builds its wrapper once: the policy's fields are read here, so a
     call reads them as closure cells, not attributes. ``site``: the caller's ``Site`` under
     ``"safe"`` (None elsewhere); ``shift``: 1 for a decorated method, whose ``args`` start with
-    the instance (its reference counts are checked against ``_callsite.BOUND_BASES``).
+    the instance (its reference counts are checked against ``callsite.BOUND_BASES``).
 
     NB: ``args`` is passed down as the tuple the caller's ``*args`` built, never copied or
     unpacked into names while a reference count is read, so the counts the donation checks read
-    are those of the calibrated probes (``_callsite._Probe``, ``_BoundProbe``).
+    are those of the calibrated probes (``callsite._Probe``, ``_BoundProbe``).
     """
     policy, caches = of._policy, of._caches
     donate, nested = policy.donate, policy.nested_kwargs is not None
     static_argnums, static_argnames = policy.static_argnums, policy.static_argnames
     flat_ok = not policy.has_static
     plain_plan = of._plain_plan
-    split_if_static, fast_hit = _static_leaves.split_if_static, _callsite.fast_hit
-    trace_state_clean, plain_types = _compat.trace_state_clean, _PLAIN_TYPES
+    split_if_static, fast_hit = _static_leaves.split_if_static, callsite.fast_hit
+    trace_state_clean, plain_types = _compat.trace_state_clean, PLAIN_TYPES
 
     def dispatch(site, args: tuple, kwargs: dict, shift: int = 0) -> CallPlan:
         # 1. under a transformation
@@ -183,7 +190,7 @@ def make_dispatch(of: OptimizedFunction) -> Callable[..., CallPlan]:
                         return of._static_leaf_plan(split)
                     return plan_donating(  # 4.
                         of, proof.positions, proof.names, args, kwargs, True, fast,
-                        _callsite.BOUND_BASES if shift else None, proof.unpack)
+                        callsite.BOUND_BASES if shift else None, proof.unpack)
         elif donate == "auto":
             fast = caches.auto_fast if not shift else None
             if fast and not kwargs:  # 2.
@@ -234,7 +241,7 @@ def plan_donating(of: OptimizedFunction, positions: tuple, names: tuple, args: t
     pos = nms = ()
     try:
         if program is not None and program.unpacks_to(unpack):
-            pos, nms, _reasons = _callsite.donation_checks(
+            pos, nms, _reasons = callsite.donation_checks(
                 args, kwargs, positions, names, check_refs=check_refs, bases=bases,
                 exclude=program.const_ids)
             pos, nms = program.donatable(pos, nms) if pos or nms else ((), ())
@@ -256,18 +263,18 @@ def remember_fast(of: OptimizedFunction, fast: dict, program: Program | None,
 
     Only the static half of the decision is cached (the program's aliasing, the call site's
     proof); the run-time half (no other reference, not deleted, no array twice) is re-checked
-    on every fast call by ``_callsite.fast_hit``.
+    on every fast call by ``callsite.fast_hit``.
     """
     host = False
-    if _callsite.is_flat(args):
-        sig = _callsite.flat_signature(args)
-        is_donatable: Callable = _callsite.is_array
+    if callsite.is_flat(args):
+        sig = callsite.flat_signature(args)
+        is_donatable: Callable = callsite.is_array
     else:
-        tree = _callsite.tree_signature(args)
+        tree = callsite.tree_signature(args)
         if tree is None:
             return
-        sig, host = tree[0], _callsite.has_host_leaves(tree[1])
-        is_donatable = _callsite.all_array_leaves
+        sig, host = tree[0], callsite.has_host_leaves(tree[1])
+        is_donatable = callsite.all_array_leaves
     program = program or of._program_for_call(args, {})
     if program is None:
         return  # the program captured an outer tracer: never cached

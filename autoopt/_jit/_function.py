@@ -33,10 +33,10 @@ from autoopt._jit import _static_leaves
 from autoopt._jit._dispatch import Caches, CallPlan, Policy, make_dispatch
 from autoopt._jit._inspect import Inspection
 from autoopt._jit._program import Program, Site, call_signature, trace_signature
-from autoopt._jit._static_leaves import _PLAIN_TYPES
+from autoopt._jit._static_leaves import PLAIN_TYPES
 from autoopt._options import Options
 from autoopt.passes import PassContext, make_options, option_names, run_pipeline
-from autoopt.passes.donation import _callsite
+from autoopt.passes.donation import callsite
 
 log = logging.getLogger("autoopt")
 
@@ -140,11 +140,11 @@ class OptimizedFunction:
         self._policy = policy = policy or Policy.build(options, _fn_location(fn))
         self._caches = Caches(policy)
         self._wrapper = self._make_wrapper()
-        from autoopt.passes.placement._placer import placer_for
+        from autoopt.passes.placement import placer_for
 
         # Host inputs (packing, cached constants), scalar canonicalization, transfer guard; None
         # when no option asks for any of them.
-        self._placer = placer_for(fn, options, policy.backend)
+        self._placer = placer_for(fn, options, policy.platform)
         self._plain = self._jit_for((), ())
         self._plain_plan = CallPlan(self._plain, placer=self._placer, verify=policy.verify,
                                     direct=not policy.verify)
@@ -172,7 +172,7 @@ class OptimizedFunction:
             # large constants the placer passes as device arguments (see _hoist)
             hoisted = kwargs.pop("_autoopt_hoisted", None) if kwargs else None
             if "_autoopt_packed" in kwargs:  # host leaves the placer packed: slice them back
-                from autoopt.passes.placement._packing import unpack
+                from autoopt.passes.placement import unpack
 
                 args, kwargs = unpack(args, kwargs)
             if _compat.jit_disabled():
@@ -265,7 +265,7 @@ class OptimizedFunction:
             in_leaf_names=traced.in_leaf_names,
             in_arg_of_leaf=traced.in_arg_of_leaf,
             out_leaf_names=traced.out_leaf_names,
-            backend=policy.backend,
+            backend=policy.platform(),
             fn_name=getattr(self.__wrapped__, "__name__", "fn"),
             fn_location=policy.fn_location,
             under_autodiff=eager_autodiff,
@@ -284,7 +284,7 @@ class OptimizedFunction:
         else:
             program = Program(traced, pipeline, None)
         if policy.options.explain:
-            from autoopt.report._report import log_report
+            from autoopt.report import log_report
 
             # once per signature: _build runs once per signature. No call yet: no jit chosen.
             log_report(self._inspection(program, None, ((), ())))
@@ -293,7 +293,7 @@ class OptimizedFunction:
     def _evaluate(self, program: Program, leaves: list, hoisted=None) -> list:
         final, original = program.final, program.traced.closed
         if self._placer is not None:  # large constants become device arguments (_hoist)
-            from autoopt.passes.placement._hoist import with_hoisted_consts
+            from autoopt.passes.placement import with_hoisted_consts
 
             final = with_hoisted_consts(final, hoisted)
         try:
@@ -338,7 +338,7 @@ class OptimizedFunction:
                 if site.donates:
                     fast = site.fast
                     if fast and not kwargs:
-                        plan = _callsite.fast_hit(fast, args, True)
+                        plan = callsite.fast_hit(fast, args, True)
                         if plan is not None:
                             jit, placer = plan[0], plan[2]
                             return jit(*args) if placer is None else placer(jit, args, kwargs)
@@ -347,14 +347,14 @@ class OptimizedFunction:
                 fast = self._auto_fast
                 if fast is not None:  # "auto"
                     if fast and not kwargs:
-                        plan = _callsite.fast_hit(fast, args, False)
+                        plan = callsite.fast_hit(fast, args, False)
                         if plan is not None:
                             jit, placer = plan[0], plan[2]
                             return jit(*args) if placer is None else placer(jit, args, kwargs)
                     return self._run(self._dispatch(None, args, kwargs), args, kwargs)
             if self._flat_plain and not kwargs:
                 for a in args:
-                    if type(a) not in _PLAIN_TYPES:
+                    if type(a) not in PLAIN_TYPES:
                         break
                 else:  # no static leaf, nothing donated: the plain plan
                     placer = self._placer
@@ -397,7 +397,7 @@ class OptimizedFunction:
     def _prove(self, frame, shift: int = 0, key: tuple | None = None) -> Site:
         """The call site's proof, cached; ``shift`` moves positions past a bound instance."""
         policy, caches = self._policy, self._caches
-        proof = _callsite.prove_call_site(frame, self)
+        proof = callsite.prove_call_site(frame, self)
         if shift:
             proof = dataclasses.replace(
                 proof, positions=tuple(p + shift for p in proof.positions),
@@ -408,7 +408,7 @@ class OptimizedFunction:
             proof = dataclasses.replace(
                 proof, positions=tuple(p for p in proof.positions if p not in static),
                 names=tuple(n for n in proof.names if n not in policy.static_argnames))
-        # A method's fast path would need its own baselines (_callsite.BOUND_BASES): none.
+        # A method's fast path would need its own baselines (callsite.BOUND_BASES): none.
         site = Site(proof, {} if policy.fast_ok and not shift else None)
         caches.sites[key or (frame.f_code, frame.f_lasti)] = site
         # A call from inside jax (jax.grad, vmap calling the function) is not the user's call
@@ -510,7 +510,7 @@ class OptimizedFunction:
 
     def explain(self, *args, **kwargs):
         """The Report for these arguments: findings, program diff, source edits, memory."""
-        from autoopt.passes.placement._findings import findings_for
+        from autoopt.passes.placement import findings_for
         from autoopt.report import Report
 
         of, args, kwargs = self._prepare(args, kwargs)
@@ -543,7 +543,7 @@ class OptimizedFunction:
             function=self.__wrapped__,
             location=policy.fn_location,
             options=policy.options,
-            backend=policy.backend,
+            backend=policy.platform(),
             program=program,
             traced=program.traced.closed,
             optimized=program.final,
@@ -571,7 +571,7 @@ class _BoundOptimized:
 
     Under ``donate="safe"`` the call site's proof is about the arguments the caller wrote
     (``state = trainer.step(state, batch)``), and the reference counts are checked against the
-    baselines of this call shape (``_callsite.BOUND_BASES``). The instance itself is never
+    baselines of this call shape (``callsite.BOUND_BASES``). The instance itself is never
     proven dead.
     """
 

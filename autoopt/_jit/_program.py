@@ -12,7 +12,7 @@ It is computed in three places, each a projection of the same tuple:
   jax array's type is its stored ``.aval`` and a Python scalar's is its Python type (as jax.jit
   weak-types it), both read without computing anything. It indexes a second dict holding the
   same ``Program`` objects, filled after the trace, so the two sides never need to agree;
-- on a call site's fast path (``_callsite.fast_hit``): for positional-only calls without static
+- on a call site's fast path (``callsite.fast_hit``): for positional-only calls without static
   arguments, the per-leaf types only (flat arguments: the tree is implied by the per-argument
   types; pytrees: with the treedef). The trace context is not in it: a fast entry belongs to a
   site, whose decision only ever selects among jit objects that key on the context themselves.
@@ -26,7 +26,7 @@ from jax import tree_util
 
 from autoopt import _compat, _jaxpr, _trace
 from autoopt.passes import PipelineResult
-from autoopt.passes.donation import _callsite
+from autoopt.passes.donation import callsite
 
 # Per call site, at most this many signatures keep a fast-path decision (a loop over many
 # shapes falls back to the general path, which is correct, only slower).
@@ -125,7 +125,7 @@ class Site:
 
     __slots__ = ("proof", "donates", "fast")
 
-    def __init__(self, proof: _callsite.CallSiteProof, fast: dict | None):
+    def __init__(self, proof: callsite.CallSiteProof, fast: dict | None):
         self.proof = proof
         self.donates = proof.any  # read on every call: an attribute, not the property
         self.fast = fast

@@ -23,16 +23,16 @@ import jax
 import numpy as np
 from jax import tree_util
 
-from autoopt import _trace
+from autoopt import _compat, _trace
 
 # The leaves jax.jit accepts as arguments. ``ShapeDtypeStruct`` is accepted by ``trace``/``lower``.
 _ARRAY_LEAF_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex, jax.ShapeDtypeStruct)
 # Exact types checked first: ``isinstance(x, jax.Array)`` goes through an ABC check.
-_PLAIN_TYPES = frozenset({type(jax.numpy.zeros(())), int, float, bool, complex, np.ndarray})
+PLAIN_TYPES = frozenset({_compat.ARRAY_IMPL, int, float, bool, complex, np.ndarray})
 
 
 def is_array_leaf(x: Any) -> bool:
-    return type(x) in _PLAIN_TYPES or isinstance(x, _ARRAY_LEAF_TYPES) or hasattr(x, "__jax_array__")
+    return type(x) in PLAIN_TYPES or isinstance(x, _ARRAY_LEAF_TYPES) or hasattr(x, "__jax_array__")
 
 
 class StaticSplit(NamedTuple):
@@ -74,7 +74,7 @@ def split_if_static(args: tuple, kwargs: dict, static_argnums: tuple,
     counts the donation checks read afterwards are those of the calibrated call shape."""
     if not static_argnums and not static_argnames:
         for a in args:  # flat arrays and scalars: nothing to flatten
-            if type(a) not in _PLAIN_TYPES:
+            if type(a) not in PLAIN_TYPES:
                 break
         else:
             if not kwargs:

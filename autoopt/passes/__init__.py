@@ -211,7 +211,7 @@ def enabled_passes(options) -> list[Pass]:
     return [p for p in _ordered() if (wanted is None or p.name in wanted) and p.enabled(options)]
 
 
-def jit_options_for(options, backend: str) -> dict:
+def jit_options_for(options, backend: str | None) -> dict:
     """Compile options every enabled pass needs, merged (compiler_options dicts are united)."""
     merged: dict = {}
     for p in enabled_passes(options):

@@ -60,7 +60,7 @@ def _always(options: Options) -> bool:
     return True
 
 
-def _no_jit_options(options: Options, backend: str) -> Mapping[str, Any]:
+def _no_jit_options(options: Options, backend: str | None) -> Mapping[str, Any]:
     return {}
 
 
@@ -80,8 +80,10 @@ class Pass:
       for checks across options (it raises; it returns nothing).
     - ``enabled(options)``: whether the user's options turn it on.
     - ``jit_options(options, backend)``: compile options it needs for every signature, decided
-      before anything is traced (jax.jit takes compiler_options per jit object, not per
-      signature). Example: remat on XLA:CPU may need xla_disable_hlo_passes.
+      when the wrapper is built (jax.jit takes compiler_options per jit object, not per
+      signature). ``backend`` is jax.jit's ``backend=`` keyword, or None for the default
+      backend, which is not asked for then: asking starts JAX's backend, and a user may still
+      configure devices after wrapping a function at import time.
     - ``codemod``: ``"module:Class"`` of its ``FindingCommand``, imported only when source edits
       are planned (so importing autoopt does not import libcst).
     - ``report_section``: ``"module:function"`` (or the function) called as
@@ -95,7 +97,7 @@ class Pass:
     before: tuple[str, ...] = ()
     options: tuple[Option, ...] = ()
     enabled: Callable[[Options], bool] = _always
-    jit_options: Callable[[Options, str], Mapping[str, Any]] = _no_jit_options
+    jit_options: Callable[[Options, str | None], Mapping[str, Any]] = _no_jit_options
     check_options: Callable[[Mapping[str, Any]], None] | None = None
     codemod: str | None = None
     report_section: str | Callable[..., None] | None = None

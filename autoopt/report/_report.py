@@ -20,10 +20,10 @@ from typing import Any
 
 from jax.extend.core import ClosedJaxpr
 
+from autoopt._finding import Finding
+from autoopt._format import short_location as _short_loc
 from autoopt._memory import format_bytes
 from autoopt.report._diff import equation_diff
-from autoopt._format import short_location as _short_loc
-from autoopt._finding import Finding
 
 log = logging.getLogger("autoopt")
 

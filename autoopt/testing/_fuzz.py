@@ -828,8 +828,8 @@ def check_program(case: FuzzCase, *, through: Callable[[Callable, tuple], Any] =
     check composition). A program ``jax.jit`` rejects must be rejected by autoopt with the same
     exception type, unless it is a ``NotImplementedError`` (a missing JAX rule that the rewritten
     program does not need). Returns the optimized outputs (None when jax.jit rejected it)."""
-    from autoopt._jit import optimize
     from autoopt._compare import assert_trees_equivalent
+    from autoopt._jit import optimize
 
     log = os.environ.get("AUTOOPT_FUZZ_LOG")
     if log:  # a process abort (an XLA CHECK) leaves no shrunk example; this file names the case

@@ -1,6 +1,6 @@
 """Buffer donation: which arguments an output can reuse, and when the caller proves them dead.
 
-The pass (``_pass``) finds what an output can alias; the call-site proof (``_callsite``) decides
+The pass (``_pass``) finds what an output can alias; the call-site proof (``callsite``) decides
 per call whether the caller's statement makes the argument dead; ``codemod`` suggests
 ``donate_argnums`` in the user's source.
 """

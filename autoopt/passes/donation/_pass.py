@@ -1,7 +1,7 @@
 """Donation analysis: which arguments an output can reuse.
 
 Donation itself is not a rewrite of the program: it is a ``jax.jit`` option chosen per call (the
-``"safe"`` policy needs the caller's statement, see ``_callsite``). This pass computes, per
+``"safe"`` policy needs the caller's statement, see ``callsite``). This pass computes, per
 signature, which input leaves XLA will alias to an output, using the same matching JAX applies
 (``jax._src.interpreters.mlir._set_up_aliases``: for each output in order, the first still
 unmatched donated input of the same shape and dtype). An argument is donated whole or not at

@@ -24,8 +24,8 @@ from __future__ import annotations
 import libcst as cst
 from libcst.metadata import ParentNodeProvider
 
-from autoopt.codemod import FindingCommand, comma_separated
 from autoopt._finding import Finding
+from autoopt.codemod import FindingCommand, comma_separated
 
 __all__ = ["DonateCommand"]
 

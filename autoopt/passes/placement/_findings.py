@@ -15,11 +15,11 @@ import numpy as np
 from jax import tree_util
 
 from autoopt import _jaxpr, _trace
-from autoopt.passes.placement._hoist import _HOIST_MIN_BYTES
-from autoopt.passes.placement._host_arrays import _SCALAR_TYPES, _is_aligned, is_read_only
-from autoopt._memory import format_bytes
-from autoopt.passes.placement._placer import _PACK_MIN_LEAVES, _ZERO_COPY_MIN_BYTES
 from autoopt._finding import Finding
+from autoopt._memory import format_bytes
+from autoopt.passes.placement._hoist import HOIST_MIN_BYTES
+from autoopt.passes.placement._host_arrays import SCALAR_TYPES, is_aligned, is_read_only
+from autoopt.passes.placement._placer import PACK_MIN_LEAVES, ZERO_COPY_MIN_BYTES
 
 __all__ = ["findings_for"]
 
@@ -49,7 +49,7 @@ def findings_for(inspection, args: tuple, kwargs: dict) -> list:
     cpu = inspection.backend == "cpu"
 
     arrays = [i for i, x in enumerate(leaves) if isinstance(x, np.ndarray)]
-    scalars = [i for i, x in enumerate(leaves) if type(x) in _SCALAR_TYPES]
+    scalars = [i for i, x in enumerate(leaves) if type(x) in SCALAR_TYPES]
     read_only = [i for i in arrays if is_read_only(leaves[i])]
     writeable = [i for i in arrays if i not in read_only]
     for i in read_only:
@@ -63,11 +63,11 @@ def findings_for(inspection, args: tuple, kwargs: dict) -> list:
                         "it would be placed once and reused with placement='auto'.")),
             details={"leaf": names[i], "strategy": "constant", "bytes": int(x.nbytes)}))
     if writeable:
-        small = [i for i in writeable if not (cpu and leaves[i].nbytes >= _ZERO_COPY_MIN_BYTES
-                                              and _is_aligned(leaves[i]))]
+        small = [i for i in writeable if not (cpu and leaves[i].nbytes >= ZERO_COPY_MIN_BYTES
+                                              and is_aligned(leaves[i]))]
         nbytes = sum(int(leaves[i].nbytes) for i in writeable)
         shown = ", ".join(f"`{names[i]}`" for i in writeable[:4]) + (" ..." if len(writeable) > 4 else "")
-        if pack_on and len(small) >= _PACK_MIN_LEAVES:
+        if pack_on and len(small) >= PACK_MIN_LEAVES:
             msg = (f"{len(writeable)} NumPy argument leaves ({shown}; {format_bytes(nbytes)}) are "
                    f"transferred on every call: packed into one aligned host buffer per dtype, "
                    f"one transfer instead of {len(small)}.")
@@ -141,7 +141,7 @@ def _recompile_findings(programs, site) -> list:
 
 def _closed_constant_findings(program, hoist: bool = False) -> list:
     """Large constants closed over by the function: passed as device arguments placed once
-    (``hoist``: placement on, and at least ``_HOIST_MIN_BYTES``) or embedded into the program."""
+    (``hoist``: placement on, and at least ``HOIST_MIN_BYTES``) or embedded into the program."""
     closed = program.traced.closed
     out = []
     for var, c in zip(closed.jaxpr.constvars, closed.consts):
@@ -154,7 +154,7 @@ def _closed_constant_findings(program, hoist: bool = False) -> list:
                 where = _jaxpr.user_location(site.eqn)
                 break
         what = f"a closed-over constant {getattr(c, 'dtype', '')}{list(getattr(c, 'shape', ()))}"
-        hoisted = hoist and nbytes >= _HOIST_MIN_BYTES
+        hoisted = hoist and nbytes >= HOIST_MIN_BYTES
         out.append(Finding(
             kind="placement", applied=hoisted, location=where, bytes_saved=None,
             message=(f"{what} ({format_bytes(nbytes)}) is passed to the compiled program as a "

@@ -23,7 +23,7 @@ HOISTED = "_autoopt_hoisted"
 # placed once, instead of being embedded in the HLO (an embedded constant is printed into the
 # HLO text and copied into every executable). jax 0.10.2's own hoisting
 # (jax_use_simplified_jaxpr_constants) still embeds them when lowering.
-_HOIST_MIN_BYTES = 1 << 20
+HOIST_MIN_BYTES = 1 << 20
 _TLS = threading.local()  # .retry: the placer will retry a call whose trace asks to hoist
 
 
@@ -48,7 +48,7 @@ class HoistConstants(Exception):
         self.consts = consts
 
 
-class _Hoisted:
+class Hoisted:
     """Pytree node: the device copies of a function's large constants (children), keyed by the
     ``id`` of the program's host constant (static aux data, so a new constant is a new signature).
     """
@@ -61,22 +61,22 @@ class _Hoisted:
 
 
 tree_util.register_pytree_node(
-    _Hoisted, lambda h: (h.devs, h.keys), lambda keys, devs: _Hoisted(keys, tuple(devs)))
+    Hoisted, lambda h: (h.devs, h.keys), lambda keys, devs: Hoisted(keys, tuple(devs)))
 
 
-def _large_consts(closed) -> list:
+def large_consts(closed) -> list:
     return [c for c in closed.consts
-            if getattr(c, "ndim", 0) > 0 and int(getattr(c, "nbytes", 0) or 0) >= _HOIST_MIN_BYTES
+            if getattr(c, "ndim", 0) > 0 and int(getattr(c, "nbytes", 0) or 0) >= HOIST_MIN_BYTES
             and not isinstance(c, Tracer)]
 
 
-def with_hoisted_consts(closed, hoisted: _Hoisted | None):
+def with_hoisted_consts(closed, hoisted: Hoisted | None):
     """``closed`` with each large constant replaced by the argument ``hoisted`` carries for it.
 
     Runs inside jit's trace of the wrapper. When a large constant was not passed: raises
     ``HoistConstants`` if the placer is waiting to retry this call, else embeds it as before.
     """
-    large = _large_consts(closed)
+    large = large_consts(closed)
     if not large:
         return closed
     passed = {} if hoisted is None else dict(zip(hoisted.keys, hoisted.devs))

@@ -2,7 +2,7 @@
 
 * **Alignment.** XLA:CPU aliases (zero-copies) a host buffer that is 64-byte aligned instead of
   copying it, for as long as a computation reads it: the packer allocates such buffers on purpose
-  (``aligned_empty``, ``_packing._Pool``), the constant cache copies them before placing
+  (``aligned_empty``, ``_packing.Pool``), the constant cache copies them before placing
   (``_host_constants``), and the placer leaves a large one to jit's zero-copy path.
 * **Read-only.** A NumPy array that nothing can write through NumPy (``is_read_only``) is a host
   constant: placed once and reused.
@@ -20,15 +20,15 @@ __all__ = ["aligned_empty", "is_read_only"]
 # XLA:CPU aliases (zero-copies) a host buffer with this alignment instead of copying it.
 _ALIGN = 64
 
-_NDARRAY_TYPES = frozenset({np.ndarray, np.memmap})
-_SCALAR_TYPES = frozenset({bool, int, float, complex}) | frozenset(np.sctypeDict.values())
+NDARRAY_TYPES = frozenset({np.ndarray, np.memmap})
+SCALAR_TYPES = frozenset({bool, int, float, complex}) | frozenset(np.sctypeDict.values())
 
 
 def aligned_empty(n: int, dtype) -> np.ndarray:
     """A fresh 1-D array of ``n`` elements whose data is ``_ALIGN``-byte aligned.
 
     XLA:CPU aliases such a buffer for as long as a computation reads it, so a buffer is reused
-    only once jax has let go of it (``_packing._Pool``).
+    only once jax has let go of it (``_packing.Pool``).
     """
     dtype = np.dtype(dtype)
     nbytes = n * dtype.itemsize
@@ -37,7 +37,7 @@ def aligned_empty(n: int, dtype) -> np.ndarray:
     return raw[off:off + nbytes].view(dtype)
 
 
-def _is_aligned(a: np.ndarray) -> bool:
+def is_aligned(a: np.ndarray) -> bool:
     return a.flags.c_contiguous and a.__array_interface__["data"][0] % _ALIGN == 0
 
 

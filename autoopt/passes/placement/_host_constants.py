@@ -20,7 +20,7 @@ import numpy as np
 from jax import tree_util
 from jax.core import Tracer
 
-from autoopt.passes.placement._host_arrays import _is_aligned
+from autoopt.passes.placement._host_arrays import is_aligned
 
 __all__ = ["constant", "Constant", "constant_cache_size", "sweep_constants"]
 
@@ -33,8 +33,8 @@ class _Entry:
         self.device = device
 
 
-_CONSTANTS: dict[tuple, _Entry] = {}  # (id(host), device) -> entry
-_CONSTANT_IDS: set[int] = set()  # id(host) of every entry: one set test a writeable leaf
+CONSTANTS: dict[tuple, _Entry] = {}  # (id(host), device) -> entry
+CONSTANT_IDS: set[int] = set()  # id(host) of every entry: one set test a writeable leaf
 _CONSTANTS_LOCK = threading.Lock()
 
 
@@ -53,31 +53,31 @@ def sweep_constants() -> int:
     memory at once."""
     dropped = 0
     with _CONSTANTS_LOCK:
-        for key, e in list(_CONSTANTS.items()):
+        for key, e in list(CONSTANTS.items()):
             if sys.getrefcount(e.host) <= _ENTRY_REFS:  # only the entry refers to it
-                del _CONSTANTS[key]
+                del CONSTANTS[key]
                 dropped += 1
         if dropped:
-            _CONSTANT_IDS.intersection_update(k[0] for k in _CONSTANTS)
+            CONSTANT_IDS.intersection_update(k[0] for k in CONSTANTS)
     return dropped
 
 
 def constant_cache_size() -> int:
     """How many host constants have a cached device copy."""
-    return len(_CONSTANTS)
+    return len(CONSTANTS)
 
 
-def _evict(host: np.ndarray) -> None:
+def evict(host: np.ndarray) -> None:
     with _CONSTANTS_LOCK:
-        for key in [k for k, e in _CONSTANTS.items() if e.host is host]:
-            del _CONSTANTS[key]
-        _CONSTANT_IDS.discard(id(host))
+        for key in [k for k, e in CONSTANTS.items() if e.host is host]:
+            del CONSTANTS[key]
+        CONSTANT_IDS.discard(id(host))
 
 
-def _cached_constant(host: np.ndarray, device) -> tuple[Any, bool]:
+def cached_constant(host: np.ndarray, device) -> tuple[Any, bool]:
     """``(device copy, placed_now)`` of a read-only host array, placing it once."""
     key = (id(host), device)
-    e = _CONSTANTS.get(key)
+    e = CONSTANTS.get(key)
     # Deleted: an explicit donate_argnums handed the cached copy to XLA. Place it again.
     if e is not None and e.host is host and not e.device.is_deleted():
         return e.device, False
@@ -85,14 +85,14 @@ def _cached_constant(host: np.ndarray, device) -> tuple[Any, bool]:
     # XLA:CPU aliases an aligned host buffer instead of copying it (even with may_alias=False,
     # jax 0.10.2): the "device copy" would then see later writes to the host array and keep it
     # alive (the sweep could never drop it). Place a private copy instead: one copy, once.
-    src = np.array(host, copy=True) if _is_aligned(host) else host
+    src = np.array(host, copy=True) if is_aligned(host) else host
     # Concrete even when called under a transformation's trace (a cached tracer would leak).
     with jax.ensure_compile_time_eval():
         dev = jax.device_put(src, device)
     del src
     with _CONSTANTS_LOCK:
-        _CONSTANTS[key] = _Entry(host, dev)
-        _CONSTANT_IDS.add(id(host))
+        CONSTANTS[key] = _Entry(host, dev)
+        CONSTANT_IDS.add(id(host))
     return dev, True
 
 
@@ -159,5 +159,5 @@ def constant(host_array, *, sharding=None) -> Constant:
         dev = host_array if sharding is None else jax.device_put(host_array, sharding)
         return Constant(host_array, dev)
     host = np.asarray(host_array)
-    dev, _ = _cached_constant(host, sharding)
+    dev, _ = cached_constant(host, sharding)
     return Constant(host, dev)

@@ -3,19 +3,19 @@
 A call that passes NumPy leaves makes ``jax.jit`` transfer each one, at a fixed cost a leaf
 (less when the buffer is 64-byte aligned, which XLA:CPU aliases instead of copying): with many
 small leaves the transfers cost more than the step itself. Packing the leaves of each dtype into
-one pooled, aligned host buffer (``_Pool``) costs one memcpy and one argument, and the program
+one pooled, aligned host buffer (``Pool``) costs one memcpy and one argument, and the program
 slices the leaves back apart (``unpack``): free where XLA fuses a slice into its consumer, but a
 slice feeding a concatenate, a dot or a reduction becomes its own kernel, which can cost more
 than the transfer it saved (benchmarks/pack_threshold.py). So ``placement="auto"`` measures:
 the first calls of each packable layout (4+ leaves of a dtype) alternate, in runs of 4
 pipelined calls timed to completion, between packing and jit's own per-leaf transfer, and the
-layout keeps packing only when it was clearly faster (10%) than jit (``_Layout.strategy``);
+layout keeps packing only when it was clearly faster (10%) than jit (``Layout.strategy``);
 ``placement="pack"`` always packs. Alternatives that were slower than jit's own per-leaf
 transfer: ``jax.device_put(list)``, per-leaf ``device_put``, ``jnp.from_dlpack`` per leaf, a
 separate jitted unpack (each of its outputs costs a transfer).
 
-The placer (``_placement``) decides which leaves to pack and builds the ``_Layout``;
-``autoopt.prefetch`` (``_prefetch``) reuses ``_Pool`` for its batches.
+The placer (``_placement``) decides which leaves to pack and builds the ``Layout``;
+``autoopt.prefetch`` (``_prefetch``) reuses ``Pool`` for its batches.
 
 NB: the analogue is ``torch.utils.data``'s pinned-memory collation (packing host batches into
 one buffer).
@@ -45,7 +45,7 @@ __all__ = ["PACKED", "unpack"]
 PACKED = "_autoopt_packed"
 
 
-class _Pool:
+class Pool:
     """Reusable ``_ALIGN``-aligned host buffers of one size, for packed host leaves.
 
     Why a pool: a fresh buffer a call page-faults in every page of it, in system time that
@@ -86,7 +86,7 @@ class _Pool:
 
 
 def _calibrate_pool_refs() -> tuple[int, int]:
-    """References to a free pooled buffer and to its allocation, as ``_Pool.get`` sees them."""
+    """References to a free pooled buffer and to its allocation, as ``Pool.get`` sees them."""
     bufs = [aligned_empty(1, np.float32)]
     for buf in bufs:
         return sys.getrefcount(buf), sys.getrefcount(buf.base)
@@ -99,7 +99,7 @@ _POOL_FREE_REFS, _POOL_FREE_BASE_REFS = _calibrate_pool_refs()
 _POOL_SIZE = 16
 _POOL_MAX_BYTES = 256 << 20
 
-# placement="auto" times both ways of feeding a layout on its first calls (see _Layout.strategy):
+# placement="auto" times both ways of feeding a layout on its first calls (see Layout.strategy):
 # runs of _TUNE_RUN calls, alternating jit and pack; one warm-up run each (it compiles), then
 # _TUNE_SAMPLES timed runs each. Calls within a run are not waited for (the host work of one
 # overlaps the device work of the previous, as in the user's loop); the run's outputs are waited
@@ -111,7 +111,7 @@ _TUNE_SAMPLES = 3
 _TUNE_MARGIN = 0.9
 
 
-class _Layout:
+class Layout:
     """Where each packed leaf lives in the packed buffers. Interned per placer and compared by
     identity: it is the aux data of a pytree node, so jit's signature check hashes it per call.
 
@@ -137,16 +137,16 @@ class _Layout:
         self.nargs = nargs
         self.leaves_packed = sum(len(g[2]) for g in groups)
         self.bytes_packed = sum(g[1] * np.dtype(g[0]).itemsize for g in groups)
-        self.pools = tuple(_Pool(g[0], g[1]) for g in groups)  # reusable host buffers a group
+        self.pools = tuple(Pool(g[0], g[1]) for g in groups)  # reusable host buffers a group
         self.mode = mode
         self.trials = 0  # trial calls handed out while tuning
         self.timings: dict[str, list[float]] = {"jit": [], "pack": []}
-        self.run: list = []  # outputs of the timed run in progress (see _time_trial)
+        self.run: list = []  # outputs of the timed run in progress (see time_trial)
         self.run_t0 = 0.0
         self.run_ok = False
 
     def buffer(self, g: int) -> np.ndarray:
-        """A host buffer for group ``g`` that no computation is reading (see ``_Pool``)."""
+        """A host buffer for group ``g`` that no computation is reading (see ``Pool``)."""
         return self.pools[g].get()
 
     def strategy(self) -> tuple[str, int]:
@@ -180,7 +180,7 @@ class _Layout:
         return f"<packed layout: {self.leaves_packed} leaves in {len(self.groups)} buffers>"
 
 
-def _time_trial(trial, out, t0: float) -> None:
+def time_trial(trial, out, t0: float) -> None:
     """Keep a tuning call's outputs; at the end of its run, wait for all of them and record the
     run's wall time a call on the layout. A run with a call under a transformation (traced
     outputs) is not recorded."""
@@ -199,18 +199,18 @@ def _time_trial(trial, out, t0: float) -> None:
             layout.record(strategy, (time.perf_counter() - layout.run_t0) / _TUNE_RUN)
 
 
-class _Packed:
+class Packed:
     """Pytree node carrying the packed buffers (children) and their layout (static aux data)."""
 
     __slots__ = ("layout", "bufs")
 
-    def __init__(self, layout: _Layout, bufs):
+    def __init__(self, layout: Layout, bufs):
         self.layout = layout
         self.bufs = tuple(bufs)
 
 
 tree_util.register_pytree_node(
-    _Packed, lambda p: (p.bufs, p.layout), lambda layout, bufs: _Packed(layout, bufs))
+    Packed, lambda p: (p.bufs, p.layout), lambda layout, bufs: Packed(layout, bufs))
 
 
 def unpack(args: tuple, kwargs: dict) -> tuple[tuple, dict]:

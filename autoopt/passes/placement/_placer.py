@@ -39,6 +39,7 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -47,16 +48,21 @@ from jax import tree_util
 
 from autoopt import _trace
 from autoopt._errors import AutooptWarning, HostTransferError
-from autoopt.passes.placement._hoist import HOISTED, HoistConstants, _Hoisted, _large_consts, retrying
-from autoopt.passes.placement._host_arrays import _NDARRAY_TYPES, _SCALAR_TYPES, _is_aligned, is_read_only
+from autoopt.passes.placement._hoist import HOISTED, HoistConstants, Hoisted, large_consts, retrying
+from autoopt.passes.placement._host_arrays import (
+    NDARRAY_TYPES,
+    SCALAR_TYPES,
+    is_aligned,
+    is_read_only,
+)
 from autoopt.passes.placement._host_constants import (
-    _CONSTANT_IDS,
-    _CONSTANTS,
-    _cached_constant,
-    _evict,
+    CONSTANT_IDS,
+    CONSTANTS,
+    cached_constant,
+    evict,
     sweep_constants,
 )
-from autoopt.passes.placement._packing import PACKED, _Layout, _Packed, _time_trial
+from autoopt.passes.placement._packing import PACKED, Layout, Packed, time_trial
 
 log = logging.getLogger("autoopt")
 
@@ -68,12 +74,12 @@ _SAMPLE_MASK = 31
 # Once active, this many scanned calls in a row without host arrays return to the lean path.
 _IDLE_CALLS = 64
 # On XLA:CPU an aligned, contiguous array at least this large is left to jit's zero-copy path.
-_ZERO_COPY_MIN_BYTES = 256 * 1024
+ZERO_COPY_MIN_BYTES = 256 * 1024
 # A dtype group is packed when it has this many leaves or bytes; a single small leaf costs less
 # through jit's own C++ path than an aligned allocation and a copy.
-_PACK_MIN_LEAVES = 2
+PACK_MIN_LEAVES = 2
 _PACK_MIN_BYTES = 64 * 1024
-# placement="auto" packs (after timing both ways, _packing._Layout.strategy) only a dtype group of
+# placement="auto" packs (after timing both ways, _packing.Layout.strategy) only a dtype group of
 # at least this many leaves: with fewer, packing saves a few microseconds at most and still costs
 # a second compile.
 _AUTO_PACK_MIN_LEAVES = 4
@@ -238,7 +244,7 @@ class Placer:
     asked. Any failure inside placement falls back to the unmodified call (one warning).
     """
 
-    def __init__(self, fn, options, backend: str):
+    def __init__(self, fn, options, platform: Callable[[], str]):
         self._fn = fn
         self._static_argnums = options.static_argnums
         self._static_argnames = options.static_argnames
@@ -246,7 +252,7 @@ class Placer:
         on = options.placement in ("auto", "pack")
         # Packing many host leaves into one buffer: on every call under placement="pack"; under
         # "auto" only for a layout whose first calls measured it faster than jit's own per-leaf
-        # transfer (_Layout.strategy). On XLA:CPU it wins on many small leaves whose unpacking
+        # transfer (Layout.strategy). On XLA:CPU it wins on many small leaves whose unpacking
         # slices fuse into their consumers (a feed-bound step) and loses where each slice
         # becomes its own kernel (leaves concatenated into a matmul). See benchmarks/RESULTS.md
         # and benchmarks/pack_threshold.py.
@@ -259,7 +265,8 @@ class Placer:
         self._guard = guard if guard in ("log", "disallow") else None
         self._canon = options.canonicalize_scalars
         self._device = options.jit_kwargs.get("device")
-        self._cpu = backend == "cpu"
+        self._platform = platform  # asked on the first call that places (it starts the backend)
+        self._cpu_known: bool | None = None
         self._always = bool(self._guard or self._canon)  # every call takes the full scan
         self._stay = self._always  # every call takes _call_placed (never the lean path)
         self._active = self._always
@@ -270,7 +277,7 @@ class Placer:
         # id(host const) -> (host const, device copy); the node every call passes, or None.
         self._hoist_on = on
         self._hoist_consts: dict[int, tuple] = {}
-        self._hoisted: _Hoisted | None = None
+        self._hoisted: Hoisted | None = None
         # treedef -> _Feed: what the last full scan of that argument structure decided
         self._feeds: dict[Any, _Feed] = {}
         self._scalar_types: dict[tuple, Any] = {}
@@ -279,6 +286,11 @@ class Placer:
         self.stats = TransferStats()
 
     # The lean path: one attribute test, an increment and a mask test when nothing was seen.
+    def _on_cpu(self) -> bool:
+        if self._cpu_known is None:
+            self._cpu_known = self._platform() == "cpu"
+        return self._cpu_known
+
     def __call__(self, jitted, args: tuple, kwargs: dict):
         if not self._active:
             n = self._calls = self._calls + 1
@@ -305,7 +317,7 @@ class Placer:
         else:
             out = self._call_guarded(jitted, args, kwargs)
         if trial is not None:
-            _time_trial(trial, out, t0)
+            time_trial(trial, out, t0)
         return out
 
     def _call_hoisting(self, jitted, args: tuple, kwargs: dict):
@@ -349,7 +361,7 @@ class Placer:
     def hoists(self, program) -> bool:
         """Whether calls of ``program`` must go through the placer: it has large constants the
         placer passes as device arguments (the jit signature includes them)."""
-        return self._hoist_on and program is not None and bool(_large_consts(program.final))
+        return self._hoist_on and program is not None and bool(large_consts(program.final))
 
     def _hoist(self, consts: list) -> None:
         with jax.ensure_compile_time_eval():
@@ -357,7 +369,7 @@ class Placer:
                 if id(c) not in self._hoist_consts:
                     self._hoist_consts[id(c)] = (c, jax.device_put(np.asarray(c), self._device))
         keys = tuple(self._hoist_consts)
-        self._hoisted = _Hoisted(keys, tuple(self._hoist_consts[k][1] for k in keys))
+        self._hoisted = Hoisted(keys, tuple(self._hoist_consts[k][1] for k in keys))
         # Every call must now pass them (the same jit signature): stay off the lean path.
         self._stay = self._active = True
 
@@ -397,7 +409,7 @@ class Placer:
                 or [x.dtype for x in xs] != feed.dtypes
                 or [x.flags.writeable for x in xs] != feed.writeable):
             return _MISS
-        device, constants = self._device, _CONSTANTS
+        device, constants = self._device, CONSTANTS
         for i in feed.consts:  # an identity lookup a constant: the array the cache holds
             x = leaves[i]
             e = constants.get((id(x), device))
@@ -435,7 +447,7 @@ class Placer:
                                         args, kwargs, leaves, treedef, statics, nargs)
         if packing is not None:
             new_kwargs = dict(new_kwargs)
-            new_kwargs[PACKED] = _Packed(packing, bufs)
+            new_kwargs[PACKED] = Packed(packing, bufs)
         return new_args, new_kwargs, trial
 
     def _plan_full(self, args, kwargs, dyn, statics, leaves: list, treedef, nargs: int):
@@ -443,7 +455,7 @@ class Placer:
         count; remember the decision for ``_plan_fast``."""
         arrays: list[int] = []
         scalars: list[int] = []
-        ndarray_types, scalar_types = _NDARRAY_TYPES, _SCALAR_TYPES
+        ndarray_types, scalar_types = NDARRAY_TYPES, SCALAR_TYPES
         for i, x in enumerate(leaves):
             t = type(x)
             if t in ndarray_types:
@@ -452,7 +464,7 @@ class Placer:
                 scalars.append(i)
         stats = self.stats
         stats.calls_scanned += 1
-        if stats.calls_scanned % 64 == 0 and _CONSTANTS:
+        if stats.calls_scanned % 64 == 0 and CONSTANTS:
             sweep_constants()
         call = CallTransfers(before=len(arrays) + len(scalars))
         changed = False
@@ -474,15 +486,15 @@ class Placer:
         if arrays:
             if stats.first_host_site is None:
                 stats.first_host_site = _user_location()
-            pack_on, cache_on, ids = self._pack, self._cache, _CONSTANT_IDS
-            zero_copy_min = _ZERO_COPY_MIN_BYTES if self._cpu and not self._guard else None
+            pack_on, cache_on, ids = self._pack, self._cache, CONSTANT_IDS
+            zero_copy_min = ZERO_COPY_MIN_BYTES if self._on_cpu() and not self._guard else None
             for i in arrays:
                 x = leaves[i]
                 if x.flags.writeable:
                     if id(x) in ids:
-                        _evict(x)  # cached while read-only, writeable again: drop the stale copy
+                        evict(x)  # cached while read-only, writeable again: drop the stale copy
                 elif cache_on and is_read_only(x):
-                    dev, placed = _cached_constant(x, self._device)
+                    dev, placed = cached_constant(x, self._device)
                     leaves[i] = dev
                     consts.append(i)
                     call.cached += 1
@@ -491,8 +503,8 @@ class Placer:
                     continue
                 # XLA:CPU aliases a large aligned contiguous array for free: leave it to jit.
                 if pack_on and (zero_copy_min is None or x.nbytes < zero_copy_min
-                                or not _is_aligned(x)):
-                    if self._cpu or self._guard or x.nbytes <= _PACK_MAX_BYTES_ACCELERATOR:
+                                or not is_aligned(x)):
+                    if self._on_cpu() or self._guard or x.nbytes <= _PACK_MAX_BYTES_ACCELERATOR:
                         pack.append(i)
                         continue
                 implicit.append(i)
@@ -545,7 +557,7 @@ class Placer:
         new_args, new_kwargs = _rebuild(arg_plan, args, kwargs, leaves, treedef, statics, nargs)
         if packing is not None:
             new_kwargs = dict(new_kwargs)
-            new_kwargs[PACKED] = _Packed(packing, bufs)
+            new_kwargs[PACKED] = Packed(packing, bufs)
         return tuple(new_args), new_kwargs, trial
 
     def _remember(self, args, treedef, types, arrays, xs, consts, layout, pack, call,
@@ -594,7 +606,7 @@ class Placer:
                 if len(idxs) < _AUTO_PACK_MIN_LEAVES:
                     left.extend(idxs)
                     continue
-            elif not self._guard and len(idxs) < _PACK_MIN_LEAVES and nbytes < _PACK_MIN_BYTES:
+            elif not self._guard and len(idxs) < PACK_MIN_LEAVES and nbytes < _PACK_MIN_BYTES:
                 left.extend(idxs)
                 continue
             members, off = [], 0
@@ -608,7 +620,7 @@ class Placer:
         kept = tuple(i for i in range(len(leaves)) if i not in packed_set)
         layout = None
         if groups:
-            layout = _Layout(treedef, len(leaves), kept, tuple(groups), self._static_argnums,
+            layout = Layout(treedef, len(leaves), kept, tuple(groups), self._static_argnums,
                              self._static_argnames, nargs, mode="tune" if tune else "pack")
         hit = (layout, packed, left)
         self._layouts[key] = hit
@@ -679,9 +691,9 @@ class PlacementFigures:
     packed_layouts: tuple
 
 
-def placer_for(fn, options, backend: str) -> Placer | None:
+def placer_for(fn, options, platform: Callable[[], str]) -> Placer | None:
     """The placer an ``OptimizedFunction`` of ``fn`` needs, or None when no option asks for one."""
     o = options
     if o.placement == "off" and not o.canonicalize_scalars and o.transfer_guard in (None, "allow"):
         return None
-    return Placer(fn, o, backend)
+    return Placer(fn, o, platform)

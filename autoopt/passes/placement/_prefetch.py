@@ -23,8 +23,8 @@ import jax
 import numpy as np
 from jax import tree_util
 
-from autoopt.passes.placement._host_arrays import _NDARRAY_TYPES
-from autoopt.passes.placement._packing import _Pool
+from autoopt.passes.placement._host_arrays import NDARRAY_TYPES
+from autoopt.passes.placement._packing import Pool
 
 __all__ = ["prefetch", "Prefetch", "place_batch"]
 
@@ -46,19 +46,19 @@ def _unpacker(members: tuple):
 
 
 _UNPACKERS: dict[tuple, Any] = {}
-# A small ring of host buffers a layout, reused once jax has let go of them (_Pool): a fresh
+# A small ring of host buffers a layout, reused once jax has let go of them (Pool): a fresh
 # buffer a batch costs page faults on every batch.
-_PREFETCH_POOLS: dict[tuple, _Pool] = {}
+_PREFETCH_POOLS: dict[tuple, Pool] = {}
 _PREFETCH_POOL_SIZE = 4
 
 
-def _prefetch_pool(members: tuple, dtype, total: int) -> _Pool:
+def _prefetch_pool(members: tuple, dtype, total: int) -> Pool:
     key = (members, np.dtype(dtype))
     pool = _PREFETCH_POOLS.get(key)
     if pool is None:
         if len(_PREFETCH_POOLS) >= 16:  # ever new layouts: keep memory bounded
             _PREFETCH_POOLS.clear()
-        pool = _PREFETCH_POOLS[key] = _Pool(dtype, total, _PREFETCH_POOL_SIZE)
+        pool = _PREFETCH_POOLS[key] = Pool(dtype, total, _PREFETCH_POOL_SIZE)
     return pool
 # Many tiny leaves: one packed buffer and a jitted split beat one jit argument a leaf.
 _PREFETCH_PACK_MIN_LEAVES = 16
@@ -70,7 +70,7 @@ def place_batch(batch, sharding=None):
     placement. jax arrays and Python scalars are returned as they are."""
     leaves, treedef = tree_util.tree_flatten(batch)
     host = [i for i, x in enumerate(leaves)
-            if type(x) in _NDARRAY_TYPES or isinstance(x, np.generic)]
+            if type(x) in NDARRAY_TYPES or isinstance(x, np.generic)]
     if not host:
         return batch
     xs = [leaves[i] for i in host]

@@ -99,7 +99,7 @@ def fence_for(backend: str, compiler_options) -> str:
     return "barrier" if "cse_barrier_expander" in disabled.split(",") else "cond"
 
 
-def jit_options(options, backend: str) -> dict:
+def jit_options(options, backend: str | None) -> dict:
     # No compile option is forced on every signature of a function: see CPU_FLAGS.
     return {}
 

@@ -23,7 +23,7 @@ import executing
 import jax
 import numpy as np
 
-from autoopt._compat import debug_nans_enabled, flatten_one_level, is_tracer
+from autoopt._compat import ARRAY_IMPL, debug_nans_enabled, flatten_one_level, is_tracer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,7 +334,7 @@ def _calibrate_kids() -> tuple[int, int, int, int, int]:
 
 # The concrete array type jax returns from every computation: checked with ``type(x) is`` first,
 # because ``isinstance(x, jax.Array)`` goes through an ABC check (~0.5 us a leaf).
-_ARRAY_IMPL = type(jax.numpy.zeros(()))
+_ARRAY_IMPL = ARRAY_IMPL
 _HOST_SCALARS = (np.ndarray, np.generic, int, float, complex, bool)
 _NO_ARRAYS = (int, float, complex, bool, str, type(None))
 
