@@ -18,8 +18,9 @@ class HostTransferError(RuntimeError):
 class PassError(RuntimeError):
     """An exception inside a pass, with the pass name, the passes before it and the user's line."""
 
-    def __init__(self, pass_name: str, before: Sequence[str], location: str | None,
-                 cause: BaseException):
+    def __init__(
+        self, pass_name: str, before: Sequence[str], location: str | None, cause: BaseException
+    ):
         self.pass_name = pass_name
         self.before = tuple(before)
         self.location = location

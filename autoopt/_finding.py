@@ -71,9 +71,11 @@ class Finding:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise ValueError(f"Finding kind {self.kind!r} is not one of {kinds()}: a pass declares "
-                             "the kinds it emits (Pass(kinds=...)) and registering it makes them "
-                             "valid.")
+            raise ValueError(
+                f"Finding kind {self.kind!r} is not one of {kinds()}: a pass declares "
+                "the kinds it emits (Pass(kinds=...)) and registering it makes them "
+                "valid."
+            )
 
     def replace(self, **changes: Any) -> Finding:
         return dataclasses.replace(self, **changes)

@@ -63,7 +63,11 @@ def subjaxprs(eqn: JaxprEqn) -> list[tuple[str, int | None, ClosedJaxpr | Jaxpr]
     for name, value in eqn.params.items():
         if isinstance(value, ClosedJaxpr | Jaxpr):
             out.append((name, None, value))
-        elif isinstance(value, tuple) and value and all(isinstance(v, ClosedJaxpr | Jaxpr) for v in value):
+        elif (
+            isinstance(value, tuple)
+            and value
+            and all(isinstance(v, ClosedJaxpr | Jaxpr) for v in value)
+        ):
             out.extend((name, i, v) for i, v in enumerate(value))
     return out
 
@@ -84,7 +88,9 @@ class EqnSite:
         return any(p in ("scan", "while") for p, _ in self.path)
 
 
-def iter_eqns(jaxpr: ClosedJaxpr | Jaxpr, path: tuple = (), *, into_opaque: bool = False) -> Iterator[EqnSite]:
+def iter_eqns(
+    jaxpr: ClosedJaxpr | Jaxpr, path: tuple = (), *, into_opaque: bool = False
+) -> Iterator[EqnSite]:
     """Every equation of ``jaxpr`` and of all its sub-jaxprs, outermost first."""
     j = jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
     for eqn in j.eqns:
@@ -101,9 +107,12 @@ def const_ids(closed: ClosedJaxpr) -> frozenset[int]:
     A function that reads a global array while it is traced captures that very object; an
     argument that is the same object must never be donated (the cached program reads it again).
     """
-    closed_jaxprs = [closed] + [sub for site in iter_eqns(closed, into_opaque=True)
-                                for _name, _i, sub in subjaxprs(site.eqn)
-                                if isinstance(sub, ClosedJaxpr)]
+    closed_jaxprs = [closed] + [
+        sub
+        for site in iter_eqns(closed, into_opaque=True)
+        for _name, _i, sub in subjaxprs(site.eqn)
+        if isinstance(sub, ClosedJaxpr)
+    ]
     return frozenset(id(v) for c in closed_jaxprs for v in c.consts if isinstance(v, jax.Array))
 
 
@@ -133,8 +142,10 @@ def at_source(eqn: JaxprEqn) -> Iterator[None]:
     """Trace what runs inside as ``eqn`` was traced: its user's file and line, its name stack
     and its context (so a rule's new equations keep the user's source)."""
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), \
-            eqn.ctx.manager:
+    with (
+        source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
+        eqn.ctx.manager,
+    ):
         yield
 
 
@@ -149,7 +160,9 @@ def _rewritten_params(eqn: JaxprEqn, rules: Mapping[Primitive, Rule]) -> dict[st
     return with_subjaxprs(eqn, lambda sub: rewrite(sub, rules)[0])
 
 
-def with_subjaxprs(eqn: JaxprEqn, fn: Callable[[ClosedJaxpr], ClosedJaxpr]) -> dict[str, Any] | None:
+def with_subjaxprs(
+    eqn: JaxprEqn, fn: Callable[[ClosedJaxpr], ClosedJaxpr]
+) -> dict[str, Any] | None:
     """New params for ``eqn`` with each sub-jaxpr ``s`` replaced by ``fn(s)`` (``s`` itself, the
     very object, means unchanged), or None when none changed.
 
@@ -197,8 +210,13 @@ def initial_env(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> dic
     return env
 
 
-def interpret(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any],
-              rules: Mapping[Primitive, Rule], state: _State | None = None) -> list[Any]:
+def interpret(
+    jaxpr: Jaxpr,
+    consts: Sequence[Any],
+    args: Sequence[Any],
+    rules: Mapping[Primitive, Rule],
+    state: _State | None = None,
+) -> list[Any]:
     """Evaluate ``jaxpr`` in the current trace, applying ``rules``.
 
     As ``jax.core.eval_jaxpr``, but each equation goes through ``rules`` first, and
@@ -266,7 +284,11 @@ def check(closed: ClosedJaxpr) -> None:
 
 def same_avals(a: ClosedJaxpr, b: ClosedJaxpr) -> bool:
     """True when two programs take and return values of the same types (a rewrite's contract)."""
+
     def strip(avals):
-        return [(tuple(x.shape), x.dtype, getattr(x, "weak_type", False)) if hasattr(x, "shape") else x
-                for x in avals]
+        return [
+            (tuple(x.shape), x.dtype, getattr(x, "weak_type", False)) if hasattr(x, "shape") else x
+            for x in avals
+        ]
+
     return strip(a.in_avals) == strip(b.in_avals) and strip(a.out_avals) == strip(b.out_avals)

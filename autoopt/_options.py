@@ -52,17 +52,25 @@ def parse_bytes(value: Any, name: str = "memory_budget") -> int | None:
     if value is None:
         return None
     if isinstance(value, bool):
-        raise TypeError(f"{name}={value!r} is not a size; pass bytes (an int) or a string like '2GB'.")
+        raise TypeError(
+            f"{name}={value!r} is not a size; pass bytes (an int) or a string like '2GB'."
+        )
     if isinstance(value, int | float):
         if value != value or value in (float("inf"), float("-inf")):
-            raise ValueError(f"{name}={value!r} is not a size; pass bytes (a finite number) or "
-                             "a string like '2GB', or None for no budget.")
+            raise ValueError(
+                f"{name}={value!r} is not a size; pass bytes (a finite number) or "
+                "a string like '2GB', or None for no budget."
+            )
         if value <= 0:
-            raise ValueError(f"{name}={value!r} must be positive; pass bytes or a string like '2GB'.")
+            raise ValueError(
+                f"{name}={value!r} must be positive; pass bytes or a string like '2GB'."
+            )
         if value < 1:  # a fraction would silently round to 0 bytes
-            raise ValueError(f"{name}={value!r} is less than one byte: it is a number of bytes, "
-                             "not a fraction of the original's memory; pass bytes or a string "
-                             "like '2GB'.")
+            raise ValueError(
+                f"{name}={value!r} is less than one byte: it is a number of bytes, "
+                "not a fraction of the original's memory; pass bytes or a string "
+                "like '2GB'."
+            )
         return int(value)
     if isinstance(value, str):
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
@@ -70,13 +78,16 @@ def parse_bytes(value: Any, name: str = "memory_budget") -> int | None:
             n = float(m.group(1)) * _UNITS[m.group(2).lower()]
             if n >= 1:
                 return int(n)
-            raise ValueError(f"{name}={value!r} must be at least one byte; pass a string like "
-                             "'2GB'.")
+            raise ValueError(
+                f"{name}={value!r} must be at least one byte; pass a string like '2GB'."
+            )
         raise ValueError(
             f"{name}={value!r} is not a size. Pass bytes (an int) or a string such as '2GB', "
             "'512MiB' or '1.5 GB'."
         )
-    raise TypeError(f"{name} must be None, an int of bytes or a string like '2GB', got {type(value).__name__}.")
+    raise TypeError(
+        f"{name} must be None, an int of bytes or a string like '2GB', got {type(value).__name__}."
+    )
 
 
 def _norm_tuple(value: Any, kind: type, name: str) -> tuple:
@@ -132,8 +143,9 @@ class Options:
         try:
             return self.pass_options[name]
         except KeyError:
-            raise AttributeError(f"Options has no option {name!r}: no registered pass declares "
-                                 "it.") from None
+            raise AttributeError(
+                f"Options has no option {name!r}: no registered pass declares it."
+            ) from None
 
     @property
     def static_argnums(self) -> tuple[int, ...]:
@@ -160,8 +172,9 @@ def unknown_option_error(name: str, known: Sequence[str]) -> TypeError:
     )
 
 
-def split_keywords(kwargs: Mapping[str, Any], pass_option_names: Sequence[str]
-                   ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+def split_keywords(
+    kwargs: Mapping[str, Any], pass_option_names: Sequence[str]
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """``optimize``'s keywords -> (core options, pass options, jax.jit keywords), unvalidated.
 
     An unknown name raises with the closest known one.
@@ -182,8 +195,12 @@ def split_keywords(kwargs: Mapping[str, Any], pass_option_names: Sequence[str]
     return core, ours, jit_kwargs
 
 
-def build_options(core: Mapping[str, Any], pass_options: Mapping[str, Any],
-                  jit_kwargs: Mapping[str, Any], known_passes: Sequence[str]) -> Options:
+def build_options(
+    core: Mapping[str, Any],
+    pass_options: Mapping[str, Any],
+    jit_kwargs: Mapping[str, Any],
+    known_passes: Sequence[str],
+) -> Options:
     """Validate the core options and jax.jit's argnums; ``pass_options`` are already checked by
     their passes' declarations (the manager's ``make_options`` does that)."""
     fallback = core.get("fallback", "warn")
@@ -200,10 +217,16 @@ def build_options(core: Mapping[str, Any], pass_options: Mapping[str, Any],
             if p not in known:
                 close = difflib.get_close_matches(p, known, n=1)
                 hint = f" Did you mean {close[0]!r}?" if close else ""
-                raise ValueError(f"passes: unknown pass {p!r}.{hint} Known passes: {', '.join(known)}.")
+                raise ValueError(
+                    f"passes: unknown pass {p!r}.{hint} Known passes: {', '.join(known)}."
+                )
 
-    for name, kind in (("static_argnums", int), ("static_argnames", str),
-                       ("donate_argnums", int), ("donate_argnames", str)):
+    for name, kind in (
+        ("static_argnums", int),
+        ("static_argnames", str),
+        ("donate_argnums", int),
+        ("donate_argnames", str),
+    ):
         if name in jit_kwargs:
             _norm_tuple(jit_kwargs[name], kind, name)
 

@@ -22,7 +22,9 @@ def normalize_static(argnums: Sequence[int], nargs: int) -> frozenset[int]:
     return frozenset(i + nargs if i < 0 else i for i in argnums)
 
 
-def split_args(args: tuple, kwargs: dict, static_argnums: Sequence[int], static_argnames: Sequence[str]):
+def split_args(
+    args: tuple, kwargs: dict, static_argnums: Sequence[int], static_argnames: Sequence[str]
+):
     """``(dyn_tree, statics)``: the dynamic part as ``(args, kwargs)`` (the pytree jax.jit flattens)
     and a hashable description of the static values."""
     static_pos = normalize_static(static_argnums, len(args))
@@ -72,8 +74,9 @@ class Signature(NamedTuple):
 
 
 def signature_key(dyn_leaves: Sequence[Any], in_tree, statics, nargs: int) -> Signature:
-    return Signature(in_tree, statics, nargs, tuple(leaf_type(x) for x in dyn_leaves),
-                     _compat.trace_context())
+    return Signature(
+        in_tree, statics, nargs, tuple(leaf_type(x) for x in dyn_leaves), _compat.trace_context()
+    )
 
 
 def _param_names(fn: Callable) -> tuple[list[str], str | None]:
@@ -90,7 +93,9 @@ def _param_names(fn: Callable) -> tuple[list[str], str | None]:
     return names, varargs
 
 
-def leaf_names_and_args(fn: Callable, dyn_tree, statics, nargs: int) -> tuple[tuple[str, ...], tuple]:
+def leaf_names_and_args(
+    fn: Callable, dyn_tree, statics, nargs: int
+) -> tuple[tuple[str, ...], tuple]:
     """Readable name of each dynamic leaf (``"state['w']"``) and its top-level argument
     (position or keyword)."""
     names, varargs = _param_names(fn)
@@ -135,7 +140,9 @@ class TracedProgram:
 def _bad_output(fn: Callable, out_tree, index: int, value: Any) -> TypeError:
     """As jax.jit's error for a non-array output (which JAX's own path crashes on when the
     function is traced to a flat jaxpr, as here), naming the output."""
-    paths = tree_util.tree_flatten_with_path(tree_util.tree_unflatten(out_tree, [0] * out_tree.num_leaves))[0]
+    paths = tree_util.tree_flatten_with_path(
+        tree_util.tree_unflatten(out_tree, [0] * out_tree.num_leaves)
+    )[0]
     where = "output" + tree_util.keystr(paths[index][0])
     code = getattr(fn, "__code__", None)
     at = f" at {code.co_filename}:{code.co_firstlineno}" if code else ""
@@ -146,8 +153,13 @@ def _bad_output(fn: Callable, out_tree, index: int, value: Any) -> TypeError:
     )
 
 
-def trace_program(fn: Callable, args: tuple, kwargs: dict,
-                  static_argnums: Sequence[int] = (), static_argnames: Sequence[str] = ()) -> TracedProgram:
+def trace_program(
+    fn: Callable,
+    args: tuple,
+    kwargs: dict,
+    static_argnums: Sequence[int] = (),
+    static_argnames: Sequence[str] = (),
+) -> TracedProgram:
     """Trace ``fn(*args, **kwargs)`` once. ``args`` may be concrete or tracers of an outer trace."""
     dyn_tree, statics = split_args(args, kwargs, static_argnums, static_argnames)
     leaves, in_tree = tree_util.tree_flatten(dyn_tree)
@@ -164,11 +176,16 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict,
         out_tree_box.append(out_tree)
         return out_leaves
 
-    closed = _compat.trace_closed_jaxpr(flat_fn, [leaf_type(x) for x in leaves],
-                                        name=getattr(fn, "__name__", "fn"))
+    closed = _compat.trace_closed_jaxpr(
+        flat_fn, [leaf_type(x) for x in leaves], name=getattr(fn, "__name__", "fn")
+    )
     out_tree = out_tree_box[-1]
     names, arg_of = leaf_names_and_args(fn, dyn_tree, statics, nargs)
-    out_paths = tree_util.tree_flatten_with_path(tree_util.tree_unflatten(out_tree, [0] * out_tree.num_leaves))[0]
+    out_paths = tree_util.tree_flatten_with_path(
+        tree_util.tree_unflatten(out_tree, [0] * out_tree.num_leaves)
+    )[0]
     out_names = tuple("out" + tree_util.keystr(p) for p, _ in out_paths)
     captures = any(_compat.is_tracer(c) for c in closed.consts)
-    return TracedProgram(closed, in_tree, out_tree, statics, nargs, names, arg_of, out_names, captures)
+    return TracedProgram(
+        closed, in_tree, out_tree, statics, nargs, names, arg_of, out_names, captures
+    )

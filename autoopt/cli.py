@@ -52,7 +52,9 @@ def _split_spec(spec: str, default_path: str | None = None) -> tuple[str, str]:
     path, sep, name = spec.rpartition(":")
     if not sep or not path:
         if default_path is None:
-            raise CliError(f"{spec!r} is not FILE.py:NAME (for example examples/row_updates.py:write_row)")
+            raise CliError(
+                f"{spec!r} is not FILE.py:NAME (for example examples/row_updates.py:write_row)"
+            )
         path = default_path
     if not name:
         raise CliError(f"{spec!r} names no function after the ':' (write FILE.py:NAME)")
@@ -81,7 +83,11 @@ def load_module(path: str):
     if folder not in sys.path:
         sys.path.insert(0, folder)
     stem = os.path.splitext(os.path.basename(path))[0]
-    name = stem if stem.isidentifier() and stem not in sys.modules else f"__autoopt_cli_{len(_MODULES)}"
+    name = (
+        stem
+        if stem.isidentifier() and stem not in sys.modules
+        else f"__autoopt_cli_{len(_MODULES)}"
+    )
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise CliError(f"cannot import {path}: name a Python source file (FILE.py:FUNCTION)")
@@ -90,8 +96,10 @@ def load_module(path: str):
     try:
         spec.loader.exec_module(module)
     except SystemExit:
-        raise CliError(f"{path} called sys.exit() while being imported; guard its script part "
-                       "with `if __name__ == '__main__':`") from None
+        raise CliError(
+            f"{path} called sys.exit() while being imported; guard its script part "
+            "with `if __name__ == '__main__':`"
+        ) from None
     except Exception as e:  # noqa: BLE001 - the user's import error, reported as one line
         del sys.modules[name]
         raise CliError(f"importing {path} failed: {_one_line(e)}") from None
@@ -103,9 +111,13 @@ def _lookup(module, path: str, name: str) -> Any:
     obj = module
     for part in name.split("."):
         if not hasattr(obj, part):
-            defined = sorted(k for k, v in vars(module).items()
-                             if callable(v) and not k.startswith("_")
-                             and getattr(v, "__module__", module.__name__) == module.__name__)
+            defined = sorted(
+                k
+                for k, v in vars(module).items()
+                if callable(v)
+                and not k.startswith("_")
+                and getattr(v, "__module__", module.__name__) == module.__name__
+            )
             hint = f" (it defines: {', '.join(defined[:12])})" if defined else ""
             raise CliError(f"{path} has no function {name!r}{hint}")
         obj = getattr(obj, part)
@@ -135,8 +147,10 @@ def load_args(spec: str | None, target_path: str, target_name: str) -> tuple[tup
         return tuple(args), dict(kwargs)
     if isinstance(made, tuple | list):
         return tuple(made), {}
-    raise CliError(f"{path}:{name}() returned a {type(made).__name__}; return a tuple of "
-                   "arguments, or {'args': (...), 'kwargs': {...}}")
+    raise CliError(
+        f"{path}:{name}() returned a {type(made).__name__}; return a tuple of "
+        "arguments, or {'args': (...), 'kwargs': {...}}"
+    )
 
 
 def build_report(target: str, args_spec: str | None, options: dict):
@@ -145,8 +159,11 @@ def build_report(target: str, args_spec: str | None, options: dict):
     fn, path, name = load_function(target)
     args, kwargs = load_args(args_spec, path, name)
     # A function already under @autoopt.optimize keeps its own options unless --option is given.
-    optimized = fn if isinstance(fn, autoopt.OptimizedFunction) and not options \
+    optimized = (
+        fn
+        if isinstance(fn, autoopt.OptimizedFunction) and not options
         else autoopt.optimize(fn, **options)
+    )
     try:
         report = optimized.explain(*args, **kwargs)
     except CliError:
@@ -157,6 +174,7 @@ def build_report(target: str, args_spec: str | None, options: dict):
 
 
 # --- commands ------------------------------------------------------------------------------------
+
 
 def _color(choice: str) -> bool | None:
     return {"auto": None, "always": True, "never": False}[choice]
@@ -192,13 +210,19 @@ def cmd_rewrite(ns) -> int:
         return 0
     target_real = os.path.realpath(path)
     for edit in plan.edits:
-        if os.path.realpath(edit.path) == target_real and snapshot is not None \
-                and snapshot != edit.original:
+        if (
+            os.path.realpath(edit.path) == target_real
+            and snapshot is not None
+            and snapshot != edit.original
+        ):
             raise CliError(f"{path} changed while it was being analysed; run autoopt rewrite again")
     for edit in plan.edits:
         write_atomically(edit.path, edit.new, expected=edit.original)
-        changed = sum(1 for line in edit.diff.splitlines()
-                      if line[:1] in "+-" and line[:3] not in ("+++", "---"))
+        changed = sum(
+            1
+            for line in edit.diff.splitlines()
+            if line[:1] in "+-" and line[:3] not in ("+++", "---")
+        )
         print(f"rewrote {edit.display_path} ({changed} lines changed)")
     return 0
 
@@ -213,7 +237,9 @@ def write_atomically(path: str, text: str, *, expected: str) -> None:
     except OSError as e:
         raise CliError(f"{path}: cannot read it back ({_one_line(e)})") from None
     if current != expected:
-        raise CliError(f"{path} changed since autoopt read it; not written (run autoopt rewrite again)")
+        raise CliError(
+            f"{path} changed since autoopt read it; not written (run autoopt rewrite again)"
+        )
     with open(path, "rb") as fh:
         encoding, _ = tokenize.detect_encoding(fh.readline)
     folder = os.path.dirname(os.path.abspath(path))
@@ -235,8 +261,13 @@ def cmd_demo(ns) -> int:
     # autoopt.examples is examples/ (package-dir in pyproject), which pyright cannot map.
     from autoopt.examples.demo import run_demo  # pyright: ignore[reportMissingImports]
 
-    return run_demo(steps_scale=ns.scale, repeats=ns.repeats, reports=not ns.no_reports,
-                    color=_color(ns.color), only=ns.example)
+    return run_demo(
+        steps_scale=ns.scale,
+        repeats=ns.repeats,
+        reports=not ns.no_reports,
+        color=_color(ns.color),
+        only=ns.example,
+    )
 
 
 def _options(ns) -> dict:
@@ -260,20 +291,29 @@ def _options(ns) -> dict:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="autoopt",
-        description="Explain and apply what autoopt finds in a JAX function.")
+        prog="autoopt", description="Explain and apply what autoopt finds in a JAX function."
+    )
     sub = p.add_subparsers(dest="command", metavar="{explain,rewrite,demo}")
     sub.required = True
 
     def common(q):
         q.add_argument("target", metavar="FILE.py:FUNCTION", help="the function to analyse")
-        q.add_argument("--args", metavar="FILE.py:MAKE_ARGS",
-                       help="a function returning example arguments: a tuple, or "
-                            "{'args': ..., 'kwargs': ...} (FILE.py may be left out: same file)")
-        q.add_argument("--option", action="append", metavar="KEY=VALUE",
-                       help="an option of autoopt.optimize, e.g. donate=auto (repeatable)")
+        q.add_argument(
+            "--args",
+            metavar="FILE.py:MAKE_ARGS",
+            help="a function returning example arguments: a tuple, or "
+            "{'args': ..., 'kwargs': ...} (FILE.py may be left out: same file)",
+        )
+        q.add_argument(
+            "--option",
+            action="append",
+            metavar="KEY=VALUE",
+            help="an option of autoopt.optimize, e.g. donate=auto (repeatable)",
+        )
 
-    e = sub.add_parser("explain", help="print the report: findings, memory, program and source diffs")
+    e = sub.add_parser(
+        "explain", help="print the report: findings, memory, program and source diffs"
+    )
     common(e)
     e.add_argument("--color", choices=("auto", "always", "never"), default="auto")
     e.add_argument("--plot", metavar="PNG", help="also draw live memory before/after to this file")
@@ -281,9 +321,15 @@ def _parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("rewrite", help="print the suggested source edits; --write applies them")
     common(r)
-    r.add_argument("--write", action="store_true", help="apply the edits to the file(s), atomically")
-    r.add_argument("--style", choices=("jax", "autoopt"), default="jax",
-                   help="jax: partial(jax.jit, donate_argnums=...); autoopt: @autoopt.optimize")
+    r.add_argument(
+        "--write", action="store_true", help="apply the edits to the file(s), atomically"
+    )
+    r.add_argument(
+        "--style",
+        choices=("jax", "autoopt"),
+        default="jax",
+        help="jax: partial(jax.jit, donate_argnums=...); autoopt: @autoopt.optimize",
+    )
     r.set_defaults(run=cmd_rewrite)
 
     d = sub.add_parser("demo", help="run the bundled examples: reports and measured times")

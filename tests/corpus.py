@@ -118,14 +118,45 @@ CASES: tuple[Case, ...] = (
     Case("while", while_loop, lambda r: ((_f32(r, 3),), {})),
     Case("cond", cond_branches, lambda r: ((jnp.float32(r.standard_normal()), _f32(r, 3)), {})),
     Case("grad_inside", grad_inside, lambda r: ((_f32(r, 4, 2), _f32(r, 8, 4), _f32(r, 8, 2)), {})),
-    Case("pytree_state", pytree_state, lambda r: (({"params": {"w": _f32(r, 3, 3), "b": _f32(r, 3)},
-                                                     "step": jnp.int32(0)}, _f32(r, 5, 3)), {})),
-    Case("kwargs", with_kwargs, lambda r: ((_f32(r, 3),), {"scale": jnp.float32(3.0), "shift": _f32(r, 3)})),
-    Case("static_args", static_arg, lambda r: ((_f32(r, 3), 3, "sin"), {}), {"static_argnums": (1, 2)}),
-    Case("row_update", row_update, lambda r: ((_f32(r, 6, 3), jnp.int32(r.integers(-8, 8)), _f32(r, 3)), {})),
+    Case(
+        "pytree_state",
+        pytree_state,
+        lambda r: (
+            (
+                {"params": {"w": _f32(r, 3, 3), "b": _f32(r, 3)}, "step": jnp.int32(0)},
+                _f32(r, 5, 3),
+            ),
+            {},
+        ),
+    ),
+    Case(
+        "kwargs",
+        with_kwargs,
+        lambda r: ((_f32(r, 3),), {"scale": jnp.float32(3.0), "shift": _f32(r, 3)}),
+    ),
+    Case(
+        "static_args",
+        static_arg,
+        lambda r: ((_f32(r, 3), 3, "sin"), {}),
+        {"static_argnums": (1, 2)},
+    ),
+    Case(
+        "row_update",
+        row_update,
+        lambda r: ((_f32(r, 6, 3), jnp.int32(r.integers(-8, 8)), _f32(r, 3)), {}),
+    ),
     Case("row_add_in_fori", row_add_in_fori, lambda r: ((_f32(r, 5, 2),), {})),
-    Case("int_and_bool", int_and_bool, lambda r: ((jnp.asarray(r.integers(-50, 50, (4, 3)), jnp.int32),
-                                                    jnp.asarray(r.integers(0, 2, (4, 3)), bool)), {})),
+    Case(
+        "int_and_bool",
+        int_and_bool,
+        lambda r: (
+            (
+                jnp.asarray(r.integers(-50, 50, (4, 3)), jnp.int32),
+                jnp.asarray(r.integers(0, 2, (4, 3)), bool),
+            ),
+            {},
+        ),
+    ),
     Case("custom_jvp", custom_jvp_relu, lambda r: ((_f32(r, 7),), {})),
     Case("nested_jit", nested_jit, lambda r: ((_f32(r, 3),), {})),
     Case("checkpointed", checkpointed, lambda r: ((_f32(r, 4),), {})),

@@ -47,41 +47,104 @@ class Row:
 
 
 ROWS = [
-    Row("non-callable", lambda: autoopt.optimize(3), TypeError,
-        "Use it as a decorator (@autoopt.optimize) or call autoopt.optimize(my_function)"),
-    Row("generator function", lambda: autoopt.optimize(counts_steps), TypeError,
-        "Optimize the per-step function it calls instead"),
-    Row("function returning strings", lambda: autoopt.optimize(returns_string)(X), TypeError,
-        "Return only arrays", at_call=True),
-    Row("unhashable static argument (jax's own error)",
-        lambda: autoopt.optimize(power, static_argnums=1)(X, [1, 2]), ValueError,
-        "Non-hashable static arguments are not supported", at_call=True),
-    Row("donate argnum out of range", lambda: autoopt.optimize(scale, donate_argnums=3), ValueError,
-        "Pass positions from 0 to 0, or name the arguments with donate_argnames="),
-    Row("memory_budget='lots'", lambda: autoopt.optimize(scale, memory_budget="lots"), ValueError,
-        "Pass bytes (an int) or a string such as '2GB'"),
-    Row("unknown remat policy", lambda: autoopt.optimize(scale, remat="dots_saveabel"), ValueError,
-        "Did you mean 'dots_saveable'?"),
-    Row("memory_budget as a fraction", lambda: autoopt.optimize(scale, memory_budget=0.5),
-        ValueError, "not a fraction of the original's memory; pass bytes or a string like '2GB'"),
-    Row("memory_budget=inf", lambda: autoopt.optimize(scale, memory_budget=float("inf")),
-        ValueError, "or None for no budget"),
-    Row("memory_budget=nan", lambda: autoopt.optimize(scale, memory_budget=float("nan")),
-        ValueError, "pass bytes (a finite number)"),
-    Row("memory_budget='0MB'", lambda: autoopt.optimize(scale, memory_budget="0MB"), ValueError,
-        "must be at least one byte"),
-    Row("memory_budget with remat='off'",
-        lambda: autoopt.optimize(scale, remat="off", memory_budget="1GB"), ValueError,
-        "drop one of the two"),
-    Row("remat given the policy object", lambda: autoopt.optimize(
-        scale, remat=jax.checkpoint_policies.dots_saveable), ValueError,
-        "or remat='dots_saveable'"),
-    Row("unknown option name", lambda: autoopt.optimize(scale, donte="auto"), TypeError,
-        "Did you mean 'donate'?"),
-    Row("unknown option name, decorator form", lambda: autoopt.optimize(remat_polcy="auto"),
-        TypeError, "Did you mean 'remat'?"),
-    Row("unknown donation policy", lambda: autoopt.optimize(scale, donate="yes"), ValueError,
-        "Use 'safe'"),
+    Row(
+        "non-callable",
+        lambda: autoopt.optimize(3),
+        TypeError,
+        "Use it as a decorator (@autoopt.optimize) or call autoopt.optimize(my_function)",
+    ),
+    Row(
+        "generator function",
+        lambda: autoopt.optimize(counts_steps),
+        TypeError,
+        "Optimize the per-step function it calls instead",
+    ),
+    Row(
+        "function returning strings",
+        lambda: autoopt.optimize(returns_string)(X),
+        TypeError,
+        "Return only arrays",
+        at_call=True,
+    ),
+    Row(
+        "unhashable static argument (jax's own error)",
+        lambda: autoopt.optimize(power, static_argnums=1)(X, [1, 2]),
+        ValueError,
+        "Non-hashable static arguments are not supported",
+        at_call=True,
+    ),
+    Row(
+        "donate argnum out of range",
+        lambda: autoopt.optimize(scale, donate_argnums=3),
+        ValueError,
+        "Pass positions from 0 to 0, or name the arguments with donate_argnames=",
+    ),
+    Row(
+        "memory_budget='lots'",
+        lambda: autoopt.optimize(scale, memory_budget="lots"),
+        ValueError,
+        "Pass bytes (an int) or a string such as '2GB'",
+    ),
+    Row(
+        "unknown remat policy",
+        lambda: autoopt.optimize(scale, remat="dots_saveabel"),
+        ValueError,
+        "Did you mean 'dots_saveable'?",
+    ),
+    Row(
+        "memory_budget as a fraction",
+        lambda: autoopt.optimize(scale, memory_budget=0.5),
+        ValueError,
+        "not a fraction of the original's memory; pass bytes or a string like '2GB'",
+    ),
+    Row(
+        "memory_budget=inf",
+        lambda: autoopt.optimize(scale, memory_budget=float("inf")),
+        ValueError,
+        "or None for no budget",
+    ),
+    Row(
+        "memory_budget=nan",
+        lambda: autoopt.optimize(scale, memory_budget=float("nan")),
+        ValueError,
+        "pass bytes (a finite number)",
+    ),
+    Row(
+        "memory_budget='0MB'",
+        lambda: autoopt.optimize(scale, memory_budget="0MB"),
+        ValueError,
+        "must be at least one byte",
+    ),
+    Row(
+        "memory_budget with remat='off'",
+        lambda: autoopt.optimize(scale, remat="off", memory_budget="1GB"),
+        ValueError,
+        "drop one of the two",
+    ),
+    Row(
+        "remat given the policy object",
+        lambda: autoopt.optimize(scale, remat=jax.checkpoint_policies.dots_saveable),
+        ValueError,
+        "or remat='dots_saveable'",
+    ),
+    Row(
+        "unknown option name",
+        lambda: autoopt.optimize(scale, donte="auto"),
+        TypeError,
+        "Did you mean 'donate'?",
+    ),
+    Row(
+        "unknown option name, decorator form",
+        lambda: autoopt.optimize(remat_polcy="auto"),
+        TypeError,
+        "Did you mean 'remat'?",
+    ),
+    Row(
+        "unknown donation policy",
+        lambda: autoopt.optimize(scale, donate="yes"),
+        ValueError,
+        "Use 'safe'",
+    ),
 ]
 
 
@@ -123,7 +186,7 @@ def test_an_unhashable_static_argument_caches_nothing_and_the_function_still_wor
     for _ in range(2):
         with pytest.raises(ValueError, match="Non-hashable static arguments"):
             fast(X, [1, 2])
-    assert_trees_equivalent(X ** 2, fast(X, (1, 2)))
+    assert_trees_equivalent(X**2, fast(X, (1, 2)))
 
 
 def test_a_non_array_leaf_is_static_when_hashable_and_refused_clearly_when_not():

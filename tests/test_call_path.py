@@ -104,8 +104,11 @@ def test_verify_runs_for_a_decorated_method_under_every_policy(donate, monkeypat
 def test_verify_runs_for_a_method_whose_instance_is_a_non_array_leaf(monkeypatch):
     checked = []
     original = _compare.assert_trees_equivalent
-    monkeypatch.setattr(_compare, "assert_trees_equivalent",
-                        lambda e, g, **kw: (checked.append(1), original(e, g, **kw))[1])
+    monkeypatch.setattr(
+        _compare,
+        "assert_trees_equivalent",
+        lambda e, g, **kw: (checked.append(1), original(e, g, **kw))[1],
+    )
 
     class Plain:
         scale = 3.0

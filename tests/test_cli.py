@@ -21,8 +21,11 @@ SCRIPT = os.path.join(os.path.dirname(sys.executable), "autoopt")
 
 
 def autoopt(*args, cwd=None, module=False):
-    cmd = [sys.executable, "-m", "autoopt", *args] if module or not os.path.exists(SCRIPT) \
+    cmd = (
+        [sys.executable, "-m", "autoopt", *args]
+        if module or not os.path.exists(SCRIPT)
         else [SCRIPT, *args]
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "NO_COLOR")}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=cwd, env=env)
 
@@ -66,8 +69,10 @@ def test_rewrite_write_applies_the_edits_and_the_file_still_gives_the_same_numbe
     text = row_copy.read_text()
     assert "donate_argnums=(0,)" in text and ".at[i].set" not in text
     original, rewritten = load(ROW_UPDATES, "row_original"), load(row_copy, "row_rewritten")
-    np.testing.assert_array_equal(np.asarray(original.run(original.write_row, 5)),
-                                  np.asarray(rewritten.run(rewritten.write_row, 5)))
+    np.testing.assert_array_equal(
+        np.asarray(original.run(original.write_row, 5)),
+        np.asarray(rewritten.run(rewritten.write_row, 5)),
+    )
     again = autoopt("rewrite", f"{row_copy}:write_row", "--args", "make_args", "--write")
     assert again.returncode == 0, again.stderr
     assert "no source edits" in again.stdout and row_copy.read_text() == text
@@ -75,7 +80,8 @@ def test_rewrite_write_applies_the_edits_and_the_file_still_gives_the_same_numbe
 
 def test_rewrite_write_refuses_when_the_file_changed_since_it_was_read(tmp_path):
     path = tmp_path / "moving.py"
-    path.write_text(textwrap.dedent("""\
+    path.write_text(
+        textwrap.dedent("""\
         import jax
         import jax.numpy as jnp
 
@@ -97,7 +103,8 @@ def test_rewrite_write_refuses_when_the_file_changed_since_it_was_read(tmp_path)
             with open(__file__, "a") as fh:
                 fh.write("# edited\\n")
             return (jnp.ones(4),)
-    """))
+    """)
+    )
     out = autoopt("rewrite", f"{path}:step", "--args", "make_args", "--write")
     assert out.returncode == 1
     assert "changed" in out.stderr and len(out.stderr.strip().splitlines()) == 1
@@ -131,15 +138,18 @@ BAD = textwrap.dedent("""\
 """)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["explain", "{dir}/missing.py:f", "--args", "make_args"], "no such file"),
-    (["explain", "{dir}/bad.py:nope", "--args", "make_args"], "has no function 'nope'"),
-    (["explain", "{dir}/syntax.py:f", "--args", "make_args"], "syntax.py:2: syntax error"),
-    (["explain", "{dir}/bad.py:f", "--args", "boom"], "boom() raised ValueError: no data here"),
-    (["explain", "{dir}/bad.py:f", "--args", "make_args"], "tracing f failed"),
-    (["rewrite", "{dir}/bad.py:f"], "--args {dir}/bad.py:make_args"),
-    (["rewrite", "{dir}/bad.py:f", "--args", "not_a_tuple"], "return a tuple"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["explain", "{dir}/missing.py:f", "--args", "make_args"], "no such file"),
+        (["explain", "{dir}/bad.py:nope", "--args", "make_args"], "has no function 'nope'"),
+        (["explain", "{dir}/syntax.py:f", "--args", "make_args"], "syntax.py:2: syntax error"),
+        (["explain", "{dir}/bad.py:f", "--args", "boom"], "boom() raised ValueError: no data here"),
+        (["explain", "{dir}/bad.py:f", "--args", "make_args"], "tracing f failed"),
+        (["rewrite", "{dir}/bad.py:f"], "--args {dir}/bad.py:make_args"),
+        (["rewrite", "{dir}/bad.py:f", "--args", "not_a_tuple"], "return a tuple"),
+    ],
+)
 def test_bad_input_gets_one_line_and_a_nonzero_exit(argv, message, tmp_path):
     (tmp_path / "bad.py").write_text(BAD)
     (tmp_path / "syntax.py").write_text("import jax\ndef f(:\n    pass\n")
@@ -158,8 +168,11 @@ def test_usage_errors_exit_with_two():
 def test_demo_prints_reports_and_measured_times_with_the_same_numbers():
     out = autoopt("demo", "--repeats", "1", "--scale", "0.25")
     assert out.returncode == 0, out.stderr
-    for name, fn in (("row_updates", "write_row"), ("train_step", "train_step"),
-                     ("host_feed", "sgd_step")):
+    for name, fn in (
+        ("row_updates", "write_row"),
+        ("train_step", "train_step"),
+        ("host_feed", "sgd_step"),
+    ):
         assert f"autoopt report for {fn}" in out.stdout
         row = next(line for line in out.stdout.splitlines() if line.startswith(name + " "))
         assert row.rstrip().endswith("yes") and row.count(" ms") == 2

@@ -35,8 +35,13 @@ def F(kind, line, applied=True, **details):
 
 
 def donate(arg, line=1, **extra):
-    return Finding("donate", False, "can be donated", location=f"snippet.py:{line}",
-                   details={"arg": arg, "name": str(arg), "aliasable": True, **extra})
+    return Finding(
+        "donate",
+        False,
+        "can be donated",
+        location=f"snippet.py:{line}",
+        details={"arg": arg, "name": str(arg), "aliasable": True, **extra},
+    )
 
 
 def run_command(command, before, findings, **kw):
@@ -62,13 +67,18 @@ def assert_unchanged(command, before, findings, **kw):
 
 # --- every command -------------------------------------------------------------------------------
 
+
 def test_every_command_has_a_description_and_a_kind():
     # One command per registered pass that declares one, for a kind that pass emits; commands
     # that may insert statements run after the in-line edits.
     declared = [p for p in registered_passes().values() if p.codemod]
-    assert sorted(c.__name__ for c in COMMANDS) == sorted(resolve(p.codemod).__name__ for p in declared)
+    assert sorted(c.__name__ for c in COMMANDS) == sorted(
+        resolve(p.codemod).__name__ for p in declared
+    )
     assert all(resolve(p.codemod).KIND in p.kinds for p in declared)
-    assert [c.INSERTS_STATEMENTS for c in COMMANDS] == sorted(c.INSERTS_STATEMENTS for c in COMMANDS)
+    assert [c.INSERTS_STATEMENTS for c in COMMANDS] == sorted(
+        c.INSERTS_STATEMENTS for c in COMMANDS
+    )
     assert COMMANDS[-1] is PlacementCommand
     for c in COMMANDS:
         assert len(c.DESCRIPTION) > 20 and c.HINT
@@ -76,8 +86,11 @@ def test_every_command_has_a_description_and_a_kind():
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_commands_never_raise_on_broken_code_or_odd_findings(command):
-    odd = [F(command.KIND, 10**6, arg=object()), F(command.KIND, None),
-           Finding(command.KIND, True, "m", location="nowhere", details={"arg": 0, "aliasable": True})]
+    odd = [
+        F(command.KIND, 10**6, arg=object()),
+        F(command.KIND, None),
+        Finding(command.KIND, True, "m", location="nowhere", details={"arg": 0, "aliasable": True}),
+    ]
     broken = transform_module(command(CodemodContext(), odd, function="f"), "def f(:\n")
     assert isinstance(broken, TransformFailure)
     odd_result = transform_module(command(CodemodContext(), odd, function="f"), "x = 1\n")
@@ -88,14 +101,18 @@ def test_commands_never_raise_on_broken_code_or_odd_findings(command):
 
 # --- scatter_to_dus ------------------------------------------------------------------------------
 
+
 def test_row_set_becomes_guarded_dynamic_update():
-    assert_codemod(ScatterToDUSCommand, """\
+    assert_codemod(
+        ScatterToDUSCommand,
+        """\
         from jax import lax
 
         def f(x, i, row):
             x = x.at[i].set(row)  # the row
             return x
-        """, """\
+        """,
+        """\
         from jax import lax
 
         def f(x, i, row):
@@ -106,43 +123,57 @@ def test_row_set_becomes_guarded_dynamic_update():
             )  # the row
             return x
         """,
-        [F("scatter_to_dus", 4)])
+        [F("scatter_to_dus", 4)],
+    )
 
 
 def test_proven_in_bounds_update_has_no_guard():
-    assert_codemod(ScatterToDUSCommand, """\
+    assert_codemod(
+        ScatterToDUSCommand,
+        """\
         import jax
 
         def f(x, i, row):
             return x.at[i].set(row)
-        """, """\
+        """,
+        """\
         import jax
 
         def f(x, i, row):
             return jax.lax.dynamic_update_index_in_dim(x, row, i, 0)
-        """, [F("scatter_to_dus", 4, guard="none")])
+        """,
+        [F("scatter_to_dus", 4, guard="none")],
+    )
 
 
 def test_add_becomes_read_modify_write_and_lax_is_imported():
-    assert_codemod(ScatterToDUSCommand, """\
+    assert_codemod(
+        ScatterToDUSCommand,
+        """\
         def f(x, i, v):
             return x.at[i].add(v, mode="promise_in_bounds")
-        """, """\
+        """,
+        """\
         from jax import lax
 
         def f(x, i, v):
             return lax.dynamic_update_index_in_dim(x, x[i] + v, i, 0)
-        """, [F("scatter_to_dus", 2)])
+        """,
+        [F("scatter_to_dus", 2)],
+    )
 
 
 def test_window_update_keeps_the_scatter_for_out_of_bounds_starts():
-    cmd = assert_codemod(ScatterToDUSCommand, """\
+    cmd = assert_codemod(
+        ScatterToDUSCommand,
+        """\
         import jax.numpy as jnp
         from jax import lax
 
         def f(x, i, b):
             return x.at[i + jnp.arange(3)].set(b)
-        """, """\
+        """,
+        """\
         import jax.numpy as jnp
         from jax import lax
 
@@ -153,37 +184,47 @@ def test_window_update_keeps_the_scatter_for_out_of_bounds_starts():
                 lambda: x.at[i + jnp.arange(3)].set(b),
             )
         """,
-        [F("scatter_to_dus", 5)])
+        [F("scatter_to_dus", 5)],
+    )
     assert cmd.outcomes == {0: None}
 
 
 def test_scalar_fill_uses_full_like_for_shape_and_dtype():
-    assert_codemod(ScatterToDUSCommand, """\
+    assert_codemod(
+        ScatterToDUSCommand,
+        """\
         import jax.numpy as jnp
         from jax import lax
 
         def f(x):
             return x.at[2].set(0)
-        """, """\
+        """,
+        """\
         import jax.numpy as jnp
         from jax import lax
 
         def f(x):
             return lax.dynamic_update_index_in_dim(x, jnp.full_like(x[2], 0), 2, 0)
-        """, [F("scatter_to_dus", 5, guard="none")])
+        """,
+        [F("scatter_to_dus", 5, guard="none")],
+    )
 
 
-@pytest.mark.parametrize("line, reason", [
-    ("x = x.at[i, j].set(v)", "several axes"),
-    ("x = x.at[i].get()", None),
-    ("x = x.at[i].set(v, mode='clip', wrap=1)", "wrap="),
-    ("x = x.at[idx()].set(v)", "the index is an expression"),
-    ("x = f(x).at[i].set(v)", "the updated array is an expression"),
-    ("x = lax.cond(p, lambda: x.at[i].set(v), lambda: x)", "already inside a lax.cond"),
-])
+@pytest.mark.parametrize(
+    "line, reason",
+    [
+        ("x = x.at[i, j].set(v)", "several axes"),
+        ("x = x.at[i].get()", None),
+        ("x = x.at[i].set(v, mode='clip', wrap=1)", "wrap="),
+        ("x = x.at[idx()].set(v)", "the index is an expression"),
+        ("x = f(x).at[i].set(v)", "the updated array is an expression"),
+        ("x = lax.cond(p, lambda: x.at[i].set(v), lambda: x)", "already inside a lax.cond"),
+    ],
+)
 def test_updates_without_an_exact_rewrite_are_left_alone_with_a_reason(line, reason):
-    cmd = assert_unchanged(ScatterToDUSCommand, f"from jax import lax\n{line}\n",
-                           [F("scatter_to_dus", 2)])
+    cmd = assert_unchanged(
+        ScatterToDUSCommand, f"from jax import lax\n{line}\n", [F("scatter_to_dus", 2)]
+    )
     assert cmd.outcomes[0] is not None
     if reason:
         assert reason in cmd.outcomes[0]
@@ -254,11 +295,14 @@ def test_rewritten_updates_give_the_same_numbers_for_every_index(guard, tmp_path
 
 
 def test_select_guard_writes_back_the_clamped_row():
-    assert_codemod(ScatterToDUSCommand, """\
+    assert_codemod(
+        ScatterToDUSCommand,
+        """\
         import jax.numpy as jnp
         from jax import lax
         x = x.at[i].set(v)
-        """, """\
+        """,
+        """\
         import jax.numpy as jnp
         from jax import lax
         x = lax.dynamic_update_index_in_dim(
@@ -267,31 +311,47 @@ def test_select_guard_writes_back_the_clamped_row():
             i,
             0,
         )
-        """, [F("scatter_to_dus", 3, guard="select")])
+        """,
+        [F("scatter_to_dus", 3, guard="select")],
+    )
 
 
 def test_proven_window_read_becomes_dynamic_slice():
-    gather = Finding("scatter_to_dus", True, "gather on f32[8,2] rewritten to dynamic_slice",
-                     location="snippet.py:3", details={"op": "gather", "guard": "none", "window": (3, 2)})
-    assert_codemod(ScatterToDUSCommand, """\
+    gather = Finding(
+        "scatter_to_dus",
+        True,
+        "gather on f32[8,2] rewritten to dynamic_slice",
+        location="snippet.py:3",
+        details={"op": "gather", "guard": "none", "window": (3, 2)},
+    )
+    assert_codemod(
+        ScatterToDUSCommand,
+        """\
         import jax.numpy as jnp
         from jax import lax
         y = x[i + jnp.arange(3)] * 2
-        """, """\
+        """,
+        """\
         import jax.numpy as jnp
         from jax import lax
         y = lax.dynamic_slice_in_dim(x, i, 3, 0) * 2
-        """, [gather])
+        """,
+        [gather],
+    )
     unproven = gather.replace(details={"op": "gather", "guard": "select"})
-    cmd = assert_unchanged(ScatterToDUSCommand, "import jax.numpy as jnp\n\ny = x[i + jnp.arange(3)]\n",
-                           [unproven])
+    cmd = assert_unchanged(
+        ScatterToDUSCommand, "import jax.numpy as jnp\n\ny = x[i + jnp.arange(3)]\n", [unproven]
+    )
     assert "not proven" in cmd.outcomes[0]
 
 
 # --- donate -------------------------------------------------------------------------------------
 
+
 def test_jit_decorator_gets_donate_argnums():
-    assert_codemod(DonateCommand, """\
+    assert_codemod(
+        DonateCommand,
+        """\
         import jax
 
         @jax.jit
@@ -300,7 +360,8 @@ def test_jit_decorator_gets_donate_argnums():
 
         for batch in batches:
             state = step(state, batch)
-        """, """\
+        """,
+        """\
         import jax
         from functools import partial
 
@@ -310,11 +371,17 @@ def test_jit_decorator_gets_donate_argnums():
 
         for batch in batches:
             state = step(state, batch)
-        """, [donate(0, 3)], function="step", function_line=3)
+        """,
+        [donate(0, 3)],
+        function="step",
+        function_line=3,
+    )
 
 
 def test_partial_jit_and_decorator_factory_get_the_keyword_added():
-    assert_codemod(DonateCommand, """\
+    assert_codemod(
+        DonateCommand,
+        """\
         import functools, jax
 
         @functools.partial(jax.jit, static_argnums=2)
@@ -322,7 +389,8 @@ def test_partial_jit_and_decorator_factory_get_the_keyword_added():
             return a, b
 
         a, b = step(a, b, 3, c=c)
-        """, """\
+        """,
+        """\
         import functools, jax
 
         @functools.partial(jax.jit, static_argnums=2, donate_argnums=(0, 1))
@@ -330,8 +398,13 @@ def test_partial_jit_and_decorator_factory_get_the_keyword_added():
             return a, b
 
         a, b = step(a, b, 3, c=c)
-        """, [donate(0), donate(1), donate("c")], function="step")
-    assert_codemod(DonateCommand, """\
+        """,
+        [donate(0), donate(1), donate("c")],
+        function="step",
+    )
+    assert_codemod(
+        DonateCommand,
+        """\
         from jax import jit
 
         @jit(static_argnums=1)
@@ -339,7 +412,8 @@ def test_partial_jit_and_decorator_factory_get_the_keyword_added():
             return a
 
         a = step(a, 2)
-        """, """\
+        """,
+        """\
         from jax import jit
 
         @jit(static_argnums=1, donate_argnums=(0,))
@@ -347,11 +421,16 @@ def test_partial_jit_and_decorator_factory_get_the_keyword_added():
             return a
 
         a = step(a, 2)
-        """, [donate(0)], function="step")
+        """,
+        [donate(0)],
+        function="step",
+    )
 
 
 def test_style_autoopt_replaces_the_jit_keeping_its_keywords():
-    assert_codemod(DonateCommand, """\
+    assert_codemod(
+        DonateCommand,
+        """\
         from functools import partial
         import jax
 
@@ -360,7 +439,8 @@ def test_style_autoopt_replaces_the_jit_keeping_its_keywords():
             return a
 
         fast = jax.jit(step)
-        """, """\
+        """,
+        """\
         from functools import partial
         import jax
         import autoopt
@@ -370,11 +450,17 @@ def test_style_autoopt_replaces_the_jit_keeping_its_keywords():
             return a
 
         fast = autoopt.optimize(step)
-        """, [donate(0)], function="step", style="autoopt")
+        """,
+        [donate(0)],
+        function="step",
+        style="autoopt",
+    )
 
 
 def test_module_level_jit_call_gets_donate_argnums():
-    assert_codemod(DonateCommand, """\
+    assert_codemod(
+        DonateCommand,
+        """\
         import jax
 
         def step(a, b):
@@ -382,7 +468,8 @@ def test_module_level_jit_call_gets_donate_argnums():
 
         step_fast = jax.jit(step, static_argnums=1)
         a = step_fast(a, 1)
-        """, """\
+        """,
+        """\
         import jax
 
         def step(a, b):
@@ -390,14 +477,20 @@ def test_module_level_jit_call_gets_donate_argnums():
 
         step_fast = jax.jit(step, static_argnums=1, donate_argnums=(0,))
         a = step_fast(a, 1)
-        """, [donate(0)], function="step")
+        """,
+        [donate(0)],
+        function="step",
+    )
 
 
-@pytest.mark.parametrize("decorator, reason", [
-    ("@partial(jax.jit, donate_argnums=1)", "already names"),
-    ("@autoopt.optimize", "already under @autoopt.optimize"),
-    ("@other.decorator", "not jitted in this file"),
-])
+@pytest.mark.parametrize(
+    "decorator, reason",
+    [
+        ("@partial(jax.jit, donate_argnums=1)", "already names"),
+        ("@autoopt.optimize", "already under @autoopt.optimize"),
+        ("@other.decorator", "not jitted in this file"),
+    ],
+)
 def test_functions_already_donating_or_not_jitted_are_left_alone(decorator, reason):
     before = f"import autoopt, jax, other\nfrom functools import partial\n\n{decorator}\ndef step(a):\n    return a\n"
     cmd = assert_unchanged(DonateCommand, before, [donate(0)], function="step")
@@ -405,31 +498,43 @@ def test_functions_already_donating_or_not_jitted_are_left_alone(decorator, reas
 
 
 def test_argument_a_call_site_reuses_is_not_donated():
-    site = Finding("donate", False, "not donated here", location="main.py:9",
-                   details={"arg": 0, "site": "main.py:9"})
-    cmd = assert_unchanged(DonateCommand, "import jax\n\n@jax.jit\ndef step(a):\n    return a\n",
-                           [donate(0), site], function="step")
+    site = Finding(
+        "donate",
+        False,
+        "not donated here",
+        location="main.py:9",
+        details={"arg": 0, "site": "main.py:9"},
+    )
+    cmd = assert_unchanged(
+        DonateCommand,
+        "import jax\n\n@jax.jit\ndef step(a):\n    return a\n",
+        [donate(0), site],
+        function="step",
+    )
     assert "keeps using it" in cmd.outcomes[0]
 
 
-@pytest.mark.parametrize("calls, why", [
-    ("new_w = step(w, x)\nprint(w.sum())", "the call on line 8 (`step(w, x)`) does not show"),
-    ("w0 = w\nw = step(w, x)", "the call on line 9"),
-    ("def train(w, xs):\n    for x in xs:\n        w = step(w, x)", "the call on line 10"),
-    ("w, _ = step(w, x), 1", "the call on line 8"),
-    ("w = step(*args)", "the call on line 8"),
-    ("w = step(w, x)\nlog(step(w, x))", "the call on line 9"),
-    ("w = step(w, x)\ncallbacks.append(step)", "passed around on line 9"),
-    # A second holder of the same buffer, in the forms a reviewer found the first check missed.
-    ("w = w0\nw = step(w, x)\nprint(w0)", "the call on line 9"),
-    ("w = ws[0]\nw = step(w, x)", "the call on line 9"),
-    ("for w in ws:\n    w = step(w, x)", "the call on line 9"),
-    ("w = jnp.ones(3)\nhist.append(w)\nw = step(w, x)", "the call on line 10"),
-    ("w = jnp.asarray(w0)\nw = step(w, x)", "the call on line 9"),
-    ("w = init()\nw = step(w, x)", "the call on line 9"),
-    ("w = jnp.ones(3)\nget = lambda: w\nw = step(w, x)", "the call on line 10"),
-    ("", "no call of `step` in this file"),
-])
+@pytest.mark.parametrize(
+    "calls, why",
+    [
+        ("new_w = step(w, x)\nprint(w.sum())", "the call on line 8 (`step(w, x)`) does not show"),
+        ("w0 = w\nw = step(w, x)", "the call on line 9"),
+        ("def train(w, xs):\n    for x in xs:\n        w = step(w, x)", "the call on line 10"),
+        ("w, _ = step(w, x), 1", "the call on line 8"),
+        ("w = step(*args)", "the call on line 8"),
+        ("w = step(w, x)\nlog(step(w, x))", "the call on line 9"),
+        ("w = step(w, x)\ncallbacks.append(step)", "passed around on line 9"),
+        # A second holder of the same buffer, in the forms a reviewer found the first check missed.
+        ("w = w0\nw = step(w, x)\nprint(w0)", "the call on line 9"),
+        ("w = ws[0]\nw = step(w, x)", "the call on line 9"),
+        ("for w in ws:\n    w = step(w, x)", "the call on line 9"),
+        ("w = jnp.ones(3)\nhist.append(w)\nw = step(w, x)", "the call on line 10"),
+        ("w = jnp.asarray(w0)\nw = step(w, x)", "the call on line 9"),
+        ("w = init()\nw = step(w, x)", "the call on line 9"),
+        ("w = jnp.ones(3)\nget = lambda: w\nw = step(w, x)", "the call on line 10"),
+        ("", "no call of `step` in this file"),
+    ],
+)
 def test_jit_donation_needs_every_call_in_the_file_to_rebind_the_argument(calls, why):
     # donate_argnums is a promise for every caller: a call that keeps using its argument (or
     # callers the file does not show) would find their array deleted. The report's own example:
@@ -438,8 +543,7 @@ def test_jit_donation_needs_every_call_in_the_file_to_rebind_the_argument(calls,
     cmd = assert_unchanged(DonateCommand, before, [donate(0, 3)], function="step")
     assert why in cmd.outcomes[0] and "--style autoopt" in cmd.outcomes[0], cmd.outcomes[0]
     # The autoopt style is always safe: it proves donation at each call.
-    result, _ = run_command(DonateCommand, before, [donate(0, 3)], function="step",
-                            style="autoopt")
+    result, _ = run_command(DonateCommand, before, [donate(0, 3)], function="step", style="autoopt")
     assert "@autoopt.optimize" in result.code
 
 
@@ -465,14 +569,17 @@ def test_rewritten_jit_donation_runs_where_the_callers_rebind(tmp_path):
 
 
 def test_lambda_has_no_def_to_decorate():
-    cmd = assert_unchanged(DonateCommand, "import jax\nf = jax.jit(lambda x: x)\n", [donate(0)],
-                           function="<lambda>")
+    cmd = assert_unchanged(
+        DonateCommand, "import jax\nf = jax.jit(lambda x: x)\n", [donate(0)], function="<lambda>"
+    )
     assert "lambda" in cmd.outcomes[0]
 
 
 def test_same_name_in_another_scope_is_not_touched():
-    before = ("import jax\n\n@jax.jit\ndef step(a):\n    return a\n\nclass K:\n    @jax.jit\n"
-              "    def step(a):\n        return a\n\na = step(a)\n")
+    before = (
+        "import jax\n\n@jax.jit\ndef step(a):\n    return a\n\nclass K:\n    @jax.jit\n"
+        "    def step(a):\n        return a\n\na = step(a)\n"
+    )
     result, _ = run_command(DonateCommand, before, [donate(0)], function="step", function_line=8)
     assert result.code.count("donate_argnums") == 1
     assert "@partial(jax.jit, donate_argnums=(0,))\n    def step" in result.code
@@ -480,42 +587,55 @@ def test_same_name_in_another_scope_is_not_touched():
 
 # --- remat --------------------------------------------------------------------------------------
 
+
 def test_call_of_a_user_function_is_checkpointed():
-    assert_codemod(RematCommand, """\
+    assert_codemod(
+        RematCommand,
+        """\
         import jax
 
         def f(h, ps):
             for p in ps:
                 h = block(h, p)  # layer
             return h
-        """, """\
+        """,
+        """\
         import jax
 
         def f(h, ps):
             for p in ps:
                 h = jax.checkpoint(block)(h, p)  # layer
             return h
-        """, [F("remat", 5)])
+        """,
+        [F("remat", 5)],
+    )
 
 
 def test_loop_body_is_checkpointed_with_the_policy():
-    assert_codemod(RematCommand, """\
+    assert_codemod(
+        RematCommand,
+        """\
         from jax import lax
         import jax
 
         def f(c, xs):
             return lax.scan(body, c, xs)
-        """, """\
+        """,
+        """\
         from jax import lax
         import jax
 
         def f(c, xs):
             return lax.scan(jax.checkpoint(body, policy=jax.checkpoint_policies.dots_saveable), c, xs)
-        """, [F("remat", 5, policy="dots_saveable")])
+        """,
+        [F("remat", 5, policy="dots_saveable")],
+    )
 
 
 def test_library_expression_becomes_a_checkpointed_lambda_of_its_locals():
-    assert_codemod(RematCommand, """\
+    assert_codemod(
+        RematCommand,
+        """\
         import jax
         import jax.numpy as jnp
         SCALE = 2.0
@@ -523,7 +643,8 @@ def test_library_expression_becomes_a_checkpointed_lambda_of_its_locals():
         def f(h, w, b):
             h = jnp.tanh(h @ w + b) * SCALE
             return h
-        """, """\
+        """,
+        """\
         import jax
         import jax.numpy as jnp
         SCALE = 2.0
@@ -531,59 +652,82 @@ def test_library_expression_becomes_a_checkpointed_lambda_of_its_locals():
         def f(h, w, b):
             h = jax.checkpoint(lambda h, w, b: jnp.tanh(h @ w + b) * SCALE)(h, w, b)
             return h
-        """, [F("remat", 6)])
+        """,
+        [F("remat", 6)],
+    )
 
 
 def test_named_function_gets_the_checkpoint_decorator():
-    assert_codemod(RematCommand, """\
+    assert_codemod(
+        RematCommand,
+        """\
         import jax
 
         def block(h, p):
             return h * p
-        """, """\
+        """,
+        """\
         import jax
 
         @jax.checkpoint
         def block(h, p):
             return h * p
-        """, [F("remat", 1, function="block")])
+        """,
+        [F("remat", 1, function="block")],
+    )
 
 
 def test_every_recomputed_line_is_checkpointed_keeping_the_matmuls():
-    finding = F("remat", 4, recomputed=[
-        {"values": 2, "bytes": 1024, "location": "snippet.py:5", "primitives": ["tanh"]},
-        {"values": 1, "bytes": 512, "location": "snippet.py:6", "primitives": ["mul", "exp"]}])
-    assert_codemod(RematCommand, """\
+    finding = F(
+        "remat",
+        4,
+        recomputed=[
+            {"values": 2, "bytes": 1024, "location": "snippet.py:5", "primitives": ["tanh"]},
+            {"values": 1, "bytes": 512, "location": "snippet.py:6", "primitives": ["mul", "exp"]},
+        ],
+    )
+    assert_codemod(
+        RematCommand,
+        """\
         import jax, jax.numpy as jnp
 
         def f(h, w):
             h = jnp.tanh(h @ w)
             g = jnp.exp(h) * 2
             return g
-        """, """\
+        """,
+        """\
         import jax, jax.numpy as jnp
 
         def f(h, w):
             h = jax.checkpoint(lambda h, w: jnp.tanh(h @ w), policy=jax.checkpoint_policies.dots_saveable)(h, w)
             g = jax.checkpoint(lambda h: jnp.exp(h) * 2, policy=jax.checkpoint_policies.dots_saveable)(h)
             return g
-        """, [finding])
+        """,
+        [finding],
+    )
 
 
-@pytest.mark.parametrize("line", [
-    "h = jax.checkpoint(block)(h, p)",
-    "h = lax.scan(jax.checkpoint(body), h, xs)",
-    "return h",
-    "h = x.sum",
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "h = jax.checkpoint(block)(h, p)",
+        "h = lax.scan(jax.checkpoint(body), h, xs)",
+        "return h",
+        "h = x.sum",
+    ],
+)
 def test_remat_must_not_change(line):
     assert_unchanged(RematCommand, f"import jax\nfrom jax import lax\n{line}\n", [F("remat", 3)])
 
 
 # --- placement ------------------------------------------------------------------------------------
 
+
 def test_host_fed_loop_is_prefetched_and_constant_placed_once():
-    assert_codemod(PlacementCommand, """\
+    assert_codemod(
+        PlacementCommand,
+        """\
         import autoopt
         import jax
 
@@ -592,7 +736,8 @@ def test_host_fed_loop_is_prefetched_and_constant_placed_once():
             for batch in batches:
                 w = step(w, batch, table)
             return w
-        """, """\
+        """,
+        """\
         import autoopt
         import jax
 
@@ -602,24 +747,31 @@ def test_host_fed_loop_is_prefetched_and_constant_placed_once():
             for batch in autoopt.prefetch(batches):
                 w = step(w, batch, table)
             return w
-        """, [F("placement", 7, arg=1), F("placement", 7, arg=2)], function="step")
+        """,
+        [F("placement", 7, arg=1), F("placement", 7, arg=2)],
+        function="step",
+    )
 
 
 def test_placement_finding_at_a_call_site_names_leaves_by_parameter():
     """The pass names leaves by the function's parameters (`batch['x']`); the caller passes
     `b`: ``params`` (added from the signature) maps them to positions."""
-    pack = F("placement", 5, strategy="pack", leaves=["batch['x']", "batch['y']"],
-             params=[(1, "batch")])
+    pack = F(
+        "placement", 5, strategy="pack", leaves=["batch['x']", "batch['y']"], params=[(1, "batch")]
+    )
     const = F("placement", 5, strategy="constant", leaf="table", params=[(2, "table")])
     scalar = F("placement", 5, strategy="scalar", leaves=["n"])
-    assert_codemod(PlacementCommand, """\
+    assert_codemod(
+        PlacementCommand,
+        """\
         import jax
 
         def train(w, loader, tab):
             for b in loader:
                 w = my_step(w, b, tab)
             return w
-        """, """\
+        """,
+        """\
         import jax
         import autoopt
 
@@ -628,21 +780,30 @@ def test_placement_finding_at_a_call_site_names_leaves_by_parameter():
             for b in autoopt.prefetch(loader):
                 w = my_step(w, b, tab)
             return w
-        """, [pack, const, scalar], function="step")
+        """,
+        [pack, const, scalar],
+        function="step",
+    )
     assert not PlacementCommand.wants(scalar)
 
 
 def test_placement_must_not_change_an_argument_the_loop_rebinds():
-    cmd = assert_unchanged(PlacementCommand, """\
+    cmd = assert_unchanged(
+        PlacementCommand,
+        """\
         def train(w, xs):
             for x in xs:
                 w = step(w, x)
             return w
-        """, [F("placement", 3, arg=0)], function="step")
+        """,
+        [F("placement", 3, arg=0)],
+        function="step",
+    )
     assert "neither comes from the loop variable" in cmd.outcomes[0]
 
 
 # --- the whole plan, and the bundled examples --------------------------------------------------
+
 
 def test_plan_for_a_notebook_cell_says_there_is_no_file():
     ns: dict = {}
@@ -655,10 +816,13 @@ def test_plan_for_a_notebook_cell_says_there_is_no_file():
 def test_plan_for_a_library_function_says_it_is_a_library(tmp_path):
     lib = tmp_path / "site-packages"
     lib.mkdir()
-    (lib / "somelib_autoopt_test.py").write_text("import jax\n\n@jax.jit\ndef g(x):\n    return x * 2\n")
+    (lib / "somelib_autoopt_test.py").write_text(
+        "import jax\n\n@jax.jit\ndef g(x):\n    return x * 2\n"
+    )
     sys.path.insert(0, str(lib))
     try:
         import somelib_autoopt_test as somelib
+
         report = autoopt.explain(somelib.g, jnp.zeros(4))
     finally:
         sys.path.remove(str(lib))
@@ -674,13 +838,15 @@ def _example_findings(mod, fn):
     with open(mod.__file__) as fh:
         for n, line in enumerate(fh, 1):
             if ".at[" in line and not any(f.kind == "scatter_to_dus" for f in findings):
-                findings.append(Finding("scatter_to_dus", True, "row set",
-                                        location=f"{mod.__file__}:{n}"))
+                findings.append(
+                    Finding("scatter_to_dus", True, "row set", location=f"{mod.__file__}:{n}")
+                )
     return findings
 
 
-@pytest.mark.parametrize("name, provable", [("row_updates", True), ("train_step", False),
-                                            ("host_feed", True)])
+@pytest.mark.parametrize(
+    "name, provable", [("row_updates", True), ("train_step", False), ("host_feed", True)]
+)
 def test_rewritten_example_imports_runs_and_gives_the_same_numbers(name, provable, tmp_path):
     from autoopt.examples import EXAMPLES
 
@@ -705,13 +871,14 @@ def test_rewritten_example_imports_runs_and_gives_the_same_numbers(name, provabl
     spec.loader.exec_module(new)
     new_fn = getattr(new, EXAMPLES[name])
     steps = 3
-    for a, b in zip(jax.tree_util.tree_leaves(mod.run(fn, steps)),
-                    jax.tree_util.tree_leaves(new.run(new_fn, steps))):
+    for a, b in zip(
+        jax.tree_util.tree_leaves(mod.run(fn, steps)),
+        jax.tree_util.tree_leaves(new.run(new_fn, steps)),
+    ):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6)
     # Rewriting the rewritten file changes nothing.
     again = plan_source_edits(new_fn, _example_findings(new, new_fn))
     assert again.edits == ()
-
 
 
 def test_host_fed_example_gets_prefetch_at_its_loop():

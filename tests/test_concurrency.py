@@ -39,10 +39,13 @@ def _make_step(traces, lock):
     def step(x, rows):
         with lock:
             traces[(x.shape, str(x.dtype))] += 1  # runs once per trace of this signature
+
         def body(i, acc):
             return acc.at[i % acc.shape[0]].add(rows[i] * 0.5)
+
         acc = jax.lax.fori_loop(0, rows.shape[0], body, x)
         return acc, jnp.tanh(acc).sum()
+
     return step
 
 
@@ -76,10 +79,15 @@ def test_eight_threads_get_correct_results_with_one_trace_and_compile_per_signat
     step = _make_step(traces, lock)
     fast = autoopt.optimize(step, donate=donate, fallback="raise")
     # Every thread calls every signature, in its own order, several times.
-    plans = [[SIGNATURES[(t + k) % len(SIGNATURES)] for k in range(2 * len(SIGNATURES))]
-             for t in range(THREADS)]
-    inputs = {(t, k): _inputs(sig, seed=t * 100 + k) for t in range(THREADS)
-              for k, sig in enumerate(plans[t])}
+    plans = [
+        [SIGNATURES[(t + k) % len(SIGNATURES)] for k in range(2 * len(SIGNATURES))]
+        for t in range(THREADS)
+    ]
+    inputs = {
+        (t, k): _inputs(sig, seed=t * 100 + k)
+        for t in range(THREADS)
+        for k, sig in enumerate(plans[t])
+    }
     ref_traces = collections.Counter()
     reference = jax.jit(_make_step(ref_traces, threading.Lock()))
     expected = {key: reference(*args) for key, args in inputs.items()}
@@ -108,7 +116,9 @@ def test_eight_threads_get_correct_results_with_one_trace_and_compile_per_signat
 def test_eight_threads_rebinding_their_own_state_donate_it_and_agree_with_jax_jit():
     traces, lock = collections.Counter(), threading.Lock()
     step = _make_step(traces, lock)
-    fast = autoopt.optimize(step, fallback="raise")  # donate="safe": `x, _ = fast(x, rows)` proves x dead
+    fast = autoopt.optimize(
+        step, fallback="raise"
+    )  # donate="safe": `x, _ = fast(x, rows)` proves x dead
     reference = jax.jit(_make_step(collections.Counter(), threading.Lock()))
     starts = {t: _inputs(SIGNATURES[t % len(SIGNATURES)], seed=t) for t in range(THREADS)}
     expected = {}
@@ -157,7 +167,7 @@ def test_static_arguments_from_many_threads_trace_once_per_static_value():
     def power(x, n):
         with lock:
             traces[n] += 1
-        return x ** n
+        return x**n
 
     fast = autoopt.optimize(power, static_argnums=1, fallback="raise")
     x = jnp.arange(4.0)
@@ -168,5 +178,5 @@ def test_static_arguments_from_many_threads_trace_once_per_static_value():
     results = _run_threads(work)
     for t, outs in enumerate(results):
         for n, got in zip((t % 3, (t + 1) % 3, 2), outs):
-            assert_trees_equivalent(x ** n, got)
+            assert_trees_equivalent(x**n, got)
     assert dict(traces) == {0: 1, 1: 1, 2: 1}

@@ -53,6 +53,7 @@ def test_every_corpus_function_explains_without_error(case):
 
 # --- call forms and the jit surface ---------------------------------------------------------------
 
+
 def _square(x):
     return x * x
 
@@ -145,6 +146,7 @@ def test_methods_can_be_decorated():
 
 # --- composition -----------------------------------------------------------------------------------
 
+
 def test_composes_under_grad_vmap_and_outer_jit():
     def loss(w, x):
         return jnp.sum(jnp.tanh(x @ w) ** 2)
@@ -154,7 +156,9 @@ def test_composes_under_grad_vmap_and_outer_jit():
     assert_trees_equivalent(jax.grad(loss)(w, x), jax.grad(fast)(w, x))
     xs = jnp.stack([x, 2 * x])
     assert_trees_equivalent(jax.vmap(loss, (None, 0))(w, xs), jax.vmap(fast, (None, 0))(w, xs))
-    assert_trees_equivalent(jax.jit(lambda w: loss(w, x) * 2)(w), jax.jit(lambda w: fast(w, x) * 2)(w))
+    assert_trees_equivalent(
+        jax.jit(lambda w: loss(w, x) * 2)(w), jax.jit(lambda w: fast(w, x) * 2)(w)
+    )
     assert_trees_equivalent(jax.jit(jax.grad(loss))(w, x), jax.jit(jax.grad(fast))(w, x))
 
 
@@ -184,6 +188,7 @@ def test_closure_over_outer_tracer():
 
 
 # --- signature cache -------------------------------------------------------------------------------
+
 
 def test_one_trace_per_signature():
     traces = []
@@ -248,6 +253,7 @@ def test_concurrent_first_calls_trace_each_signature_once():
 
 # --- the engine ------------------------------------------------------------------------------------
 
+
 def test_rewrite_recurses_into_every_sub_jaxpr_and_keeps_source_lines():
     from jax.extend.core import primitives as P
 
@@ -265,8 +271,12 @@ def test_rewrite_recurses_into_every_sub_jaxpr_and_keeps_source_lines():
     assert changed
     assert "sin" not in _jaxpr.count_primitives(new)
     _jaxpr.check(new)
-    locs = [_jaxpr.user_location(s.eqn) for s in _jaxpr.iter_eqns(new) if s.eqn.primitive.name == "cos"]
-    assert any(loc and loc.endswith(f"test_core.py:{f.__code__.co_firstlineno + 1}") for loc in locs)
+    locs = [
+        _jaxpr.user_location(s.eqn) for s in _jaxpr.iter_eqns(new) if s.eqn.primitive.name == "cos"
+    ]
+    assert any(
+        loc and loc.endswith(f"test_core.py:{f.__code__.co_firstlineno + 1}") for loc in locs
+    )
 
 
 def test_rewrite_that_declines_returns_the_same_object():
@@ -284,15 +294,19 @@ def test_unknown_primitives_pass_through_untouched():
     my_p.def_impl(lambda x: x + 1)
     my_p.def_abstract_eval(lambda x: x)
     jax.interpreters.mlir.register_lowering(
-        my_p, jax.interpreters.mlir.lower_fun(lambda x: x + 1, multiple_results=False))
+        my_p, jax.interpreters.mlir.lower_fun(lambda x: x + 1, multiple_results=False)
+    )
 
     def f(x):
         return my_p.bind(x) * 2
 
-    assert_trees_equivalent(jax.jit(f)(jnp.ones(3)), autoopt.optimize(f, fallback="raise")(jnp.ones(3)))
+    assert_trees_equivalent(
+        jax.jit(f)(jnp.ones(3)), autoopt.optimize(f, fallback="raise")(jnp.ones(3))
+    )
 
 
 # --- fallback --------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", list(registered_passes()))
 def test_a_pass_that_raises_falls_back_with_one_warning(monkeypatch, name):
@@ -305,6 +319,7 @@ def test_a_pass_that_raises_falls_back_with_one_warning(monkeypatch, name):
 
     broken = dataclasses.replace(passes.registered_passes()[name], run=boom, enabled=lambda o: True)
     with passes.register(broken, replace=True):  # the original comes back after the block
+
         def f(x):
             return x * 3
 

@@ -62,8 +62,10 @@ def _assert_donatable(report, arg, tree):
 
 
 def _mlp_params(rng, sizes=(8, 16, 4)):
-    return {f"layer{i}": {"w": _normal(rng, a, b) * 0.3, "b": jnp.zeros((b,), jnp.float32)}
-            for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:]))}
+    return {
+        f"layer{i}": {"w": _normal(rng, a, b) * 0.3, "b": jnp.zeros((b,), jnp.float32)}
+        for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:]))
+    }
 
 
 def _mlp(params, x):
@@ -84,6 +86,7 @@ def _make_update(tx):
         loss, grads = jax.value_and_grad(_mse)(params, x, y)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax_apply(params, updates), opt_state, loss
+
     return update
 
 
@@ -128,8 +131,9 @@ def test_optax_training_loop_donates_rebound_state_and_matches_jax_jit_every_ste
         before = _buffers((params, opt_state))
         ref_params, ref_state, ref_loss = ref(ref_params, ref_state, x, y)
         params, opt_state, loss = fast(params, opt_state, x, y)
-        assert_trees_equivalent((ref_params, ref_state, ref_loss), (params, opt_state, loss),
-                                what=f"step {step}")
+        assert_trees_equivalent(
+            (ref_params, ref_state, ref_loss), (params, opt_state, loss), what=f"step {step}"
+        )
         # Donated: the new state lives in the old state's buffers.
         assert _buffers((params, opt_state)) == before, f"step {step}: state was not donated"
 
@@ -191,8 +195,10 @@ def test_optax_training_loop_inside_scan_matches_jax_jit():
         (params, _), losses = jax.lax.scan(body, (params, tx.init(params)), (xs, ys))
         return params, losses
 
-    assert_trees_equivalent(jax.jit(train)(params, xs, ys),
-                            autoopt.optimize(train, fallback="raise", donate="off")(params, xs, ys))
+    assert_trees_equivalent(
+        jax.jit(train)(params, xs, ys),
+        autoopt.optimize(train, fallback="raise", donate="off")(params, xs, ys),
+    )
 
 
 # --- flax linen ---------------------------------------------------------------------------------
@@ -234,8 +240,9 @@ def test_flax_linen_train_step_matches_jax_jit_and_donates_params_and_opt_state(
         before = _buffers((params, opt_state))
         ref_params, ref_state, ref_loss = jax.jit(train_step)(ref_params, ref_state, x, y)
         params, opt_state, loss = fast(params, opt_state, x, y)
-        assert_trees_equivalent((ref_params, ref_state, ref_loss), (params, opt_state, loss),
-                                what=f"linen step {step}")
+        assert_trees_equivalent(
+            (ref_params, ref_state, ref_loss), (params, opt_state, loss), what=f"linen step {step}"
+        )
         assert _buffers((params, opt_state)) == before, f"step {step}: state was not donated"
 
 
@@ -251,7 +258,6 @@ class _Affine:
 
     def __call__(self, x):
         return x @ self.w
-
 
 
 def test_flax_nnx_module_argument_is_refused_with_split_merge_advice_and_no_partial_state():
@@ -370,9 +376,11 @@ def test_equinox_train_step_matches_filter_jit_and_reports_model_donatable():
         x, y = _batch(rng)
         ref_model, ref_state, ref_loss = ref(ref_model, ref_state, x, y)
         model, opt_state, loss = fast(model, opt_state, x, y)
-        assert_trees_equivalent(eqx.filter((ref_model, ref_state, ref_loss), eqx.is_array),
-                                eqx.filter((model, opt_state, loss), eqx.is_array),
-                                what=f"equinox step {step}")
+        assert_trees_equivalent(
+            eqx.filter((ref_model, ref_state, ref_loss), eqx.is_array),
+            eqx.filter((model, opt_state, loss), eqx.is_array),
+            what=f"equinox step {step}",
+        )
         assert model.activation is ref_model.activation  # static leaves come back as they were
     report = fast.explain(model, opt_state, x, y)
     _assert_donatable(report, 0, eqx.filter(model, eqx.is_array))
@@ -417,11 +425,19 @@ def _ode_solve(y0, theta, adaptive=True):
         a, b = args
         return jnp.stack([a * y[0] - b * y[0] * y[1], -y[1] + b * y[0] * y[1]])
 
-    controller = (diffrax.PIDController(rtol=1e-5, atol=1e-5) if adaptive
-                  else diffrax.ConstantStepSize())
+    controller = (
+        diffrax.PIDController(rtol=1e-5, atol=1e-5) if adaptive else diffrax.ConstantStepSize()
+    )
     sol = diffrax.diffeqsolve(
-        diffrax.ODETerm(vector_field), diffrax.Tsit5(), t0=0.0, t1=1.0, dt0=0.1, y0=y0,
-        args=theta, stepsize_controller=controller, max_steps=16,
+        diffrax.ODETerm(vector_field),
+        diffrax.Tsit5(),
+        t0=0.0,
+        t1=1.0,
+        dt0=0.1,
+        y0=y0,
+        args=theta,
+        stepsize_controller=controller,
+        max_steps=16,
         saveat=diffrax.SaveAt(ts=jnp.linspace(0.0, 1.0, 5)),
     )
     return sol.ys
@@ -443,5 +459,7 @@ def test_diffrax_gradient_of_ode_solve_matches_jax_jit():
     def grad_of_solve(theta, y0):
         return jax.grad(lambda th: jnp.sum(_ode_solve(y0, th, adaptive=False)[-1] ** 2))(theta)
 
-    assert_trees_equivalent(jax.jit(grad_of_solve)(theta, y0),
-                            autoopt.optimize(grad_of_solve, fallback="raise", donate="off")(theta, y0))
+    assert_trees_equivalent(
+        jax.jit(grad_of_solve)(theta, y0),
+        autoopt.optimize(grad_of_solve, fallback="raise", donate="off")(theta, y0),
+    )

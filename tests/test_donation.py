@@ -27,7 +27,11 @@ def _state():
 
 
 def _step(state, batch):
-    return {"w": state["w"] * 0.5 + batch.sum(), "b": state["b"] - batch.mean(), "n": state["n"] + 1}
+    return {
+        "w": state["w"] * 0.5 + batch.sum(),
+        "b": state["b"] - batch.mean(),
+        "n": state["n"] + 1,
+    }
 
 
 def _leaves(tree):
@@ -531,8 +535,9 @@ def test_named_tuple_state_is_donated_through_the_registry_path():
 
 
 def test_pytree_fast_path_auto_never_donates_a_leaf_shared_between_arguments():
-    f = autoopt.optimize(lambda s, t: ({"v": s["v"] + t["v"]}, {"v": s["v"] - t["v"]}),
-                         donate="auto")
+    f = autoopt.optimize(
+        lambda s, t: ({"v": s["v"] + t["v"]}, {"v": s["v"] - t["v"]}), donate="auto"
+    )
     s, t = {"v": jnp.ones(3) + 0}, {"v": jnp.ones(3) + 0}
     for _ in range(3):
         s, t = f(s, t)  # distinct leaves: donated, decision cached

@@ -97,8 +97,9 @@ class _TupleBox:
         self.parts = tuple(parts)
 
 
-jax.tree_util.register_pytree_node(_TupleBox, lambda b: (b.parts, None),
-                                   lambda _, kids: _TupleBox(kids))
+jax.tree_util.register_pytree_node(
+    _TupleBox, lambda b: (b.parts, None), lambda _, kids: _TupleBox(kids)
+)
 
 
 def test_custom_node_returning_its_stored_children_keeps_a_leaf_held_elsewhere():
@@ -118,8 +119,11 @@ def test_custom_node_returning_its_stored_children_keeps_a_leaf_held_elsewhere()
         assert not held.is_deleted()
 
 
-@pytest.mark.xfail(strict=True, reason="known hole: jaxlib exposes no way to see that two "
-                   "Array objects share one buffer (README, limits)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="known hole: jaxlib exposes no way to see that two "
+    "Array objects share one buffer (README, limits)",
+)
 def test_device_put_to_the_same_device_shares_the_buffer_and_is_not_donated():
     """``snap = jax.device_put(x, device)`` (or ``x.sharding``) on the device ``x`` already
     lives on returns a NEW Array object sharing ``x``'s buffer. Reference counts see no second
@@ -173,12 +177,14 @@ def test_argument_also_captured_as_a_constant_is_not_donated(tmp_path):
     ``_program_for_call``, drop candidates whose arrays are among the program's consts (by id),
     or re-check the reference counts after the trace."""
     ns: dict = {"autoopt": autoopt, "jnp": jnp}
-    src = ("y = jnp.ones(3) + 0\n"
-           "@autoopt.optimize\n"
-           "def g(v):\n"
-           "    return v * 2 + y.sum()\n"
-           "y = g(y)\n"
-           "z = g(jnp.ones(3))\n")
+    src = (
+        "y = jnp.ones(3) + 0\n"
+        "@autoopt.optimize\n"
+        "def g(v):\n"
+        "    return v * 2 + y.sum()\n"
+        "y = g(y)\n"
+        "z = g(jnp.ones(3))\n"
+    )
     path = str(tmp_path / "_autoopt_review_captured_global.py")
     with open(path, "w") as fh:
         fh.write(src)
@@ -299,8 +305,17 @@ def test_signature_changes_of_scalar_kind_and_weak_type_match_jit():
     g = lambda v, s: v * 2 + s  # noqa: E731
     f = autoopt.optimize(g)
     x, expected = _fresh(), jnp.ones(3)
-    scalars = [1.0, jnp.asarray(1.0), 1, jnp.asarray(1), True, 2.5, jnp.ones((), jnp.bfloat16),
-               jnp.float32(3.0), 1.0]
+    scalars = [
+        1.0,
+        jnp.asarray(1.0),
+        1,
+        jnp.asarray(1),
+        True,
+        2.5,
+        jnp.ones((), jnp.bfloat16),
+        jnp.float32(3.0),
+        1.0,
+    ]
     for s in scalars:
         x = f(x, s)
         expected = jax.jit(g)(expected, s)
@@ -335,8 +350,10 @@ def test_generator_site_does_not_donate_what_the_consumer_kept():
 
 def test_global_rebinding_at_module_level_site_respects_aliases_in_other_globals(tmp_path):
     ns: dict = {"f": autoopt.optimize(lambda v: v * 2), "jnp": jnp}
-    src = ("x = jnp.ones(3) + 0\nsnaps = []\nfor i in range(4):\n"
-           "    if i == 2:\n        snaps.append(x)\n    x = f(x)\n")
+    src = (
+        "x = jnp.ones(3) + 0\nsnaps = []\nfor i in range(4):\n"
+        "    if i == 2:\n        snaps.append(x)\n    x = f(x)\n"
+    )
     path = str(tmp_path / "_autoopt_review_module_loop.py")
     with open(path, "w") as fh:
         fh.write(src)
@@ -367,8 +384,10 @@ def test_equinox_module_with_static_and_int_fields_keeps_a_held_leaf():
 def test_state_with_python_scalars_and_none_matches_jit():
     g = lambda s: {"w": s["w"] * s["lr"], "lr": s["lr"], "aux": None}  # noqa: E731
     f = autoopt.optimize(g)
-    s, expected = {"w": _fresh(), "lr": 0.5, "aux": None}, {"w": jnp.ones(3), "lr": 0.5,
-                                                             "aux": None}
+    s, expected = (
+        {"w": _fresh(), "lr": 0.5, "aux": None},
+        {"w": jnp.ones(3), "lr": 0.5, "aux": None},
+    )
     for _ in range(4):
         s = f(s)
         expected = jax.jit(g)(expected)

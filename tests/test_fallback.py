@@ -31,8 +31,10 @@ PASSES = registered_pass_names()
 def step(x, i, u):
     """Something for every pass to look at: an in-place row update in a loop, a matmul, and an
     output that can reuse the input's buffer."""
+
     def body(j, acc):
         return acc.at[(i + j) % acc.shape[0]].set(jnp.tanh(acc[j] + u))
+
     y = lax.fori_loop(0, 3, body, x)
     return y @ y.T * 0.5 + y.sum()
 
@@ -42,8 +44,11 @@ STEP_LINE = f"{os.path.abspath(__file__)}:{inspect.getsourcelines(step)[1]}"
 
 def _args(n=6):
     rng = np.random.default_rng(0)
-    return (jnp.asarray(rng.standard_normal((n, n)).astype(np.float32)), jnp.int32(2),
-            jnp.asarray(rng.standard_normal((n,)).astype(np.float32)))
+    return (
+        jnp.asarray(rng.standard_normal((n, n)).astype(np.float32)),
+        jnp.int32(2),
+        jnp.asarray(rng.standard_normal((n,)).astype(np.float32)),
+    )
 
 
 class Boom(RuntimeError):
@@ -52,6 +57,7 @@ class Boom(RuntimeError):
 
 def _break(monkeypatch, name, run=None):
     """Make pass ``name`` run (whatever the options) and fail."""
+
     def boom(closed, ctx):
         raise Boom(f"injected failure in {name}")
 
@@ -210,8 +216,9 @@ def test_io_callback_runs_as_often_and_in_the_same_order_as_under_jax_jit():
 
         def f(x):
             def body(c, row):
-                out = io_callback(host, jax.ShapeDtypeStruct(row.shape, row.dtype), row + c,
-                                  ordered=True)
+                out = io_callback(
+                    host, jax.ShapeDtypeStruct(row.shape, row.dtype), row + c, ordered=True
+                )
                 return c + 1.0, out
 
             return lax.scan(body, jnp.float32(0), x)
@@ -230,7 +237,9 @@ def test_pure_callback_and_debug_callback_run_as_under_jax_jit():
     calls = []
 
     def f(x):
-        y = jax.pure_callback(lambda v: np.sort(np.asarray(v)), jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+        y = jax.pure_callback(
+            lambda v: np.sort(np.asarray(v)), jax.ShapeDtypeStruct(x.shape, x.dtype), x
+        )
         jax.debug.callback(lambda v: calls.append(float(v)), y[0])
         return y.at[0].set(-1.0)
 
@@ -247,8 +256,9 @@ def test_pallas_call_in_interpret_mode_runs_as_under_jax_jit():
         o_ref[...] = x_ref[...] * 2.0 + 1.0
 
     def f(x):
-        y = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-                           interpret=True)(x)
+        y = pl.pallas_call(
+            kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=True
+        )(x)
         return y.at[1].set(0.0)
 
     _same_as_jit(f, jnp.arange(8.0))
@@ -264,9 +274,11 @@ def test_custom_partitioning_runs_as_under_jax_jit():
     def partition(mesh, arg_shapes, result_shape):
         return mesh, lambda x: jnp.sin(x) * 2, result_shape.sharding, (arg_shapes[0].sharding,)
 
-    sin2.def_partition(partition=partition,
-                       infer_sharding_from_operands=lambda mesh, args, res: args[0].sharding,
-                       sharding_rule="i -> i")
+    sin2.def_partition(
+        partition=partition,
+        infer_sharding_from_operands=lambda mesh, args, res: args[0].sharding,
+        sharding_rule="i -> i",
+    )
 
     def f(x):
         return sin2(x).at[2].add(1.0)

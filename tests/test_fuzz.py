@@ -47,8 +47,10 @@ def _report_count(request):
     capman = request.config.pluginmanager.get_plugin("capturemanager")
     if capman is not None:
         with capman.global_and_fixture_disabled():
-            print(f"\ntests/test_fuzz.py: {run} random programs checked against jax.jit "
-                  f"({dict(_fuzz.RUNS)})")
+            print(
+                f"\ntests/test_fuzz.py: {run} random programs checked against jax.jit "
+                f"({dict(_fuzz.RUNS)})"
+            )
 
 
 # Options that make each pass act on small programs: remat="auto" leaves programs with under
@@ -72,16 +74,25 @@ def _float_params(program) -> tuple[int, ...]:
     def is_float(a):
         return a.dtype in ("float32", "bfloat16")
 
-    return tuple(i for i, spec in enumerate(program.in_avals)
-                 if all(is_float(a) for a in jax.tree_util.tree_leaves(
-                     spec, is_leaf=lambda x: isinstance(x, _fuzz.Aval))))
+    return tuple(
+        i
+        for i, spec in enumerate(program.in_avals)
+        if all(
+            is_float(a)
+            for a in jax.tree_util.tree_leaves(spec, is_leaf=lambda x: isinstance(x, _fuzz.Aval))
+        )
+    )
 
 
 def _loss(f):
     """Sum of the float outputs, as float32: a scalar jax.grad can differentiate."""
+
     def loss(*args):
-        leaves = [x for x in jax.tree_util.tree_leaves(f(*args)) if jnp.issubdtype(x.dtype, jnp.floating)]
+        leaves = [
+            x for x in jax.tree_util.tree_leaves(f(*args)) if jnp.issubdtype(x.dtype, jnp.floating)
+        ]
         return sum((jnp.sum(x.astype(jnp.float32)) for x in leaves), jnp.float32(0))
+
     return loss
 
 
@@ -92,13 +103,17 @@ def _second_batch_row(x):
 
 
 @fuzz_settings
-@given(fuzz_cases(max_ops=4), st.sampled_from(["jit", "vmap", "grad"]), st.sampled_from(OPTION_SETS))
+@given(
+    fuzz_cases(max_ops=4), st.sampled_from(["jit", "vmap", "grad"]), st.sampled_from(OPTION_SETS)
+)
 def test_random_programs_compose_with_outer_transformations_like_jax_jit(case, outer, options):
     note(repr(case))  # the failing program, as source
     if outer == "jit":
+
         def through(f, args):
             return jax.jit(f)(*args)
     elif outer == "vmap":
+
         def through(f, args):
             batched = jax.tree_util.tree_map(lambda x: jnp.stack([x, _second_batch_row(x)]), args)
             return jax.vmap(f)(*batched)
@@ -111,11 +126,14 @@ def test_random_programs_compose_with_outer_transformations_like_jax_jit(case, o
             if argnums is None:  # nothing to differentiate: the value of the loss then
                 return _loss(f)(*args)
             return jax.grad(_loss(f), argnums=argnums)(*args)
+
     check_program(case, through=through, **options)
 
 
 @fuzz_settings
-@given(fuzz_cases(max_ops=4), st.sampled_from(["jit", "vmap", "grad"]), st.sampled_from(OPTION_SETS))
+@given(
+    fuzz_cases(max_ops=4), st.sampled_from(["jit", "vmap", "grad"]), st.sampled_from(OPTION_SETS)
+)
 def test_random_programs_closing_over_outer_tracers_match_jax_jit(case, outer, options):
     """The optimized function is built inside an outer transformation and closes over its first
     argument, a tracer of that transformation (as a model's forward closing over parameters)."""
@@ -198,7 +216,8 @@ def test_generated_programs_type_check_as_declared(pa):
     """The builder's avals are the program's: each parameter gets arrays of its declared aval."""
     program, args = pa
     shapes = jax.tree_util.tree_map(lambda x: (x.shape, jnp.dtype(x.dtype).name), args)
-    declared = jax.tree_util.tree_map(lambda a: (a.shape, a.dtype), program.in_avals,
-                                      is_leaf=lambda x: isinstance(x, _fuzz.Aval))
+    declared = jax.tree_util.tree_map(
+        lambda a: (a.shape, a.dtype), program.in_avals, is_leaf=lambda x: isinstance(x, _fuzz.Aval)
+    )
     assert shapes == declared
     jax.eval_shape(program.function(), *args)

@@ -88,14 +88,19 @@ def _checks() -> dict[str, str | None]:
         def bodies(closed):
             from autoopt._jaxpr import iter_eqns
 
-            return [str(s.eqn.params["jaxpr"]) for s in iter_eqns(closed)
-                    if s.eqn.primitive.name == "shard_map"]
+            return [
+                str(s.eqn.params["jaxpr"])
+                for s in iter_eqns(closed)
+                if s.eqn.primitive.name == "shard_map"
+            ]
 
         assert bodies(inspection.optimized) == bodies(inspection.traced) != []
 
     def check_prefetch_splits_each_batch_across_the_mesh():
-        batches = [{"x": np.full((64, 4), i, np.float32), "y": np.arange(64, dtype=np.int32)}
-                   for i in range(3)]
+        batches = [
+            {"x": np.full((64, 4), i, np.float32), "y": np.arange(64, dtype=np.int32)}
+            for i in range(3)
+        ]
         got = list(autoopt.prefetch(iter(batches), sharding=rows))
         for i, b in enumerate(got):
             for leaf in (b["x"], b["y"]):
@@ -112,8 +117,13 @@ def _checks() -> dict[str, str | None]:
             return w - 0.1 * jax.grad(loss)(w, batch)
 
         rng = np.random.default_rng(0)
-        batches = [{"x": rng.standard_normal((64, 4)).astype(np.float32),
-                    "y": rng.standard_normal(64).astype(np.float32)} for _ in range(4)]
+        batches = [
+            {
+                "x": rng.standard_normal((64, 4)).astype(np.float32),
+                "y": rng.standard_normal(64).astype(np.float32),
+            }
+            for _ in range(4)
+        ]
         w_ref = jax.device_put(np.zeros(4, np.float32), replicated)
         for b in batches:
             w_ref = jax.jit(step)(w_ref, jax.device_put(b, rows))
@@ -144,9 +154,9 @@ def _checks() -> dict[str, str | None]:
         if name.startswith("check_"):
             try:
                 check()
-                results[name[len("check_"):]] = None
+                results[name[len("check_") :]] = None
             except Exception:  # noqa: BLE001 - reported to the parent test
-                results[name[len("check_"):]] = traceback.format_exc()
+                results[name[len("check_") :]] = traceback.format_exc()
     return results
 
 
@@ -156,24 +166,30 @@ def _checks() -> dict[str, str | None]:
 @pytest.fixture(scope="module")
 def results() -> dict:
     env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
     env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_MARK)]
     assert lines, f"the 8-device subprocess failed:\n{proc.stdout}\n{proc.stderr}"
-    return json.loads(lines[-1][len(_MARK):])
+    return json.loads(lines[-1][len(_MARK) :])
 
 
-@pytest.mark.parametrize("name", [
-    "sharded_arguments_give_jits_values_and_output_shardings",
-    "out_shardings_pass_through",
-    "sharded_argument_is_donated_when_rebound",
-    "shard_map_bodies_are_left_untouched",
-    "prefetch_splits_each_batch_across_the_mesh",
-    "data_parallel_training_loop_matches_jax_jit",
-    "numpy_batches_and_read_only_tables_with_sharded_state",
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "sharded_arguments_give_jits_values_and_output_shardings",
+        "out_shardings_pass_through",
+        "sharded_argument_is_donated_when_rebound",
+        "shard_map_bodies_are_left_untouched",
+        "prefetch_splits_each_batch_across_the_mesh",
+        "data_parallel_training_loop_matches_jax_jit",
+        "numpy_batches_and_read_only_tables_with_sharded_state",
+    ],
+)
 def test_on_eight_devices(results, name):
     assert name in results, f"check {name} did not run; ran {sorted(results)}"
     assert results[name] is None, results[name]

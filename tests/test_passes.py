@@ -30,9 +30,17 @@ def _check_toy_level(level):
 
 def toy(closed, ctx):
     n = len(closed.jaxpr.eqns)
-    return PassResult.unchanged(closed, [Finding(
-        "toy", applied=False, location=ctx.fn_location,
-        message=f"toy counted {n} equations at level {ctx.options.toy_level}")])
+    return PassResult.unchanged(
+        closed,
+        [
+            Finding(
+                "toy",
+                applied=False,
+                location=ctx.fn_location,
+                message=f"toy counted {n} equations at level {ctx.options.toy_level}",
+            )
+        ],
+    )
 
 
 def toy_section(report, console):
@@ -127,8 +135,10 @@ def test_constraints_that_make_a_cycle_are_refused_naming_the_passes():
 
 
 def test_a_constraint_on_an_unknown_pass_is_refused_naming_both():
-    with pytest.raises(ValueError, match="pass 'toy' is ordered relative to 'scater_to_dus', which "
-                                         "is not a registered pass"):
+    with pytest.raises(
+        ValueError,
+        match="pass 'toy' is ordered relative to 'scater_to_dus', which is not a registered pass",
+    ):
         passes.register(Pass(name="toy", run=toy, after=("scater_to_dus",)))
     assert "toy" not in registered_pass_names()
 
@@ -136,9 +146,13 @@ def test_a_constraint_on_an_unknown_pass_is_refused_naming_both():
 def test_a_pass_cannot_take_a_name_or_an_option_another_already_has():
     with pytest.raises(ValueError, match="a pass named 'remat' is already registered"):
         passes.register(Pass(name="remat", run=toy))
-    with pytest.raises(ValueError, match="option 'memory_budget', which pass 'remat' already declares"):
+    with pytest.raises(
+        ValueError, match="option 'memory_budget', which pass 'remat' already declares"
+    ):
         passes.register(Pass(name="toy", run=toy, options=(Option("memory_budget"),)))
-    with pytest.raises(ValueError, match="option 'fallback', which is optimize\\(\\)'s own keyword"):
+    with pytest.raises(
+        ValueError, match="option 'fallback', which is optimize\\(\\)'s own keyword"
+    ):
         passes.register(Pass(name="toy", run=toy, options=(Option("fallback"),)))
     assert registered_pass_names() == BUILTIN_ORDER
 

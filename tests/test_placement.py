@@ -73,13 +73,21 @@ def test_many_numpy_leaves_cost_one_implicit_transfer_instead_of_one_each(capfd)
 
 
 def test_one_packed_buffer_per_dtype(capfd):
-    feats = {"a": np.ones((4, 4), np.float32), "b": np.arange(16, dtype=np.float32).reshape(4, 4),
-             "i": np.arange(6, dtype=np.int32), "j": np.full(3, 7, np.int32),
-             "m": np.array([True, False, True]), "n": np.zeros(2, bool)}
+    feats = {
+        "a": np.ones((4, 4), np.float32),
+        "b": np.arange(16, dtype=np.float32).reshape(4, 4),
+        "i": np.arange(6, dtype=np.int32),
+        "j": np.full(3, 7, np.int32),
+        "m": np.array([True, False, True]),
+        "n": np.zeros(2, bool),
+    }
 
     def f(feats):
-        return (feats["a"] + feats["b"]).sum(), feats["i"].sum() * feats["j"].sum(), \
-            feats["m"] & feats["n"][0]
+        return (
+            (feats["a"] + feats["b"]).sum(),
+            feats["i"].sum() * feats["j"].sum(),
+            feats["m"] & feats["n"][0],
+        )
 
     opt = autoopt.optimize(f, placement="pack", fallback="raise")
     assert_trees_equivalent(jax.jit(f)(feats), opt(feats))
@@ -101,10 +109,17 @@ def test_pooled_host_buffers_are_never_overwritten_under_a_running_step():
 
 def test_strided_zero_dim_and_scalar_numpy_leaves_keep_their_values():
     base = np.arange(64, dtype=np.float32).reshape(8, 8)
-    args = {"t": base.T, "s": base[::2, 1::3], "z": np.array(3.5, np.float32),
-            "g": np.float32(2.0), "k": np.int32(4), "py": 1.5,
-            "u": np.frombuffer(b"\x00" + np.arange(8, dtype=np.float32).tobytes(), np.float32,
-                               offset=0, count=2)}
+    args = {
+        "t": base.T,
+        "s": base[::2, 1::3],
+        "z": np.array(3.5, np.float32),
+        "g": np.float32(2.0),
+        "k": np.int32(4),
+        "py": 1.5,
+        "u": np.frombuffer(
+            b"\x00" + np.arange(8, dtype=np.float32).tobytes(), np.float32, offset=0, count=2
+        ),
+    }
 
     def f(a):
         return a["t"] @ a["t"], a["s"] * a["z"] + a["g"], a["k"] * 2, a["py"] * a["s"], a["u"]
@@ -162,8 +177,9 @@ def test_packed_inputs_compose_with_grad_vmap_and_disable_jit(placement):
     opt = autoopt.optimize(_step, placement=placement, fallback="raise")
     assert_trees_equivalent(jax.grad(jax.jit(_step))(w, feats), jax.grad(opt)(w, feats))
     ws = jnp.stack([w, 2 * w])
-    assert_trees_equivalent(jax.vmap(jax.jit(_step), (0, None))(ws, feats),
-                            jax.vmap(opt, (0, None))(ws, feats))
+    assert_trees_equivalent(
+        jax.vmap(jax.jit(_step), (0, None))(ws, feats), jax.vmap(opt, (0, None))(ws, feats)
+    )
     with jax.disable_jit():
         got = opt(w, feats)
     assert_trees_equivalent(jax.jit(_step)(w, feats), got)
@@ -211,6 +227,7 @@ def test_device_only_calls_are_scanned_only_while_watching_then_sampled():
 def _tune_with(monkeypatch, opt, args, jit_s, pack_s):
     """Run ``opt`` through its tuning calls with fake timings (seconds a call a strategy),
     checking every call's values against jax.jit."""
+
     def fake(trial, out, t0):
         layout, strategy, pos = trial
         if pos == _packing._TUNE_RUN - 1:  # the end of a run
@@ -267,17 +284,20 @@ def test_fast_path_rechecks_shapes_dtypes_and_flags_of_a_remembered_feed():
 
     opt = autoopt.optimize(f, placement="pack", fallback="raise")
     rng = np.random.default_rng(0)
-    calls = [[rng.standard_normal((4, 4)).astype(np.float32) for _ in range(6)],
-             [rng.standard_normal((2, 8)).astype(np.float32) for _ in range(6)],  # same sizes
-             [rng.standard_normal((4, 4)).astype(np.float64) for _ in range(6)],
-             [jnp.ones((4, 4))] + [rng.standard_normal((4, 4)).astype(np.float32)
-                                    for _ in range(5)]]
+    calls = [
+        [rng.standard_normal((4, 4)).astype(np.float32) for _ in range(6)],
+        [rng.standard_normal((2, 8)).astype(np.float32) for _ in range(6)],  # same sizes
+        [rng.standard_normal((4, 4)).astype(np.float64) for _ in range(6)],
+        [jnp.ones((4, 4))] + [rng.standard_normal((4, 4)).astype(np.float32) for _ in range(5)],
+    ]
     ro = [rng.standard_normal((4, 4)).astype(np.float32) for _ in range(6)]
     ro[0].flags.writeable = False
     calls.append(ro)
     for feats in calls + calls:
         assert_trees_equivalent(jax.jit(f)(feats), opt(feats), exact=True)
-    assert opt.inspect(ro).placement.stats.cached == 2  # the read-only leaf, served from the constant cache
+    assert (
+        opt.inspect(ro).placement.stats.cached == 2
+    )  # the read-only leaf, served from the constant cache
 
 
 def test_constant_served_by_the_fast_path_is_placed_again_after_explicit_donation():
@@ -290,18 +310,27 @@ def test_constant_served_by_the_fast_path_is_placed_again_after_explicit_donatio
     assert_trees_equivalent(jax.jit(lambda t, x: t @ x)(t, x), opt(t, x))
 
 
-@given(st.lists(st.tuples(st.sampled_from(["float32", "int32", "bool", "float16", "uint8"]),
-                          st.lists(st.integers(1, 4), min_size=0, max_size=3)),
-                min_size=1, max_size=8))
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["float32", "int32", "bool", "float16", "uint8"]),
+            st.lists(st.integers(1, 4), min_size=0, max_size=3),
+        ),
+        min_size=1,
+        max_size=8,
+    )
+)
 def test_packing_preserves_every_leaf_of_any_numpy_pytree(specs):
     rng = np.random.default_rng(len(specs))
     leaves = [(rng.standard_normal(shape) * 10).astype(dtype) for dtype, shape in specs]
-    tree = {"xs": leaves[: len(leaves) // 2], "ys": tuple(leaves[len(leaves) // 2:])}
+    tree = {"xs": leaves[: len(leaves) // 2], "ys": tuple(leaves[len(leaves) // 2 :])}
 
     def f(tree):
         return jax.tree_util.tree_map(lambda v: v, tree)
 
-    assert_trees_equivalent(jax.jit(f)(tree), autoopt.optimize(f, fallback="raise")(tree), exact=True)
+    assert_trees_equivalent(
+        jax.jit(f)(tree), autoopt.optimize(f, fallback="raise")(tree), exact=True
+    )
 
 
 # --- host constants -----------------------------------------------------------------------------------
@@ -430,7 +459,9 @@ def test_read_only_arguments_under_grad_and_an_outer_jit_never_cache_a_tracer():
     assert_trees_equivalent(jax.jit(f)(w, table), jax.jit(lambda w: opt(w, table))(w))
     assert_trees_equivalent(jax.jit(f)(w, table), opt(w, table))
     assert (id(table), None) in _host_constants.CONSTANTS
-    assert not any(isinstance(e.device, jax.core.Tracer) for e in _host_constants.CONSTANTS.values())
+    assert not any(
+        isinstance(e.device, jax.core.Tracer) for e in _host_constants.CONSTANTS.values()
+    )
 
 
 def test_a_cached_copy_donated_through_explicit_donate_argnums_is_placed_again():
@@ -507,7 +538,9 @@ def test_large_closed_over_constant_is_reported_at_its_line():
         return x @ big  # closed-over use
 
     report = autoopt.explain(f, jnp.ones((2, 1024)))
-    found = [f for f in report.by_kind("placement") if f.details.get("strategy") == "closed_constant"]
+    found = [
+        f for f in report.by_kind("placement") if f.details.get("strategy") == "closed_constant"
+    ]
     assert found and found[0].location.endswith(f":{_line_of('# closed-over use')}")
 
 
@@ -533,8 +566,11 @@ def test_large_closed_over_constant_is_passed_as_a_device_argument_not_embedded(
     assert hoisted is not None and len(hoisted.devs) == 1
     assert _hlo_chars(opt, x, _autoopt_hoisted=hoisted) < 100_000  # the program, not the data
     assert _hlo_chars(autoopt.optimize(f, placement="off"), x) > 4_000_000  # embedded as before
-    found = [f for f in autoopt.explain(f, x).by_kind("placement")
-             if f.details.get("strategy") == "closed_constant"]
+    found = [
+        f
+        for f in autoopt.explain(f, x).by_kind("placement")
+        if f.details.get("strategy") == "closed_constant"
+    ]
     assert found and found[0].applied
 
 
@@ -566,8 +602,9 @@ def test_hoisted_constants_compose_with_grad_vmap_disable_jit_and_donation(caplo
             got = opt_step(got)
     assert_trees_equivalent(ref, got)
     assert opt_step.inspect(got).placement.hoisted is not None
-    assert sum("Finished XLA compilation of jit(step)" in r.getMessage()
-               for r in caplog.records) == 1
+    assert (
+        sum("Finished XLA compilation of jit(step)" in r.getMessage() for r in caplog.records) == 1
+    )
 
 
 # --- the transfer guard --------------------------------------------------------------------------------

@@ -17,8 +17,11 @@ from autoopt.testing import assert_trees_equivalent
 
 def _batches(n, leaves=3, shape=(4, 5)):
     for i in range(n):
-        yield {"x": [np.full(shape, i + j, np.float32) for j in range(leaves)],
-               "y": np.arange(shape[0], dtype=np.int32) + i, "step": i}
+        yield {
+            "x": [np.full(shape, i + j, np.float32) for j in range(leaves)],
+            "y": np.arange(shape[0], dtype=np.int32) + i,
+            "step": i,
+        }
 
 
 def _wait_until(pred, timeout=5.0) -> bool:
@@ -39,8 +42,11 @@ def test_batches_arrive_in_order_on_the_device_with_the_same_values():
         assert_trees_equivalent(expected, b, exact=True)
 
 
-@pytest.mark.parametrize("leaves,shape", [(1, (16,)), (40, (8,)), (3, (64, 64))],
-                         ids=["one_leaf", "many_tiny_leaves_packed", "few_large_leaves"])
+@pytest.mark.parametrize(
+    "leaves,shape",
+    [(1, (16,)), (40, (8,)), (3, (64, 64))],
+    ids=["one_leaf", "many_tiny_leaves_packed", "few_large_leaves"],
+)
 def test_every_placement_strategy_keeps_values(leaves, shape):
     src = list(_batches(3, leaves=leaves, shape=shape))
     got = list(autoopt.prefetch(iter(src), size=1))

@@ -18,8 +18,9 @@ L, N, D = 6, 2048, 64  # 512 KiB per activation, ~6 MiB of residuals
 
 def _params(layers=L, d=D, seed=0):
     k = jax.random.split(jax.random.key(seed), layers + 1)
-    return [jax.random.normal(k[i], (d, d)) / jnp.sqrt(d) for i in range(layers)], \
-        jax.random.normal(k[-1], (N, d))
+    return [
+        jax.random.normal(k[i], (d, d)) / jnp.sqrt(d) for i in range(layers)
+    ], jax.random.normal(k[-1], (N, d))
 
 
 def mlp_loss(ws, x):
@@ -47,8 +48,13 @@ def block_loss(ps, x):
 
 def _blocks(layers=3, d=64):
     k = jax.random.split(jax.random.key(1), 2 * layers + 1)
-    ps = [(jax.random.normal(k[2 * i], (d, 4 * d)) / 8, jax.random.normal(k[2 * i + 1], (4 * d, d)) / 16)
-          for i in range(layers)]
+    ps = [
+        (
+            jax.random.normal(k[2 * i], (d, 4 * d)) / 8,
+            jax.random.normal(k[2 * i + 1], (4 * d, d)) / 16,
+        )
+        for i in range(layers)
+    ]
     return ps, jax.random.normal(k[-1], (1024, d))
 
 
@@ -66,7 +72,8 @@ def _planned(fn, *args, exact=False, default=False, **opts):
     jax.extend.core.check_jaxpr(result.jaxpr.jaxpr)
     flags = CPU_FLAGS if jax.default_backend() == "cpu" and not default else None
     got = jax.jit(jax.extend.core.jaxpr_as_fun(result.jaxpr), compiler_options=flags)(
-        *jax.tree_util.tree_leaves(args))
+        *jax.tree_util.tree_leaves(args)
+    )
     expected = jax.tree_util.tree_leaves(jax.jit(fn)(*args))
     assert_trees_equivalent(expected, list(got), exact=exact, what=f"remat of {fn.__name__}")
     return list(result.findings)
@@ -74,8 +81,12 @@ def _planned(fn, *args, exact=False, default=False, **opts):
 
 def _peak(fn, *args):
     m = fn.lower(*args).compile().memory_analysis()
-    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-            - m.alias_size_in_bytes)
+    return (
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        + m.temp_size_in_bytes
+        - m.alias_size_in_bytes
+    )
 
 
 # On XLA:CPU, remat plans built on optimization barriers only survive with this compile option,
@@ -85,11 +96,13 @@ OPT_IN = {"compiler_options": CPU_FLAGS} if jax.default_backend() == "cpu" else 
 
 
 def _ctx(default=False, **opts):
-    return PassContext(options=make_options(**({} if default else OPT_IN), **opts),
-                       backend=jax.default_backend())
+    return PassContext(
+        options=make_options(**({} if default else OPT_IN), **opts), backend=jax.default_backend()
+    )
 
 
 # --- the backend flag ----------------------------------------------------------------------------
+
 
 def test_cpu_flag_compiles_programs_without_barriers_to_the_same_hlo():
     if jax.default_backend() != "cpu":
@@ -119,6 +132,7 @@ def test_fence_is_a_conditional_on_cpu_by_default_and_a_barrier_with_the_flag_or
 
 # --- XLA:CPU by default: recomputation inside conditionals ----------------------------------------
 
+
 def _cpu_only():
     if jax.default_backend() != "cpu":
         pytest.skip("the default XLA:CPU mechanism")
@@ -142,15 +156,18 @@ def test_cpu_default_training_step_drops_compiled_memory_with_equal_gradients():
     rows = f.details["recomputed"]
     assert all(r["flops"] > 0 and "test_remat.py" in r["location"] for r in rows)
     assert any("dot_general" in r["primitives"] for r in rows) == (
-        f.details["recomputed_matmuls"] > 0)
+        f.details["recomputed_matmuls"] > 0
+    )
     text = report.render(color=False)
     assert "what the backward recomputes and keeps" in text and "added FLOPs" in text
     # The figure the pass measured is the figure of the program that runs.
     assert _peak(opt, ps, x) <= 0.8 * _peak(jax.jit(step), ps, x)
     assert " conditional(" in opt.lower(ps, x).compile().as_text()
     assert_trees_equivalent(jax.jit(step)(ps, x), opt(ps, x))
-    assert_trees_equivalent(jax.jit(jax.grad(lambda ps: step(ps, x)[0]))(ps),
-                            jax.jit(jax.grad(lambda ps: opt(ps, x)[0]))(ps))
+    assert_trees_equivalent(
+        jax.jit(jax.grad(lambda ps: step(ps, x)[0]))(ps),
+        jax.jit(jax.grad(lambda ps: opt(ps, x)[0]))(ps),
+    )
 
 
 def test_cpu_default_budget_recomputes_matmuls_with_bit_identical_weights():
@@ -195,11 +212,14 @@ def test_cpu_default_conditionals_inside_loops_branches_and_custom_vjp_run_and_m
     opt = autoopt.optimize(train_step, fallback="raise", memory_budget=1, donate="off")
     outer = jax.jit(jax.grad(lambda ws: opt(ws, x)[0]))
     assert_trees_equivalent(jax.jit(jax.grad(lambda ws: train_step(ws, x)[0]))(ws), outer(ws))
-    assert_trees_equivalent(jax.vmap(lambda x: train_step(ws, x)[0])(xs[:, :64]),
-                            jax.vmap(lambda x: opt(ws, x)[0])(xs[:, :64]))
+    assert_trees_equivalent(
+        jax.vmap(lambda x: train_step(ws, x)[0])(xs[:, :64]),
+        jax.vmap(lambda x: opt(ws, x)[0])(xs[:, :64]),
+    )
 
 
 # --- a training step that differentiates inside ---------------------------------------------------
+
 
 def test_budgeted_training_step_gives_bit_identical_gradients():
     ws, x = _params()
@@ -216,7 +236,9 @@ def test_reachable_budget_holds_on_the_compiled_program():
     ws, x = _params()
     before = _peak(jax.jit(train_step, compiler_options=CPU_FLAGS), ws, x)
     budget = int(0.85 * before)
-    opt = autoopt.optimize(train_step, **OPT_IN, fallback="raise", memory_budget=budget, donate="off")
+    opt = autoopt.optimize(
+        train_step, **OPT_IN, fallback="raise", memory_budget=budget, donate="off"
+    )
     (f,) = opt.explain(ws, x).by_kind("remat")
     assert f.applied and "to meet the memory budget" in f.message
     assert _peak(opt, ws, x) <= budget < before
@@ -267,17 +289,26 @@ def test_recomputation_keeps_the_users_source_line():
     closed = jax.make_jaxpr(train_step)(ws, x)
     result = remat(closed, _ctx(memory_budget=1))
     assert result.changed
-    lines = {_remat_plan._jaxpr.user_location(s.eqn) for s in _remat_plan._jaxpr.iter_eqns(result.jaxpr)}
+    lines = {
+        _remat_plan._jaxpr.user_location(s.eqn) for s in _remat_plan._jaxpr.iter_eqns(result.jaxpr)
+    }
     assert any(loc and "test_remat.py" in loc for loc in lines)
 
 
 # --- nothing to gain -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("fn,args", [
-    (lambda x: jnp.sin(x) * 2, (jnp.ones((8, 8)),)),                       # no backward
-    (lambda x: jax.grad(lambda y: jnp.sum(jnp.tanh(y)))(x), (jnp.ones((8, 8)),)),  # tiny residuals
-    (lambda i: i * 3 + 1, (jnp.arange(4),)),                                # integers only
-])
+
+@pytest.mark.parametrize(
+    "fn,args",
+    [
+        (lambda x: jnp.sin(x) * 2, (jnp.ones((8, 8)),)),  # no backward
+        (
+            lambda x: jax.grad(lambda y: jnp.sum(jnp.tanh(y)))(x),
+            (jnp.ones((8, 8)),),
+        ),  # tiny residuals
+        (lambda i: i * 3 + 1, (jnp.arange(4),)),  # integers only
+    ],
+)
 def test_program_with_nothing_to_gain_is_left_identical(fn, args):
     closed = jax.make_jaxpr(fn)(*args)
     result = remat(closed, _ctx())
@@ -313,6 +344,7 @@ def test_remat_off_leaves_the_program_alone():
 
 # --- a forward the user differentiates -------------------------------------------------------------
 
+
 def test_grad_of_optimized_forward_matches_and_forward_is_unchanged():
     ws, x = _params()
     opt = autoopt.optimize(mlp_loss, **OPT_IN, fallback="raise", memory_budget=1)
@@ -327,8 +359,9 @@ def test_optimized_forward_composes_under_outer_jit_and_vmap():
     opt = autoopt.optimize(mlp_loss, **OPT_IN, fallback="raise", memory_budget=1)
     assert_trees_equivalent(jax.jit(jax.grad(mlp_loss))(ws, x), jax.jit(jax.grad(opt))(ws, x))
     xs = jnp.stack([x[:8], x[8:16]])
-    assert_trees_equivalent(jax.vmap(lambda x: mlp_loss(ws, x))(xs),
-                            jax.vmap(lambda x: opt(ws, x))(xs))
+    assert_trees_equivalent(
+        jax.vmap(lambda x: mlp_loss(ws, x))(xs), jax.vmap(lambda x: opt(ws, x))(xs)
+    )
 
 
 def test_scan_bodies_are_checkpointed_for_a_differentiated_scan():
@@ -350,8 +383,11 @@ def _residual_bytes(f, *args):
     """Bytes an eager ``jax.vjp`` of ``f`` keeps alive between the forward and the backward."""
     _, pullback = jax.vjp(f, *args)
     mine = {id(a) for a in jax.tree_util.tree_leaves(args)}
-    return sum(r.nbytes for r in jax.tree_util.tree_leaves(pullback)
-               if hasattr(r, "nbytes") and id(r) not in mine)
+    return sum(
+        r.nbytes
+        for r in jax.tree_util.tree_leaves(pullback)
+        if hasattr(r, "nbytes") and id(r) not in mine
+    )
 
 
 def test_eager_grad_of_an_optimized_forward_keeps_fewer_residuals_and_equal_gradients():
@@ -401,6 +437,7 @@ def test_a_training_step_stops_watching_for_eager_autodiff_after_its_first_call(
 
 # --- loops, branches, custom_vjp, stop_gradient ---------------------------------------------------
 
+
 def test_scan_inside_a_training_step_recomputes_its_body_in_the_backward_scan():
     w = jax.random.normal(jax.random.key(2), (8, D, D)) / jnp.sqrt(D)
     x = jax.random.normal(jax.random.key(3), (N, D))
@@ -441,8 +478,10 @@ def test_training_step_inside_while_and_cond_keeps_values():
     assert fs and fs[0].applied and "while body" in fs[0].message
     fs = _planned(branch, ws, x, jnp.bool_(True), memory_budget=1)
     assert fs and fs[0].applied and "cond body" in fs[0].message
-    assert_trees_equivalent(jax.jit(branch)(ws, x, False),
-                            autoopt.optimize(branch, **OPT_IN, memory_budget=1)(ws, x, False))
+    assert_trees_equivalent(
+        jax.jit(branch)(ws, x, False),
+        autoopt.optimize(branch, **OPT_IN, memory_budget=1)(ws, x, False),
+    )
 
 
 @jax.custom_vjp
@@ -497,8 +536,10 @@ def test_rewrite_of_a_rewritten_program_still_type_checks_and_matches():
 
 # --- choosing among candidates (no compiles: a table of measured figures) ---------------------
 
+
 def _cand(name, est_peak, est_flops=0.0, heavy=False):
     from autoopt.passes.remat._pass import Candidate
+
     return Candidate(name, lambda: name, est_peak, est_flops, heavy=heavy)
 
 
@@ -509,28 +550,50 @@ def _measure_from(table):
 
     def measure(program):
         peak, flops = table[program]
-        return Measured(CompiledMemory(argument_bytes=0, output_bytes=0, alias_bytes=0,
-                                       temp_bytes=peak), flops, 0.0)
+        return Measured(
+            CompiledMemory(argument_bytes=0, output_bytes=0, alias_bytes=0, temp_bytes=peak),
+            flops,
+            0.0,
+        )
+
     return measure
 
 
 def test_auto_order_falls_back_to_a_plan_without_matmul_recompute():
     from autoopt.passes.remat._pass import _auto_order
-    cands = [_cand("heavy1", 40, heavy=True), _cand("heavy2", 50, heavy=True),
-             _cand("heavy3", 55, heavy=True), _cand("light", 70), _cand("light2", 75),
-             _cand("too costly", 10, est_flops=50.0), _cand("too little", 95)]
-    assert [c.name for c in _auto_order(cands, est_base=100, total_flops=100)] == \
-        ["heavy1", "heavy2", "light"]
+
+    cands = [
+        _cand("heavy1", 40, heavy=True),
+        _cand("heavy2", 50, heavy=True),
+        _cand("heavy3", 55, heavy=True),
+        _cand("light", 70),
+        _cand("light2", 75),
+        _cand("too costly", 10, est_flops=50.0),
+        _cand("too little", 95),
+    ]
+    assert [c.name for c in _auto_order(cands, est_base=100, total_flops=100)] == [
+        "heavy1",
+        "heavy2",
+        "light",
+    ]
     # A light plan among the two best: nothing more is compiled.
     cands[1] = _cand("light0", 50)
-    assert [c.name for c in _auto_order(cands, est_base=100, total_flops=100)] == ["heavy1", "light0"]
+    assert [c.name for c in _auto_order(cands, est_base=100, total_flops=100)] == [
+        "heavy1",
+        "light0",
+    ]
 
 
 def test_rule_takes_the_fallback_when_the_heavy_plans_cost_more_flops_than_estimated():
     from autoopt.passes.remat._pass import _auto_order, _choose
+
     cands = [_cand("heavy1", 40, heavy=True), _cand("heavy2", 50, heavy=True), _cand("light", 70)]
-    table = {"base": (100, 100.0), "heavy1": (45, 120.0), "heavy2": (50, 111.0),
-             "light": (75, 101.0)}
+    table = {
+        "base": (100, 100.0),
+        "heavy1": (45, 120.0),
+        "heavy2": (50, 111.0),
+        "light": (75, 101.0),
+    }
     dec = _choose(_auto_order(cands, 100, 100.0), cands, _measure_from(table), "base", None)
     assert dec.chosen.name == "light" and dec.reason == "rule"
     assert [n for n, _ in dec.tried] == ["heavy1", "heavy2", "light"]
@@ -538,14 +601,28 @@ def test_rule_takes_the_fallback_when_the_heavy_plans_cost_more_flops_than_estim
 
 def test_budget_floor_compiles_more_than_the_lowest_estimate():
     from autoopt.passes.remat._pass import _choose, _lowest_estimates, _pareto
-    cands = [_cand("a", 90, 1.0), _cand("b", 70, 2.0), _cand("c", 60, 3.0),
-             _cand("seg", 65, 5.0), _cand("d", 61, 4.0), _cand("far", 80, 6.0)]
+
+    cands = [
+        _cand("a", 90, 1.0),
+        _cand("b", 70, 2.0),
+        _cand("c", 60, 3.0),
+        _cand("seg", 65, 5.0),
+        _cand("d", 61, 4.0),
+        _cand("far", 80, 6.0),
+    ]
     front = _pareto(cands)
     assert [c.name for c in front] == ["a", "b", "c"]
     lowest = _lowest_estimates(cands)
     assert [c.name for c in lowest][:3] == ["c", "d", "seg"]
-    table = {"base": (100, 10.0), "a": (95, 11.0), "b": (80, 12.0), "c": (70, 13.0),
-             "d": (70, 14.0), "seg": (62, 15.0), "far": (50, 16.0)}
+    table = {
+        "base": (100, 10.0),
+        "a": (95, 11.0),
+        "b": (80, 12.0),
+        "c": (70, 13.0),
+        "d": (70, 14.0),
+        "seg": (62, 15.0),
+        "far": (50, 16.0),
+    }
     # The budget cannot be met: the floor is the lowest compiled peak, found off the front.
     dec = _choose([], front, _measure_from(table), "base", 50, floor_extra=lowest)
     assert dec.reason == "floor" and dec.chosen.name == "seg" and dec.floor == 62
@@ -569,6 +646,7 @@ def test_decreasing_segments_shrink_by_one_fine_segment_and_cover_the_forward():
 
 def test_a_generous_budget_keeps_the_plan_the_rule_would_apply():
     from autoopt.passes.remat._pass import _choose
+
     rule_plan, cheap = _cand("rule plan", 45, 0.5, heavy=True), _cand("cheap", 75, 0.0)
     table = {"base": (100, 10.0), "rule plan": (45, 10.5), "cheap": (75, 9.9)}
     measure = _measure_from(table)

@@ -31,12 +31,23 @@ def step(state, i, row):
 
 
 def test_findings_of_each_kind_render_with_their_lines_and_savings():
-    findings = [Finding(kind, applied=(k % 2 == 0), message=f"{kind} message", location=f"{HERE}:{10 + k}",
-                        bytes_saved=(k + 1) * 2**20, transfers_avoided=k or None)
-                for k, kind in enumerate(KINDS)]
+    findings = [
+        Finding(
+            kind,
+            applied=(k % 2 == 0),
+            message=f"{kind} message",
+            location=f"{HERE}:{10 + k}",
+            bytes_saved=(k + 1) * 2**20,
+            transfers_avoided=k or None,
+        )
+        for k, kind in enumerate(KINDS)
+    ]
     text = Report(findings=findings, function="step").render(color=False)
-    rows = {line.split()[0]: line for line in text.splitlines()
-            if line.split()[:1] and line.split()[0] in KINDS}
+    rows = {
+        line.split()[0]: line
+        for line in text.splitlines()
+        if line.split()[:1] and line.split()[0] in KINDS
+    }
     assert set(rows) == set(KINDS)
     # Applied findings first.
     assert [r.split()[0] for r in rows.values()] == [KINDS[k] for k in (0, 2, 4, 1, 3)]
@@ -114,8 +125,13 @@ def test_piped_output_has_no_colour_codes():
             return s.at[i].set(r) * 2.0
         print(autoopt.explain(step, jnp.zeros((8, 4)), 3, jnp.ones(4)))
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, env={**os.environ, "FORCE_COLOR": "1"})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "FORCE_COLOR": "1"},
+    )
     assert out.returncode == 0, out.stderr
     assert "autoopt report for step" in out.stdout and ANSI not in out.stdout
 

@@ -36,8 +36,11 @@ def run_pass(fn, *args):
 
 def remaining(closed, prims=SCATTERS) -> list:
     """Equations of ``prims`` anywhere in ``closed`` (the pass's own guarded fallbacks aside)."""
-    return [s.eqn for s in _jaxpr.iter_eqns(closed) if s.eqn.primitive in prims
-            and _FALLBACK_SCOPE not in str(s.eqn.source_info.name_stack)]
+    return [
+        s.eqn
+        for s in _jaxpr.iter_eqns(closed)
+        if s.eqn.primitive in prims and _FALLBACK_SCOPE not in str(s.eqn.source_info.name_stack)
+    ]
 
 
 def count(closed, name: str) -> int:
@@ -77,7 +80,8 @@ def nest(kind: str, body):
         return lambda x, i: lax.scan(lambda c, _: (body(c, i), None), x, None, length=2)[0]
     if kind == "while":
         return lambda x, i: lax.while_loop(
-            lambda c: c[0] < 2, lambda c: (c[0] + 1, body(c[1], i)), (0, x))[1]
+            lambda c: c[0] < 2, lambda c: (c[0] + 1, body(c[1], i)), (0, x)
+        )[1]
     if kind == "custom_jvp":
         f = jax.custom_jvp(body, nondiff_argnums=(1,))
         f.defjvp(lambda i, p, t: (body(p[0], i), t[0]))
@@ -100,8 +104,12 @@ def test_single_window_update_matches_jit_bit_for_bit(data):
     where = data.draw(st.sampled_from(["row", "col", "elem"]), "where")
     lim = {"row": n, "col": m, "elem": n}[where]
     # promise_in_bounds: the caller promises; out-of-bounds results are implementation-defined.
-    i = data.draw(st.integers(-lim, lim - 1) if mode == "promise_in_bounds"
-                  else st.integers(-2 * lim - 2, 2 * lim + 2), "index")
+    i = data.draw(
+        st.integers(-lim, lim - 1)
+        if mode == "promise_in_bounds"
+        else st.integers(-2 * lim - 2, 2 * lim + 2),
+        "index",
+    )
     static = data.draw(st.booleans(), "static index")
     kind = data.draw(st.sampled_from(NESTINGS), "nesting")
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), "seed"))
@@ -128,8 +136,12 @@ def test_negative_index_is_normalized_exactly_once():
         # A CLIP gather becomes a bare dynamic_slice: -5 is -1 after jnp's normalization, which
         # clamps to row 0; normalizing again would read row 3.
         assert_exact(lambda x, i: x.at[i].get(mode="clip"), x, i)
-    got = autoopt.optimize(lambda x, i: x.at[i].get(mode="clip"), passes=["scatter_to_dus"],
-                           fallback="raise", donate="off")(x, -5)
+    got = autoopt.optimize(
+        lambda x, i: x.at[i].get(mode="clip"),
+        passes=["scatter_to_dus"],
+        fallback="raise",
+        donate="off",
+    )(x, -5)
     np.testing.assert_array_equal(got, x[0])
 
 
@@ -208,7 +220,8 @@ def test_contiguous_block_update_matches_jit_bit_for_bit(data):
     else:
         trips = n // k
         fn = lambda x, i: lax.fori_loop(  # noqa: E731
-            0, trips, lambda t, c: update(c, t * k + jnp.arange(k), blk), x)
+            0, trips, lambda t, c: update(c, t * k + jnp.arange(k), blk), x
+        )
     assert_exact(fn, x, i)
     _, result = run_pass(fn, x, i)
     left = remaining(result.jaxpr)
@@ -253,13 +266,16 @@ def test_fori_loop_fill_becomes_a_bare_dus():
     assert f.applied and f.details["guard"] == "none" and "range analysis" in f.message
 
 
-@pytest.mark.parametrize("index", [
-    lambda i, n: i % n,
-    lambda i, n: jnp.clip(i, 0, n - 1),
-    lambda i, n: jnp.minimum(jnp.maximum(i, 0), n - 1),
-    lambda i, n: n - 1 - i % n,
-    lambda i, n: jnp.where(i < 0, 0, jnp.where(i >= n, n - 1, i)),
-])
+@pytest.mark.parametrize(
+    "index",
+    [
+        lambda i, n: i % n,
+        lambda i, n: jnp.clip(i, 0, n - 1),
+        lambda i, n: jnp.minimum(jnp.maximum(i, 0), n - 1),
+        lambda i, n: n - 1 - i % n,
+        lambda i, n: jnp.where(i < 0, 0, jnp.where(i >= n, n - 1, i)),
+    ],
+)
 def test_range_analysis_proves_common_index_idioms(index):
     x, row = jnp.zeros((8, 3)), jnp.ones(3)
     fn = lambda x, i: x.at[index(i, 8)].set(row)  # noqa: E731
@@ -318,8 +334,9 @@ def test_scatters_in_every_kind_of_body_are_gone():
     def fn(x, i):
         x = jax.jit(lambda b: b.at[i].set(row))(x)
         x = lax.scan(lambda b, t: (b.at[t].max(row * t), None), x, jnp.arange(8))[0]
-        x = lax.while_loop(lambda c: c[0] < 8, lambda c: (c[0] + 1, c[1].at[c[0]].add(1.0)),
-                           (0, x))[1]
+        x = lax.while_loop(
+            lambda c: c[0] < 8, lambda c: (c[0] + 1, c[1].at[c[0]].add(1.0)), (0, x)
+        )[1]
         x = lax.cond(i > 2, lambda b: b.at[i].multiply(2.0), lambda b: b, x)
         x = jax.checkpoint(lambda b: b.at[i].min(row))(x)
         x = cv(x, i)
@@ -354,7 +371,8 @@ def test_window_gather_matches_jit_bit_for_bit(data):
 
     if in_loop:
         fn = lambda x, i: lax.fori_loop(  # noqa: E731
-            0, 3, lambda t, acc: acc + read(x, t + i).astype(jnp.float32).sum(), 0.0)
+            0, 3, lambda t, acc: acc + read(x, t + i).astype(jnp.float32).sum(), 0.0
+        )
     else:
         fn = read
     assert_exact(fn, x, i)
@@ -395,11 +413,14 @@ def test_rewrite_is_idempotent(fn, args):
     _jaxpr.check(once.jaxpr)
 
 
-@pytest.mark.parametrize("fn", [
-    lambda x, i: x * 2.0 + i,
-    lambda x, i: jnp.take(x, jnp.array([3, 1]), axis=0),
-    lambda x, i: jax.vmap(lambda r, j: r.at[j].set(0.0))(x, jnp.arange(8) % 4),
-])
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x, i: x * 2.0 + i,
+        lambda x, i: jnp.take(x, jnp.array([3, 1]), axis=0),
+        lambda x, i: jax.vmap(lambda r, j: r.at[j].set(0.0))(x, jnp.arange(8) % 4),
+    ],
+)
 def test_nothing_to_do_returns_the_same_jaxpr(fn):
     closed, result = run_pass(fn, jnp.ones((8, 4)), 3)
     assert result.jaxpr is closed and not result.changed
@@ -416,17 +437,21 @@ def test_findings_point_at_the_users_line():
 
 def test_small_rewrite_reads_as_the_expert_would_write_it():
     _, result = run_pass(lambda x, c: x.at[2:5].set(c), jnp.zeros((8, 4)), jnp.ones((3, 4)))
-    assert str(result.jaxpr).strip() == """\
+    assert (
+        str(result.jaxpr).strip()
+        == """\
 { lambda ; a:f32[8,4] b:f32[3,4]. let
     _:i32[1] = broadcast_in_dim 2:i32[]
     c:f32[8,4] = dynamic_update_slice a b 2:i32[] 0:i32[]
   in (c,) }"""
+    )
 
 
 def test_state_rebinding_loop_with_default_options_matches_jit():
     row = jnp.arange(6.0)
-    step = autoopt.optimize(lambda x, i: x.at[i].add(row), fallback="raise",
-                            passes=["scatter_to_dus", "donation"])
+    step = autoopt.optimize(
+        lambda x, i: x.at[i].add(row), fallback="raise", passes=["scatter_to_dus", "donation"]
+    )
     x = jnp.zeros((5, 6))
     for j in range(7):
         x = step(x, j - 3)
@@ -447,20 +472,23 @@ def _out_range(fn, *args):
 I32 = _ranges.dtype_interval(np.int32)
 
 
-@pytest.mark.parametrize("fn,expected", [
-    (lambda i: i % 8, (0, 7)),
-    (lambda i: jnp.clip(i, 2, 9), (2, 9)),
-    (lambda i: jnp.where(i < 0, i + 8, i), (I32.lo + 8, I32.hi)),
-    (lambda i: jnp.where(i < 0, i + 8, i) + jnp.int32(0) * (i % 8), (I32.lo + 8, I32.hi)),
-    (lambda i: (lambda c: jnp.where(c < 0, c + 8, c))(jnp.clip(i, -8, 7)), (0, 7)),
-    (lambda i: (i % 8) * 3 - 1, (-1, 20)),
-    (lambda i: lax.rem(i, 5), (-4, 4)),
-    (lambda i: lax.div(jnp.clip(i, -9, 9), 4), (-2, 2)),
-    (lambda i: jnp.abs(jnp.clip(i, -9, 5)), (0, 9)),
-    (lambda i: jnp.maximum(i, 0) + 1, I32),  # may overflow: the whole int32 range
-    (lambda i: lax.fori_loop(0, 10, lambda t, c: c + t, 0), I32),  # a sum, not a counter
-    (lambda i: lax.fori_loop(3, 10, lambda t, c: c + 1, i % 4), (0, 10)),  # counts 7 up
-])
+@pytest.mark.parametrize(
+    "fn,expected",
+    [
+        (lambda i: i % 8, (0, 7)),
+        (lambda i: jnp.clip(i, 2, 9), (2, 9)),
+        (lambda i: jnp.where(i < 0, i + 8, i), (I32.lo + 8, I32.hi)),
+        (lambda i: jnp.where(i < 0, i + 8, i) + jnp.int32(0) * (i % 8), (I32.lo + 8, I32.hi)),
+        (lambda i: (lambda c: jnp.where(c < 0, c + 8, c))(jnp.clip(i, -8, 7)), (0, 7)),
+        (lambda i: (i % 8) * 3 - 1, (-1, 20)),
+        (lambda i: lax.rem(i, 5), (-4, 4)),
+        (lambda i: lax.div(jnp.clip(i, -9, 9), 4), (-2, 2)),
+        (lambda i: jnp.abs(jnp.clip(i, -9, 5)), (0, 9)),
+        (lambda i: jnp.maximum(i, 0) + 1, I32),  # may overflow: the whole int32 range
+        (lambda i: lax.fori_loop(0, 10, lambda t, c: c + t, 0), I32),  # a sum, not a counter
+        (lambda i: lax.fori_loop(3, 10, lambda t, c: c + 1, i % 4), (0, 10)),  # counts 7 up
+    ],
+)
 def test_range_analysis_intervals(fn, expected):
     r = _out_range(fn, 5)
     lo, hi = (expected.lo, expected.hi) if isinstance(expected, _ranges.Interval) else expected
@@ -474,11 +502,15 @@ def test_loop_counter_ranges_inside_bodies():
 
     closed = jax.make_jaxpr(fn)(jnp.zeros(16))
     facts = _ranges.analyze(closed)
-    ranges = [facts.range(s.eqn.invars[1]) for s in _jaxpr.iter_eqns(closed)
-              if s.eqn.primitive is P.scatter_p]
+    ranges = [
+        facts.range(s.eqn.invars[1])
+        for s in _jaxpr.iter_eqns(closed)
+        if s.eqn.primitive is P.scatter_p
+    ]
     assert [(r.lo, r.hi) for r in ranges] == [(2, 8), (1, 15)]
-    assert all(facts.in_loop(s.eqn) for s in _jaxpr.iter_eqns(closed)
-               if s.eqn.primitive is P.scatter_p)
+    assert all(
+        facts.in_loop(s.eqn) for s in _jaxpr.iter_eqns(closed) if s.eqn.primitive is P.scatter_p
+    )
 
 
 def test_shared_jit_body_gets_the_join_of_its_call_sites():
@@ -489,17 +521,26 @@ def test_shared_jit_body_gets_the_join_of_its_call_sites():
     closed = jax.make_jaxpr(lambda a: (pick(jnp.clip(a, 0, 3)), pick(jnp.clip(a, 10, 20))))(0)
     facts = _ranges.analyze(closed)
     inner = [s.eqn for s in _jaxpr.iter_eqns(closed) if s.eqn.primitive is P.add_p]
-    assert {(facts.range(e.outvars[0]).lo, facts.range(e.outvars[0]).hi) for e in inner} == {(1, 21)}
+    assert {(facts.range(e.outvars[0]).lo, facts.range(e.outvars[0]).hi) for e in inner} == {
+        (1, 21)
+    }
     outs = [facts.range(v) for v in closed.jaxpr.outvars]
     assert [(r.lo, r.hi) for r in outs] == [(1, 4), (11, 21)]
 
 
 _OPS = {
-    "add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
-    "max": jnp.maximum, "min": jnp.minimum, "mod": lambda a, b: a % (jnp.abs(b) + 1),
-    "rem": lambda a, b: lax.rem(a, jnp.abs(b) + 1), "where": lambda a, b: jnp.where(a < b, a, b + 3),
-    "norm": lambda a, b: jnp.where(a < 0, a + 7, a), "clip": lambda a, b: jnp.clip(a, -3, b),
-    "neg": lambda a, b: -a, "abs": lambda a, b: jnp.abs(a),
+    "add": lambda a, b: a + b,
+    "sub": lambda a, b: a - b,
+    "mul": lambda a, b: a * b,
+    "max": jnp.maximum,
+    "min": jnp.minimum,
+    "mod": lambda a, b: a % (jnp.abs(b) + 1),
+    "rem": lambda a, b: lax.rem(a, jnp.abs(b) + 1),
+    "where": lambda a, b: jnp.where(a < b, a, b + 3),
+    "norm": lambda a, b: jnp.where(a < 0, a + 7, a),
+    "clip": lambda a, b: jnp.clip(a, -3, b),
+    "neg": lambda a, b: -a,
+    "abs": lambda a, b: jnp.abs(a),
 }
 
 
@@ -544,8 +585,12 @@ def _values_of_every_var(closed, *args) -> dict:
     return seen
 
 
-@given(_expr(), st.integers(-40, 40), st.integers(-40, 40),
-       st.lists(st.integers(-2**31, 2**31 - 1), min_size=2, max_size=2))
+@given(
+    _expr(),
+    st.integers(-40, 40),
+    st.integers(-40, 40),
+    st.lists(st.integers(-(2**31), 2**31 - 1), min_size=2, max_size=2),
+)
 def test_range_analysis_holds_for_every_input(expr, lo, span, extreme):
     # Inputs bounded by clip, so ranges are tight; every intermediate value, in jnp's jit helper
     # bodies too, must fall inside its interval.

@@ -38,8 +38,12 @@ def nested(x):
     c, _ = jax.lax.scan(body, x.sum(), None, length=3)
     inner = jax.jit(lambda v: jax.pure_callback(_double, jax.ShapeDtypeStruct((), v.dtype), v))
     d = inner(c)  # jit body
-    e = jax.lax.cond(d > 0, lambda v: jax.debug.print("pos {v}", v=v) or v,  # marker: in cond
-                     lambda v: v, d)
+    e = jax.lax.cond(
+        d > 0,
+        lambda v: jax.debug.print("pos {v}", v=v) or v,  # marker: in cond
+        lambda v: v,
+        d,
+    )
 
     @jax.custom_vjp
     def g(v):
@@ -55,10 +59,17 @@ def _transfer_findings(fn, *args):
 
 
 def test_every_callback_kind_is_reported_at_its_line():
-    found = {f.details["primitive"]: f for f in _transfer_findings(every_kind, jnp.ones(3))
-             if "primitive" in f.details}
-    for prim, marker in [("debug_print", "print"), ("debug_callback", "callback"),
-                         ("pure_callback", "pure"), ("io_callback", "io")]:
+    found = {
+        f.details["primitive"]: f
+        for f in _transfer_findings(every_kind, jnp.ones(3))
+        if "primitive" in f.details
+    }
+    for prim, marker in [
+        ("debug_print", "print"),
+        ("debug_callback", "callback"),
+        ("pure_callback", "pure"),
+        ("io_callback", "io"),
+    ]:
         assert found[prim].location == f"{__file__}:{_line(f'# marker: {marker}')}"
         assert not found[prim].applied
     assert found["pure_callback"].details["to_host_bytes"] == 12
@@ -73,7 +84,9 @@ def test_callbacks_nested_in_scan_jit_cond_and_custom_vjp_are_found():
     assert scan_f.details["in_loop"] and "every iteration" in scan_f.message
     assert by_line[_line("# marker: in cond")].details["path"][-1] == "cond"
     assert _line("# marker: in custom_vjp") in by_line
-    assert any(f.details["primitive"] == "pure_callback" and "jit" in f.details["path"] for f in found)
+    assert any(
+        f.details["primitive"] == "pure_callback" and "jit" in f.details["path"] for f in found
+    )
 
 
 def test_the_pass_never_changes_the_program():

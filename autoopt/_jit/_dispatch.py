@@ -97,8 +97,9 @@ class Policy:
             nested_kwargs=nested if nested != jit_kwargs else None,
             remat_auto=options.remat == "auto" and not options.explicit_donation,
             fast_ok=not has_static and not options.verify,
-            placer_every_call=(options.transfer_guard in ("log", "disallow")
-                               or bool(options.canonicalize_scalars)),
+            placer_every_call=(
+                options.transfer_guard in ("log", "disallow") or bool(options.canonicalize_scalars)
+            ),
             fn_location=fn_location,
         )
 
@@ -106,9 +107,24 @@ class Policy:
 class Caches:
     """What calls learn: programs per signature, jit objects per donated set, call sites."""
 
-    __slots__ = ("programs", "eager_ad_programs", "by_call", "sites", "site_proofs", "jits",
-                 "auto_fast", "static_leaf_fns", "key_locks", "lock", "tls", "warned",
-                 "watch_autodiff", "any_plannable", "eager_ad_jit", "nested")
+    __slots__ = (
+        "programs",
+        "eager_ad_programs",
+        "by_call",
+        "sites",
+        "site_proofs",
+        "jits",
+        "auto_fast",
+        "static_leaf_fns",
+        "key_locks",
+        "lock",
+        "tls",
+        "warned",
+        "watch_autodiff",
+        "any_plannable",
+        "eager_ad_jit",
+        "nested",
+    )
 
     def __init__(self, policy: Policy):
         self.programs: dict[tuple, Program] = {}  # trace-side signature -> program
@@ -189,8 +205,16 @@ def make_dispatch(of: OptimizedFunction) -> Callable[..., CallPlan]:
                     if split is not None:  # 3.
                         return of._static_leaf_plan(split)
                     return plan_donating(  # 4.
-                        of, proof.positions, proof.names, args, kwargs, True, fast,
-                        callsite.BOUND_BASES if shift else None, proof.unpack)
+                        of,
+                        proof.positions,
+                        proof.names,
+                        args,
+                        kwargs,
+                        True,
+                        fast,
+                        callsite.BOUND_BASES if shift else None,
+                        proof.unpack,
+                    )
         elif donate == "auto":
             fast = caches.auto_fast if not shift else None
             if fast and not kwargs:  # 2.
@@ -200,8 +224,15 @@ def make_dispatch(of: OptimizedFunction) -> Callable[..., CallPlan]:
             split = split_if_static(args, kwargs, static_argnums, static_argnames)
             if split is not None:  # 3.
                 return of._static_leaf_plan(split)
-            return plan_donating(of, tuple(range(len(args))), tuple(kwargs), args, kwargs,  # 4.
-                                 False, fast)
+            return plan_donating(
+                of,
+                tuple(range(len(args))),
+                tuple(kwargs),
+                args,
+                kwargs,  # 4.
+                False,
+                fast,
+            )
         # 3. (split_if_static's first test inlined for flat arrays and scalars; ``a`` is freed
         # when this returns, and no reference count is read on this route anyway), 4. plain.
         if flat_ok and not kwargs:
@@ -218,9 +249,17 @@ def make_dispatch(of: OptimizedFunction) -> Callable[..., CallPlan]:
     return dispatch
 
 
-def plan_donating(of: OptimizedFunction, positions: tuple, names: tuple, args: tuple,
-                  kwargs: dict, check_refs: bool, fast: dict | None = None,
-                  bases: tuple | None = None, unpack: int | None = None) -> CallPlan:
+def plan_donating(
+    of: OptimizedFunction,
+    positions: tuple,
+    names: tuple,
+    args: tuple,
+    kwargs: dict,
+    check_refs: bool,
+    fast: dict | None = None,
+    bases: tuple | None = None,
+    unpack: int | None = None,
+) -> CallPlan:
     """The general donating plan: every check, then the jit object for what may be donated.
 
     Most of its cost is the reference walk and the call-side signature. With ``fast`` (the
@@ -242,8 +281,14 @@ def plan_donating(of: OptimizedFunction, positions: tuple, names: tuple, args: t
     try:
         if program is not None and program.unpacks_to(unpack):
             pos, nms, _reasons = callsite.donation_checks(
-                args, kwargs, positions, names, check_refs=check_refs, bases=bases,
-                exclude=program.const_ids)
+                args,
+                kwargs,
+                positions,
+                names,
+                check_refs=check_refs,
+                bases=bases,
+                exclude=program.const_ids,
+            )
             pos, nms = program.donatable(pos, nms) if pos or nms else ((), ())
         if fast is not None and not kwargs and len(fast) < FAST_ENTRIES:
             remember_fast(of, fast, program, positions, args, unpack)
@@ -252,12 +297,25 @@ def plan_donating(of: OptimizedFunction, positions: tuple, names: tuple, args: t
         return of._plain_plan
     if not (pos or nms):
         return of._plain_plan
-    return CallPlan(of._jit_for(pos, nms), pos, of._placer, program.const_ids, nms,
-                    policy.verify, direct=not policy.verify)
+    return CallPlan(
+        of._jit_for(pos, nms),
+        pos,
+        of._placer,
+        program.const_ids,
+        nms,
+        policy.verify,
+        direct=not policy.verify,
+    )
 
 
-def remember_fast(of: OptimizedFunction, fast: dict, program: Program | None,
-                  positions: tuple, args: tuple, unpack: int | None) -> None:
+def remember_fast(
+    of: OptimizedFunction,
+    fast: dict,
+    program: Program | None,
+    positions: tuple,
+    args: tuple,
+    unpack: int | None,
+) -> None:
     """Record, for a call of positional arguments whose leaves are all jax arrays, Python
     scalars or NumPy arrays, the plan for its signature.
 

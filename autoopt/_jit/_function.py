@@ -146,8 +146,9 @@ class OptimizedFunction:
         # when no option asks for any of them.
         self._placer = placer_for(fn, options, policy.platform)
         self._plain = self._jit_for((), ())
-        self._plain_plan = CallPlan(self._plain, placer=self._placer, verify=policy.verify,
-                                    direct=not policy.verify)
+        self._plain_plan = CallPlan(
+            self._plain, placer=self._placer, verify=policy.verify, direct=not policy.verify
+        )
         self._dispatch = make_dispatch(self)
         # What ``__call__`` reads before it looks up a cached plan, as attributes (each a
         # constant of the policy, or the same object as in ``_caches``): the call sites under
@@ -218,8 +219,11 @@ class OptimizedFunction:
         if j is None:
             with caches.lock:
                 if caches.eager_ad_jit is None:
-                    kw = {k: v for k, v in self._policy.jit_kwargs.items()
-                          if k not in ("compiler_options", "donate_argnums", "donate_argnames")}
+                    kw = {
+                        k: v
+                        for k, v in self._policy.jit_kwargs.items()
+                        if k not in ("compiler_options", "donate_argnums", "donate_argnames")
+                    }
                     caches.eager_ad_jit = jax.jit(self._make_wrapper(eager_autodiff=True), **kw)
                 j = caches.eager_ad_jit
         return j
@@ -233,8 +237,9 @@ class OptimizedFunction:
 
     # --- tracing and passes (runs inside jax.jit's trace) -------------------------------------
 
-    def _program_for_trace(self, args: tuple, kwargs: dict,
-                           eager_autodiff: bool = False) -> tuple[Program, list]:
+    def _program_for_trace(
+        self, args: tuple, kwargs: dict, eager_autodiff: bool = False
+    ) -> tuple[Program, list]:
         policy, caches = self._policy, self._caches
         key, leaves = trace_signature(args, kwargs, policy.static_argnums, policy.static_argnames)
         programs = caches.eager_ad_programs if eager_autodiff else caches.programs
@@ -258,8 +263,9 @@ class OptimizedFunction:
         _framework_check(args, kwargs)
         # The user's own errors (shape mismatches, non-array outputs) propagate unchanged, as
         # from jax.jit: they are not autoopt's to swallow.
-        traced = _trace.trace_program(self.__wrapped__, args, kwargs,
-                                      policy.static_argnums, policy.static_argnames)
+        traced = _trace.trace_program(
+            self.__wrapped__, args, kwargs, policy.static_argnums, policy.static_argnames
+        )
         ctx = PassContext(
             options=policy.options,
             in_leaf_names=traced.in_leaf_names,
@@ -358,7 +364,9 @@ class OptimizedFunction:
                         break
                 else:  # no static leaf, nothing donated: the plain plan
                     placer = self._placer
-                    return self._plain(*args) if placer is None else placer(self._plain, args, kwargs)
+                    return (
+                        self._plain(*args) if placer is None else placer(self._plain, args, kwargs)
+                    )
         return self._run(self._dispatch(site, args, kwargs), args, kwargs)
 
     def _run(self, plan: CallPlan, args: tuple, kwargs: dict):
@@ -367,9 +375,13 @@ class OptimizedFunction:
         if split is not None:
             sub = plan.jit
             out = sub._run(sub._dispatch(None, split.args, split.kwargs), split.args, split.kwargs)
-            return _static_leaves.outputs_put_back(sub.__wrapped__, split, out,
-                                                   self._policy.static_argnums,
-                                                   self._policy.static_argnames)
+            return _static_leaves.outputs_put_back(
+                sub.__wrapped__,
+                split,
+                out,
+                self._policy.static_argnums,
+                self._policy.static_argnames,
+            )
         if plan.verify:
             self._verify(args, kwargs)
         placer = plan.placer
@@ -383,8 +395,9 @@ class OptimizedFunction:
         sub = fns.get(key)
         if sub is None:
             policy = self._policy
-            fn = _static_leaves.with_static_leaves(self.__wrapped__, key, policy.static_argnums,
-                                                   policy.static_argnames)
+            fn = _static_leaves.with_static_leaves(
+                self.__wrapped__, key, policy.static_argnums, policy.static_argnames
+            )
             sub = fns.setdefault(key, OptimizedFunction(fn, policy.options, policy))
         return sub
 
@@ -400,14 +413,19 @@ class OptimizedFunction:
         proof = callsite.prove_call_site(frame, self)
         if shift:
             proof = dataclasses.replace(
-                proof, positions=tuple(p + shift for p in proof.positions),
-                reasons=tuple((k + shift if isinstance(k, int) else k, why)
-                              for k, why in proof.reasons))
+                proof,
+                positions=tuple(p + shift for p in proof.positions),
+                reasons=tuple(
+                    (k + shift if isinstance(k, int) else k, why) for k, why in proof.reasons
+                ),
+            )
         if policy.has_static:
             static = set(policy.static_argnums)
             proof = dataclasses.replace(
-                proof, positions=tuple(p for p in proof.positions if p not in static),
-                names=tuple(n for n in proof.names if n not in policy.static_argnames))
+                proof,
+                positions=tuple(p for p in proof.positions if p not in static),
+                names=tuple(n for n in proof.names if n not in policy.static_argnames),
+            )
         # A method's fast path would need its own baselines (callsite.BOUND_BASES): none.
         site = Site(proof, {} if policy.fast_ok and not shift else None)
         caches.sites[key or (frame.f_code, frame.f_lasti)] = site
@@ -447,11 +465,17 @@ class OptimizedFunction:
         if program is None or program.verified:
             return
         policy = self._policy
-        expected = jax.jit(self.__wrapped__, static_argnums=policy.static_argnums or None,
-                           static_argnames=policy.static_argnames or None)(*args, **kwargs)
+        expected = jax.jit(
+            self.__wrapped__,
+            static_argnums=policy.static_argnums or None,
+            static_argnames=policy.static_argnames or None,
+        )(*args, **kwargs)
         got = self._plain(*args, **kwargs)
-        assert_trees_equivalent(expected, got, what=f"optimize(verify=True) of "
-                                f"{getattr(self.__wrapped__, '__name__', 'fn')}")
+        assert_trees_equivalent(
+            expected,
+            got,
+            what=f"optimize(verify=True) of {getattr(self.__wrapped__, '__name__', 'fn')}",
+        )
         program.verified = True
 
     def __get__(self, instance, owner=None):
@@ -465,14 +489,16 @@ class OptimizedFunction:
     def _prepare(self, args: tuple, kwargs: dict) -> tuple[OptimizedFunction, tuple, dict]:
         """The function and arguments a call reaches after the static-leaf split."""
         policy = self._policy
-        split = _static_leaves.split_if_static(args, kwargs, policy.static_argnums,
-                                               policy.static_argnames)
+        split = _static_leaves.split_if_static(
+            args, kwargs, policy.static_argnums, policy.static_argnames
+        )
         if split is None:
             return self, args, kwargs
         return self._static_leaf_fn(split.key), split.args, split.kwargs
 
-    def _aot_choice(self, program: Program | None, args: tuple, kwargs: dict,
-                    shift: int = 0) -> tuple[Any, tuple[tuple, tuple]]:
+    def _aot_choice(
+        self, program: Program | None, args: tuple, kwargs: dict, shift: int = 0
+    ) -> tuple[Any, tuple[tuple, tuple]]:
         """``(jit object, (donated positions, names))`` of a call: under ``"auto"`` every
         aliasable argument, under ``"safe"`` what a call site rebinding every argument it passes
         would donate (never a decorated method's instance: ``shift``), else the plain jit object
@@ -483,13 +509,16 @@ class OptimizedFunction:
             nums, names = jit_kwargs.get("donate_argnums"), jit_kwargs.get("donate_argnames")
             return self._plain, (
                 (nums,) if isinstance(nums, int) else tuple(nums or ()),
-                (names,) if isinstance(names, str) else tuple(names or ()))
+                (names,) if isinstance(names, str) else tuple(names or ()),
+            )
         if policy.donate not in ("auto", "safe") or program is None:
             return self._plain, ((), ())
         static = _trace.normalize_static(policy.static_argnums, len(args))
         first = shift if policy.donate == "safe" else 0
-        donated = program.donatable(tuple(i for i in range(first, len(args)) if i not in static),
-                                    tuple(k for k in kwargs if k not in policy.static_argnames))
+        donated = program.donatable(
+            tuple(i for i in range(first, len(args)) if i not in static),
+            tuple(k for k in kwargs if k not in policy.static_argnames),
+        )
         return (self._jit_for(*donated) if donated[0] or donated[1] else self._plain), donated
 
     def _aot_jit(self, args: tuple, kwargs: dict):
@@ -530,14 +559,17 @@ class OptimizedFunction:
     def _inspect_prepared(self, args: tuple, kwargs: dict, shift: int = 0) -> Inspection:
         program = self._program_for_call(args, kwargs)
         if program is None:
-            raise ValueError("inspect() and explain() cannot run on arguments traced by an "
-                             "enclosing transformation; call them with concrete arrays.")
+            raise ValueError(
+                "inspect() and explain() cannot run on arguments traced by an "
+                "enclosing transformation; call them with concrete arrays."
+            )
         variants = frozenset(self._caches.jits)  # before inspect() itself makes one
         jit, donated = self._aot_choice(program, args, kwargs, shift)
         return self._inspection(program, jit, donated, variants)
 
-    def _inspection(self, program: Program, jit, donated: tuple,
-                    variants: frozenset | None = None) -> Inspection:
+    def _inspection(
+        self, program: Program, jit, donated: tuple, variants: frozenset | None = None
+    ) -> Inspection:
         policy, caches = self._policy, self._caches
         return Inspection(
             function=self.__wrapped__,
@@ -554,15 +586,19 @@ class OptimizedFunction:
             programs=types.MappingProxyType(dict(caches.programs)),
             donation_variants=frozenset(caches.jits) if variants is None else variants,
             call_sites=tuple(caches.site_proofs.values()),
-            fast_entries=(sum(len(s.fast or {}) for s in list(caches.sites.values()))
-                          + len(caches.auto_fast or {})),
+            fast_entries=(
+                sum(len(s.fast or {}) for s in list(caches.sites.values()))
+                + len(caches.auto_fast or {})
+            ),
             placement=self._placer.figures() if self._placer is not None else None,
             eager_autodiff_watched=caches.watch_autodiff,
             eager_autodiff_jit=caches.eager_ad_jit,
         )
 
     def __repr__(self) -> str:
-        return f"<autoopt.optimize of {getattr(self.__wrapped__, '__qualname__', self.__wrapped__)!r}>"
+        return (
+            f"<autoopt.optimize of {getattr(self.__wrapped__, '__qualname__', self.__wrapped__)!r}>"
+        )
 
 
 class _BoundOptimized:

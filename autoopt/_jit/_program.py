@@ -39,11 +39,22 @@ class Program:
     """One signature's traced program and everything decided about it. Immutable after build,
     except for the small memo of donatable sets (a dict; writes are atomic) and ``verified``."""
 
-    __slots__ = ("traced", "pipeline", "final", "fallback_reason", "_donatable", "verified",
-                 "_const_ids")
+    __slots__ = (
+        "traced",
+        "pipeline",
+        "final",
+        "fallback_reason",
+        "_donatable",
+        "verified",
+        "_const_ids",
+    )
 
-    def __init__(self, traced: _trace.TracedProgram, pipeline: PipelineResult | None,
-                 fallback_reason: str | None):
+    def __init__(
+        self,
+        traced: _trace.TracedProgram,
+        pipeline: PipelineResult | None,
+        fallback_reason: str | None,
+    ):
         self.traced = traced
         self.pipeline = pipeline
         self.final = pipeline.jaxpr if pipeline is not None else traced.closed
@@ -65,8 +76,11 @@ class Program:
             return True
         tree = self.traced.out_tree
         data = tree.node_data()  # None for a single leaf
-        return (data is not None and issubclass(data[0], tuple | list)
-                and len(tree_util.treedef_children(tree)) == n)
+        return (
+            data is not None
+            and issubclass(data[0], tuple | list)
+            and len(tree_util.treedef_children(tree)) == n
+        )
 
     def donatable(self, positions: tuple, names: tuple) -> tuple[tuple, tuple]:
         """The subset of candidate arguments whose every leaf an output aliases."""
@@ -77,8 +91,12 @@ class Program:
         from autoopt.passes.donation import donatable_args
 
         t = self.traced
-        chosen, _ = donatable_args(self.final.in_avals, self.final.out_avals, t.in_arg_of_leaf,
-                                   list(positions) + list(names))
+        chosen, _ = donatable_args(
+            self.final.in_avals,
+            self.final.out_avals,
+            t.in_arg_of_leaf,
+            list(positions) + list(names),
+        )
         hit = (tuple(p for p in positions if p in chosen), tuple(n for n in names if n in chosen))
         self._donatable[key] = hit
         return hit
@@ -94,20 +112,23 @@ def _call_leaf_type(x: Any):
     return _trace.leaf_type(x)
 
 
-def call_signature(args: tuple, kwargs: dict, static_argnums: tuple,
-                   static_argnames: tuple) -> _trace.Signature:
+def call_signature(
+    args: tuple, kwargs: dict, static_argnums: tuple, static_argnames: tuple
+) -> _trace.Signature:
     """The signature of concrete arguments (see the module docstring)."""
     if static_argnums or static_argnames:
         dyn_tree, statics = _trace.split_args(args, kwargs, static_argnums, static_argnames)
     else:
         dyn_tree, statics = (args, kwargs), ()
     leaves, treedef = tree_util.tree_flatten(dyn_tree)
-    return _trace.Signature(treedef, statics, len(args), tuple(map(_call_leaf_type, leaves)),
-                            _compat.trace_context())
+    return _trace.Signature(
+        treedef, statics, len(args), tuple(map(_call_leaf_type, leaves)), _compat.trace_context()
+    )
 
 
-def trace_signature(args: tuple, kwargs: dict, static_argnums: tuple,
-                    static_argnames: tuple) -> tuple[_trace.Signature, list]:
+def trace_signature(
+    args: tuple, kwargs: dict, static_argnums: tuple, static_argnames: tuple
+) -> tuple[_trace.Signature, list]:
     """``(signature, dynamic leaves)`` of the arguments jax.jit's trace hands the wrapper."""
     dyn_tree, statics = _trace.split_args(args, kwargs, static_argnums, static_argnames)
     leaves, in_tree = tree_util.tree_flatten(dyn_tree)

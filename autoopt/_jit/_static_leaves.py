@@ -26,7 +26,16 @@ from jax import tree_util
 from autoopt import _compat, _trace
 
 # The leaves jax.jit accepts as arguments. ``ShapeDtypeStruct`` is accepted by ``trace``/``lower``.
-_ARRAY_LEAF_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex, jax.ShapeDtypeStruct)
+_ARRAY_LEAF_TYPES = (
+    jax.Array,
+    np.ndarray,
+    np.generic,
+    bool,
+    int,
+    float,
+    complex,
+    jax.ShapeDtypeStruct,
+)
 # Exact types checked first: ``isinstance(x, jax.Array)`` goes through an ABC check.
 PLAIN_TYPES = frozenset({_compat.ARRAY_IMPL, int, float, bool, complex, np.ndarray})
 
@@ -52,8 +61,9 @@ def split_tree(where, value) -> tuple[Any, tuple | None]:
     if not fixed:
         return value, None
     at = dict(fixed)
-    return tree_util.tree_unflatten(treedef, [None if j in at else x for j, x in enumerate(leaves)]), \
-        (where, treedef, fixed)
+    return tree_util.tree_unflatten(
+        treedef, [None if j in at else x for j, x in enumerate(leaves)]
+    ), (where, treedef, fixed)
 
 
 def put_back(part: tuple | None, value):
@@ -62,12 +72,14 @@ def put_back(part: tuple | None, value):
         return value
     _, treedef, fixed = part
     at, arrays = dict(fixed), iter(tree_util.tree_leaves(value))
-    return tree_util.tree_unflatten(treedef, [at[j] if j in at else next(arrays)
-                                              for j in range(treedef.num_leaves)])
+    return tree_util.tree_unflatten(
+        treedef, [at[j] if j in at else next(arrays) for j in range(treedef.num_leaves)]
+    )
 
 
-def split_if_static(args: tuple, kwargs: dict, static_argnums: tuple,
-                    static_argnames: tuple) -> StaticSplit | None:
+def split_if_static(
+    args: tuple, kwargs: dict, static_argnums: tuple, static_argnames: tuple
+) -> StaticSplit | None:
     """The split of a call whose dynamic arguments hold non-array leaves, else None.
 
     Every name bound here to an argument or a leaf is gone when this returns, so the reference
@@ -112,8 +124,9 @@ def _split(args: tuple, kwargs: dict, static_argnums, static_argnames) -> Static
     return StaticSplit(tuple(parts), dyn_args, dyn_kwargs)
 
 
-def with_static_leaves(fn: Callable, key: tuple, static_argnums: tuple,
-                       static_argnames: tuple) -> Callable:
+def with_static_leaves(
+    fn: Callable, key: tuple, static_argnums: tuple, static_argnames: tuple
+) -> Callable:
     """``fn`` taking the arguments ``split_if_static`` made, with the static leaves put back.
 
     Its output's non-array leaves are kept in ``.output_parts``, keyed by the signature of the
@@ -135,8 +148,9 @@ def with_static_leaves(fn: Callable, key: tuple, static_argnums: tuple,
     return with_static_leaves
 
 
-def outputs_put_back(fn: Callable, split: StaticSplit, out, static_argnums: tuple,
-                     static_argnames: tuple):
+def outputs_put_back(
+    fn: Callable, split: StaticSplit, out, static_argnums: tuple, static_argnames: tuple
+):
     """The output of ``fn`` (made by ``with_static_leaves``) with its non-array leaves back."""
     sig = _signature(split.args, split.kwargs, static_argnums, static_argnames)
     return put_back(fn.output_parts.get(sig), out)

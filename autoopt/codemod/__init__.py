@@ -117,9 +117,15 @@ def _moved(f: Finding, lines: dict[int, int]) -> Finding:
     return f.replace(location=f"{path}:{lines[line]}")
 
 
-def rewrite_code(code: str, findings: Sequence[Finding], *, function: str | None = None,
-                 function_line: int | None = None, style: str = "jax",
-                 path: str | None = None) -> RewriteResult:
+def rewrite_code(
+    code: str,
+    findings: Sequence[Finding],
+    *,
+    function: str | None = None,
+    function_line: int | None = None,
+    style: str = "jax",
+    path: str | None = None,
+) -> RewriteResult:
     """Apply every command to ``code``. Never raises; a command that fails changes nothing."""
     original = code
     outcomes: dict[int, str | None] = {}
@@ -129,14 +135,22 @@ def rewrite_code(code: str, findings: Sequence[Finding], *, function: str | None
         current = [_moved(f, lines) for f in findings]
         fn_line = lines.get(function_line, function_line) if function_line else function_line
         context = CodemodContext(filename=path)
-        cmd = command(context, current, function=function, function_line=fn_line, style=style,
-                      defer_imports=True)
+        cmd = command(
+            context,
+            current,
+            function=function,
+            function_line=fn_line,
+            style=style,
+            defer_imports=True,
+        )
         if not cmd.targets:
             continue
         result = transform_module(cmd, code)
         if isinstance(result, TransformFailure):
             for i in cmd.targets:
-                outcomes[i] = f"{command.__name__} failed ({type(result.error).__name__}: {result.error})"
+                outcomes[i] = (
+                    f"{command.__name__} failed ({type(result.error).__name__}: {result.error})"
+                )
             continue
         outcomes.update(cmd.outcomes)
         if isinstance(result, TransformSuccess):
@@ -144,8 +158,11 @@ def rewrite_code(code: str, findings: Sequence[Finding], *, function: str | None
             imports.extend(context.scratch.get(AddImportsVisitor.CONTEXT_KEY, []))
     if imports and code != original:
         try:
-            code = AddImportsVisitor(CodemodContext(), imports).transform_module(
-                cst.parse_module(code)).code
+            code = (
+                AddImportsVisitor(CodemodContext(), imports)
+                .transform_module(cst.parse_module(code))
+                .code
+            )
         except Exception as e:  # noqa: BLE001 - an edit without its import is worse than none
             for i, v in outcomes.items():
                 if v is None:
@@ -173,11 +190,16 @@ class FileEdit:
     @property
     def diff(self) -> str:
         name = self.display_path
-        lines = difflib.unified_diff(self.original.splitlines(keepends=True),
-                                     self.new.splitlines(keepends=True),
-                                     fromfile=f"a/{name}", tofile=f"b/{name}")
-        return "".join(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n"
-                       for line in lines)
+        lines = difflib.unified_diff(
+            self.original.splitlines(keepends=True),
+            self.new.splitlines(keepends=True),
+            fromfile=f"a/{name}",
+            tofile=f"b/{name}",
+        )
+        return "".join(
+            line if line.endswith("\n") else line + "\n\\ No newline at end of file\n"
+            for line in lines
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,8 +230,11 @@ def no_source_reason(path: str | None) -> str | None:
     if real.startswith(_examples_dir() + os.sep):
         return None  # autoopt's bundled examples are shown as user code, even when installed
     roots = {sysconfig.get_paths().get(k) for k in ("purelib", "platlib", "stdlib", "platstdlib")}
-    if any(r and real.startswith(os.path.realpath(r) + os.sep) for r in roots) or \
-            f"{os.sep}site-packages{os.sep}" in real or f"{os.sep}dist-packages{os.sep}" in real:
+    if (
+        any(r and real.startswith(os.path.realpath(r) + os.sep) for r in roots)
+        or f"{os.sep}site-packages{os.sep}" in real
+        or f"{os.sep}dist-packages{os.sep}" in real
+    ):
         return f"the code is in a library ({path}), not in your files"
     return None
 
@@ -239,8 +264,9 @@ def _unwrap(fn: Callable) -> Callable:
     return fn
 
 
-def plan_source_edits(fn: Callable | None, findings: Sequence[Finding], *,
-                      style: str = "jax") -> SourcePlan:
+def plan_source_edits(
+    fn: Callable | None, findings: Sequence[Finding], *, style: str = "jax"
+) -> SourcePlan:
     """The edits for ``findings`` of ``fn``, for every file they point into. Never raises."""
     fn = _unwrap(fn) if fn is not None else None
     code_obj = getattr(fn, "__code__", None)
@@ -254,13 +280,19 @@ def plan_source_edits(fn: Callable | None, findings: Sequence[Finding], *,
         command = by_kind.get(f.kind)
         if command is None or not command.wants(f):
             continue
-        path = fn_file if f.kind == "donate" else (
-            f.location.rpartition(":")[0] if f.location else fn_file)
+        path = (
+            fn_file
+            if f.kind == "donate"
+            else (f.location.rpartition(":")[0] if f.location else fn_file)
+        )
         groups.setdefault(path, []).append(i)
     # Donate findings no command edits are evidence for the donate command (a call site that
     # reuses an argument must stop it from suggesting donate_argnums for that argument).
-    evidence = [f for f in findings if f.kind in by_kind and not by_kind[f.kind].wants(f)
-                and f.kind == "donate"]
+    evidence = [
+        f
+        for f in findings
+        if f.kind in by_kind and not by_kind[f.kind].wants(f) and f.kind == "donate"
+    ]
     notes: dict[int, str] = {}
     edited: set[int] = set()
     edits: list[FileEdit] = []
@@ -278,8 +310,14 @@ def plan_source_edits(fn: Callable | None, findings: Sequence[Finding], *,
             continue
         local = [findings[i] for i in idxs] + evidence
         same = fn_file is not None and os.path.realpath(path) == os.path.realpath(fn_file)
-        result = rewrite_code(original, local, function=fn_name,
-                              function_line=fn_line if same else None, style=style, path=path)
+        result = rewrite_code(
+            original,
+            local,
+            function=fn_name,
+            function_line=fn_line if same else None,
+            style=style,
+            path=path,
+        )
         for k, i in enumerate(idxs):
             outcome = result.outcomes.get(k, "no codemod ran for it")
             if outcome is None:
@@ -296,13 +334,19 @@ def _with_params(f: Finding, fn: Callable | None) -> Finding:
     site may name its arguments differently, so add their positions: ``details["params"]``."""
     if f.kind != "placement" or "params" in f.details or fn is None:
         return f
-    names = [n for n in (f.details.get("leaf"), f.details.get("name"), *(f.details.get("leaves") or ()))
-             if isinstance(n, str)]
+    names = [
+        n
+        for n in (f.details.get("leaf"), f.details.get("name"), *(f.details.get("leaves") or ()))
+        if isinstance(n, str)
+    ]
     if not names:
         return f
     try:
-        params = [p.name for p in inspect.signature(fn).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        params = [
+            p.name
+            for p in inspect.signature(fn).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
     except (TypeError, ValueError):
         return f
     roots = dict.fromkeys(n.split("[")[0].split(".")[0] for n in names)

@@ -21,15 +21,39 @@ from libcst.metadata import ParentNodeProvider, PositionProvider
 
 from autoopt._finding import Finding
 
-__all__ = ["FindingCommand", "ModuleImports", "finding_line", "dotted_name", "template",
-           "comma_separated", "LIBRARY_ROOTS"]
+__all__ = [
+    "FindingCommand",
+    "ModuleImports",
+    "finding_line",
+    "dotted_name",
+    "template",
+    "comma_separated",
+    "LIBRARY_ROOTS",
+]
 
 # Top-level packages whose functions are library code: a call to one is never "the user's
 # function" (remat wraps user functions; it does not wrap jnp.tanh).
-LIBRARY_ROOTS = frozenset({
-    "jax", "jaxlib", "numpy", "scipy", "flax", "optax", "equinox", "haiku", "chex", "math",
-    "functools", "operator", "itertools", "builtins", "autoopt", "einops", "diffrax",
-})
+LIBRARY_ROOTS = frozenset(
+    {
+        "jax",
+        "jaxlib",
+        "numpy",
+        "scipy",
+        "flax",
+        "optax",
+        "equinox",
+        "haiku",
+        "chex",
+        "math",
+        "functools",
+        "operator",
+        "itertools",
+        "builtins",
+        "autoopt",
+        "einops",
+        "diffrax",
+    }
+)
 
 # How to import a name the module does not have yet, longest prefix first.
 _PREFERRED_IMPORTS: dict[str, ImportItem] = {
@@ -140,12 +164,12 @@ class ModuleImports:
                 if best is None or len(q) > len(best[1]):
                     best = (local, q)
         if best is not None:
-            return best[0] + qualified[len(best[1]):], None
+            return best[0] + qualified[len(best[1]) :], None
         for prefix, item in _PREFERRED_IMPORTS.items():
             if qualified == prefix or qualified.startswith(prefix + "."):
                 local = item.alias or item.obj_name or item.module_name
                 self.bound[local.split(".")[0]] = prefix if (item.alias or item.obj_name) else local
-                return local + qualified[len(prefix):], item
+                return local + qualified[len(prefix) :], item
         raise ValueError(f"no import known for {qualified!r}")
 
 
@@ -167,13 +191,21 @@ class FindingCommand(VisitorBasedCodemodCommand):
     INSERTS_STATEMENTS: ClassVar[bool] = False
     METADATA_DEPENDENCIES = (PositionProvider, ParentNodeProvider)
 
-    def __init__(self, context: CodemodContext, findings: Sequence[Finding] = (), *,
-                 function: str | None = None, function_line: int | None = None,
-                 style: str = "jax", defer_imports: bool = False) -> None:
+    def __init__(
+        self,
+        context: CodemodContext,
+        findings: Sequence[Finding] = (),
+        *,
+        function: str | None = None,
+        function_line: int | None = None,
+        style: str = "jax",
+        defer_imports: bool = False,
+    ) -> None:
         super().__init__(context)
         self.findings = list(findings)
         self.targets: dict[int, Finding] = {
-            i: f for i, f in enumerate(self.findings) if f.kind == self.KIND and self.wants(f)}
+            i: f for i, f in enumerate(self.findings) if f.kind == self.KIND and self.wants(f)
+        }
         self.function = function
         self.function_line = function_line
         self.style = style
@@ -203,8 +235,11 @@ class FindingCommand(VisitorBasedCodemodCommand):
         for i, f in self.targets.items():
             if i not in self.outcomes:
                 line = finding_line(f)
-                self.outcomes[i] = (f"nothing on line {line} that this edit applies to"
-                                    if line is not None else "the finding has no source line")
+                self.outcomes[i] = (
+                    f"nothing on line {line} that this edit applies to"
+                    if line is not None
+                    else "the finding has no source line"
+                )
         if not any(v is None for v in self.outcomes.values()):
             raise SkipFile("; ".join(sorted({v for v in self.outcomes.values() if v})))
         return updated_node
@@ -223,16 +258,20 @@ class FindingCommand(VisitorBasedCodemodCommand):
     def targets_within(self, node: cst.CSTNode) -> list[int]:
         """Indexes of target findings with a line within ``node``."""
         start, end = self.span(node)
-        return [i for i, f in self.targets.items()
-                if any(start <= line <= end for line in self.lines_of(f))]
+        return [
+            i
+            for i, f in self.targets.items()
+            if any(start <= line <= end for line in self.lines_of(f))
+        ]
 
     def ref(self, qualified: str) -> cst.BaseExpression:
         """An expression naming ``qualified`` as this module spells it (adding an import)."""
         assert self.imports is not None
         spelled, item = self.imports.spell(qualified)
         if item is not None:
-            AddImportsVisitor.add_needed_import(self.context, item.module_name, item.obj_name,
-                                                item.alias)
+            AddImportsVisitor.add_needed_import(
+                self.context, item.module_name, item.obj_name, item.alias
+            )
         return cst.parse_expression(spelled)
 
     def code(self, node: cst.CSTNode) -> str:
@@ -245,14 +284,21 @@ class FindingCommand(VisitorBasedCodemodCommand):
             return new
         pos = self.get_metadata(PositionProvider, original)
         line = self.module.code.splitlines()[pos.start.line - 1]
-        rest = line[pos.end.column:] if pos.start.line == pos.end.line else ""
+        rest = line[pos.end.column :] if pos.start.line == pos.end.line else ""
         if pos.start.column + len(self.code(new)) + len(rest) <= 100:
             return new
 
         def newline(extra: str) -> cst.ParenthesizedWhitespace:
-            return cst.ParenthesizedWhitespace(first_line=cst.TrailingWhitespace(),
-                                               indent=True, last_line=cst.SimpleWhitespace(extra))
+            return cst.ParenthesizedWhitespace(
+                first_line=cst.TrailingWhitespace(),
+                indent=True,
+                last_line=cst.SimpleWhitespace(extra),
+            )
 
-        args = [a.with_changes(comma=cst.Comma(whitespace_after=newline(
-            "    " if k < len(new.args) - 1 else ""))) for k, a in enumerate(new.args)]
+        args = [
+            a.with_changes(
+                comma=cst.Comma(whitespace_after=newline("    " if k < len(new.args) - 1 else ""))
+            )
+            for k, a in enumerate(new.args)
+        ]
         return new.with_changes(whitespace_before_args=newline("    "), args=args)

@@ -109,8 +109,10 @@ def register(p: Pass, *, replace: bool = False) -> Registration:
         raise TypeError(f"register() takes a Pass, got {type(p).__name__}.")
     old = _REGISTRY.get(p.name)
     if old is not None and not replace:
-        raise ValueError(f"a pass named {p.name!r} is already registered; unregister it first or "
-                         "pass replace=True.")
+        raise ValueError(
+            f"a pass named {p.name!r} is already registered; unregister it first or "
+            "pass replace=True."
+        )
     _check_options_free(p)
     _put(p)
     try:
@@ -130,11 +132,14 @@ def _put(p: Pass) -> None:
 
 
 def _remove(name: str) -> None:
-    dependents = sorted(q.name for q in _REGISTRY.values()
-                        if q.name != name and name in (*q.after, *q.before))
+    dependents = sorted(
+        q.name for q in _REGISTRY.values() if q.name != name and name in (*q.after, *q.before)
+    )
     if dependents:
-        raise ValueError(f"cannot unregister pass {name!r}: the order constraints of "
-                         f"{', '.join(map(repr, dependents))} name it; unregister those first.")
+        raise ValueError(
+            f"cannot unregister pass {name!r}: the order constraints of "
+            f"{', '.join(map(repr, dependents))} name it; unregister those first."
+        )
     del _REGISTRY[name]
     _finding.unregister_kinds(name)
 
@@ -143,11 +148,15 @@ def _check_options_free(p: Pass) -> None:
     taken = {o.name: q.name for q in _REGISTRY.values() if q.name != p.name for o in q.options}
     for o in p.options:
         if o.name in _options.CORE_KEYWORDS or o.name in _options.JIT_KEYWORDS:
-            raise ValueError(f"pass {p.name!r} declares option {o.name!r}, which is optimize()'s "
-                             "own keyword; name the option after the pass.")
+            raise ValueError(
+                f"pass {p.name!r} declares option {o.name!r}, which is optimize()'s "
+                "own keyword; name the option after the pass."
+            )
         if o.name in taken:
-            raise ValueError(f"pass {p.name!r} declares option {o.name!r}, which pass "
-                             f"{taken[o.name]!r} already declares; name the option after the pass.")
+            raise ValueError(
+                f"pass {p.name!r} declares option {o.name!r}, which pass "
+                f"{taken[o.name]!r} already declares; name the option after the pass."
+            )
 
 
 def _ordered() -> list[Pass]:
@@ -160,11 +169,14 @@ def _ordered() -> list[Pass]:
     reg = _REGISTRY
     edges: dict[str, set[str]] = {n: set() for n in reg}  # n -> passes that must run after n
     for p in reg.values():
-        for other, first, then in ([(o, o, p.name) for o in p.after]
-                                   + [(o, p.name, o) for o in p.before]):
+        for other, first, then in [(o, o, p.name) for o in p.after] + [
+            (o, p.name, o) for o in p.before
+        ]:
             if other not in reg:
-                raise ValueError(f"pass {p.name!r} is ordered relative to {other!r}, which is not "
-                                 f"a registered pass (registered: {', '.join(sorted(reg))}).")
+                raise ValueError(
+                    f"pass {p.name!r} is ordered relative to {other!r}, which is not "
+                    f"a registered pass (registered: {', '.join(sorted(reg))})."
+                )
             edges[first].add(then)
     indegree = {n: 0 for n in reg}
     for targets in edges.values():
@@ -181,8 +193,10 @@ def _ordered() -> list[Pass]:
             if indegree[t] == 0:
                 heapq.heappush(ready, t)
     if len(order) < len(reg):
-        raise ValueError(f"the order constraints of passes form a cycle: {_cycle(edges, set(reg) - set(order))}. "
-                         "Drop one of the after=/before= constraints.")
+        raise ValueError(
+            f"the order constraints of passes form a cycle: {_cycle(edges, set(reg) - set(order))}. "
+            "Drop one of the after=/before= constraints."
+        )
     return [reg[n] for n in order]
 
 
@@ -192,7 +206,7 @@ def _cycle(edges: Mapping[str, set[str]], left: set[str]) -> str:
     while True:
         nxt = min(t for t in edges[path[-1]] if t in left)
         if nxt in path:
-            cyc = path[path.index(nxt):] + [nxt]
+            cyc = path[path.index(nxt) :] + [nxt]
             return " -> ".join(cyc)
         path.append(nxt)
 
@@ -236,6 +250,7 @@ def codemods() -> list[Any]:
 
 # --- options -------------------------------------------------------------------------------------
 
+
 def _declared_options() -> dict[str, Option]:
     return {o.name: o for p in _ordered() for o in p.options}
 
@@ -264,6 +279,7 @@ def make_options(**kwargs: Any) -> Options:
 
 
 # --- running -------------------------------------------------------------------------------------
+
 
 def run_pipeline(closed: ClosedJaxpr, ctx: PassContext) -> PipelineResult:
     """Run every enabled pass in order. Raises PassError (never a bare exception) on failure."""

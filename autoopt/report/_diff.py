@@ -105,8 +105,11 @@ def _eqn_text(eqn: JaxprEqn, names: _Names, side: str) -> str:
     outs = " ".join(f"{names.get(v, side)}:{_aval_text(v)}" for v in eqn.outvars)
     # None-valued parameters (accuracy=None, out_dtype=None) are noise in a diff; they still
     # count in ``eqn_key``.
-    params = [f"{k}={_param_text(v)}" for k, v in sorted(eqn.params.items())
-              if v is not None and not _jaxpr_valued(v)]
+    params = [
+        f"{k}={_param_text(v)}"
+        for k, v in sorted(eqn.params.items())
+        if v is not None and not _jaxpr_valued(v)
+    ]
     ptxt = f"[{', '.join(params)}]" if params else ""
     if len(ptxt) > 120:
         ptxt = ptxt[:117] + "...]"
@@ -115,7 +118,8 @@ def _eqn_text(eqn: JaxprEqn, names: _Names, side: str) -> str:
 
 def _jaxpr_valued(v) -> bool:
     return isinstance(v, ClosedJaxpr | Jaxpr) or (
-        isinstance(v, tuple) and bool(v) and all(isinstance(x, ClosedJaxpr | Jaxpr) for x in v))
+        isinstance(v, tuple) and bool(v) and all(isinstance(x, ClosedJaxpr | Jaxpr) for x in v)
+    )
 
 
 def _loc(eqn: JaxprEqn) -> str:
@@ -127,8 +131,13 @@ def _sub(j) -> Jaxpr:
     return j.jaxpr if isinstance(j, ClosedJaxpr) else j
 
 
-def _link_replaced(names: _Names, removed: Sequence[JaxprEqn], added: Sequence[JaxprEqn],
-                   later_b: set, later_a: set) -> None:
+def _link_replaced(
+    names: _Names,
+    removed: Sequence[JaxprEqn],
+    added: Sequence[JaxprEqn],
+    later_b: set,
+    later_a: set,
+) -> None:
     """Link outputs of a replaced block so the equations after it print unchanged.
 
     One-for-one replacements link output to output where the types agree (``sin`` -> ``tanh``
@@ -155,8 +164,13 @@ def _used_after(j: Jaxpr, start: int) -> set:
     return used
 
 
-def diff_jaxprs(before: ClosedJaxpr | Jaxpr, after: ClosedJaxpr | Jaxpr, *, indent: str = "",
-                names: _Names | None = None) -> list[str]:
+def diff_jaxprs(
+    before: ClosedJaxpr | Jaxpr,
+    after: ClosedJaxpr | Jaxpr,
+    *,
+    indent: str = "",
+    names: _Names | None = None,
+) -> list[str]:
     """Lines of the diff: ``"  "`` context, ``"- "`` removed, ``"+ "`` added; a changed
     sub-jaxpr appears under its equation, indented, after a ``~ param:`` line."""
     names = names or _Names()
@@ -176,7 +190,9 @@ def diff_jaxprs(before: ClosedJaxpr | Jaxpr, after: ClosedJaxpr | Jaxpr, *, inde
                 for vb, va in zip(eb.outvars, ea.outvars):
                     names.link(vb, va)
         elif tag == "replace":
-            _link_replaced(names, b.eqns[i1:i2], a.eqns[j1:j2], _used_after(b, i2), _used_after(a, j2))
+            _link_replaced(
+                names, b.eqns[i1:i2], a.eqns[j1:j2], _used_after(b, i2), _used_after(a, j2)
+            )
     rows: list[tuple[str, str]] = []  # (mark, text); mark "sub" rows are pre-formatted
     for tag, i1, i2, j1, j2 in opcodes:
         if tag == "equal":

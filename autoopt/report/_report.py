@@ -68,8 +68,9 @@ class Report:
     # --- building ------------------------------------------------------------------------------
 
     @classmethod
-    def from_program(cls, inspection, args: tuple | None = None,
-                     kwargs: dict | None = None) -> Report:
+    def from_program(
+        cls, inspection, args: tuple | None = None, kwargs: dict | None = None
+    ) -> Report:
         """The report of one signature, from ``OptimizedFunction.inspect`` of its arguments
         (``args``: compile them for the memory figures)."""
         findings = _with_call_sites(list(inspection.findings), inspection)
@@ -111,8 +112,10 @@ class Report:
         for i, f in enumerate(self._raw):
             if i in plan.notes:
                 note = plan.notes[i]
-                f = f.replace(message=f"{f.message.rstrip()} No source edit: {note}.",
-                              details={**f.details, "source_edit": note})
+                f = f.replace(
+                    message=f"{f.message.rstrip()} No source edit: {note}.",
+                    details={**f.details, "source_edit": note},
+                )
             elif i in plan.edited:
                 f = f.replace(details={**f.details, "source_edit": "in the source diff"})
             out.append(f)
@@ -130,9 +133,17 @@ class Report:
         if width is None:
             width = shutil.get_terminal_size((110, 24)).columns if color else 110
         buf = io.StringIO()
-        console = Console(file=buf, force_terminal=color, color_system="standard" if color else None,
-                          no_color=not color, width=width, highlight=False, emoji=False,
-                          soft_wrap=False, force_jupyter=False)
+        console = Console(
+            file=buf,
+            force_terminal=color,
+            color_system="standard" if color else None,
+            no_color=not color,
+            width=width,
+            highlight=False,
+            emoji=False,
+            soft_wrap=False,
+            force_jupyter=False,
+        )
         _render(self, console)
         text = buf.getvalue()
         if not color:  # rich pads table cells to the width; pipes and logs want no trailing blanks
@@ -144,7 +155,9 @@ class Report:
 
     def __repr__(self) -> str:
         applied = sum(f.applied for f in self.findings)
-        return f"<autoopt.Report of {self.function}: {len(self.findings)} findings, {applied} applied>"
+        return (
+            f"<autoopt.Report of {self.function}: {len(self.findings)} findings, {applied} applied>"
+        )
 
     def plot_memory(self, path: str) -> str:
         """Draw live bytes over program order, before and after, to ``path`` (PNG).
@@ -218,10 +231,16 @@ def _with_call_sites(findings: list[Finding], inspection) -> list[Finding]:
     out = list(findings)
     # What the donation pass knows per argument: its name, and whether any output could reuse
     # it (a call site's reasons about an argument nothing can reuse are noise).
-    names = {f.details.get("arg"): f.details.get("name") for f in findings
-             if f.kind == "donate" and "arg" in f.details}
-    useless = {f.details.get("arg") for f in findings
-               if f.kind == "donate" and f.details.get("aliasable") is False}
+    names = {
+        f.details.get("arg"): f.details.get("name")
+        for f in findings
+        if f.kind == "donate" and "arg" in f.details
+    }
+    useless = {
+        f.details.get("arg")
+        for f in findings
+        if f.kind == "donate" and f.details.get("aliasable") is False
+    }
 
     def label(key) -> str:
         name = names.get(key)
@@ -231,21 +250,33 @@ def _with_call_sites(findings: list[Finding], inspection) -> list[Finding]:
         for key in list(proof.positions) + list(proof.names):
             if key in useless:
                 continue
-            out.append(Finding(
-                kind="donate", applied=True, location=proof.location, pass_name="donation",
-                message=(f"{label(key)} donated at this call site: `{proof.statement}` rebinds "
-                         "it, so its buffers are dead after the call (when an output can reuse "
-                         "them and nothing else refers to them)."),
-                details={"arg": key, "site": proof.location},
-            ))
+            out.append(
+                Finding(
+                    kind="donate",
+                    applied=True,
+                    location=proof.location,
+                    pass_name="donation",
+                    message=(
+                        f"{label(key)} donated at this call site: `{proof.statement}` rebinds "
+                        "it, so its buffers are dead after the call (when an output can reuse "
+                        "them and nothing else refers to them)."
+                    ),
+                    details={"arg": key, "site": proof.location},
+                )
+            )
         for key, why in proof.reasons:
             if key in useless:
                 continue
-            out.append(Finding(
-                kind="donate", applied=False, location=proof.location, pass_name="donation",
-                message=f"{label(key)} not donated at this call site: {why}.",
-                details={"arg": key, "site": proof.location},
-            ))
+            out.append(
+                Finding(
+                    kind="donate",
+                    applied=False,
+                    location=proof.location,
+                    pass_name="donation",
+                    message=f"{label(key)} not donated at this call site: {why}.",
+                    details={"arg": key, "site": proof.location},
+                )
+            )
     return out
 
 
@@ -282,8 +313,9 @@ def _memory_before_after(inspection, args: tuple, kwargs: dict) -> dict[str, dic
         # "before": the program as traced, before any pass, under the user's own jit options.
         # Replayed from the traced jaxpr rather than by tracing the user's function again, so
         # explain() runs the function's Python (and its side effects) once, as a call does.
-        before = compiled_memory(jax.jit(_replay_original(inspection), **jit_kwargs)
-                                 .lower(*args, **kwargs).compile())
+        before = compiled_memory(
+            jax.jit(_replay_original(inspection), **jit_kwargs).lower(*args, **kwargs).compile()
+        )
         # "after": as the call inspect() describes compiles (under "safe": a call site that
         # rebinds the arguments it passes).
         after = compiled_memory(inspection.jit.lower(*args, **kwargs).compile())
@@ -297,6 +329,7 @@ def _memory_before_after(inspection, args: tuple, kwargs: dict) -> dict[str, dic
 
 
 # --- rendering ---------------------------------------------------------------------------------
+
 
 def _render(report: Report, console: Any) -> None:
     from rich.text import Text
@@ -314,8 +347,9 @@ def _render(report: Report, console: Any) -> None:
     diff = report.diff
     if diff:
         console.print()
-        console.print(Text("program diff (equations: - removed, + added, # your source line)",
-                           style="bold"))
+        console.print(
+            Text("program diff (equations: - removed, + added, # your source line)", style="bold")
+        )
         lines = diff.splitlines()
         if len(lines) > _DIFF_LINES:
             hidden = len(lines) - _DIFF_LINES
@@ -325,21 +359,41 @@ def _render(report: Report, console: Any) -> None:
             if sep:
                 line = f"{head}  # {_display_path(loc)}"
             mark = line.lstrip()[:1]
-            style = "red" if mark == "-" else "green" if mark == "+" else \
-                "cyan" if mark == "~" else None
+            style = (
+                "red"
+                if mark == "-"
+                else "green"
+                if mark == "+"
+                else "cyan"
+                if mark == "~"
+                else None
+            )
             console.print(Text(line, style=style), no_wrap=True, overflow="ignore", crop=False)
     elif report.before is not None and report.after is not None:
         console.print()
-        console.print("program diff: no equation changed (donation and placement are options "
-                      "of the compiled call, not edits of the program)."
-                      if report.findings else "program diff: no equation changed.")
+        console.print(
+            "program diff: no equation changed (donation and placement are options "
+            "of the compiled call, not edits of the program)."
+            if report.findings
+            else "program diff: no equation changed."
+        )
     if report.source_diff:
         console.print()
-        console.print(Text("suggested source edits (autoopt rewrite ... --write applies them)",
-                           style="bold"))
+        console.print(
+            Text("suggested source edits (autoopt rewrite ... --write applies them)", style="bold")
+        )
         for line in report.source_diff.splitlines():
-            style = "bold" if line.startswith(("---", "+++")) else "red" if line.startswith("-") \
-                else "green" if line.startswith("+") else "cyan" if line.startswith("@@") else None
+            style = (
+                "bold"
+                if line.startswith(("---", "+++"))
+                else "red"
+                if line.startswith("-")
+                else "green"
+                if line.startswith("+")
+                else "cyan"
+                if line.startswith("@@")
+                else None
+            )
             console.print(Text(line, style=style), no_wrap=True, overflow="ignore", crop=False)
 
 
@@ -374,7 +428,9 @@ def _render_summary(report: Report, console: Any) -> None:
     table.add_column("transfers", justify="right", no_wrap=True)
     table.add_column("what (and why not)", overflow="fold", ratio=1)
     # What was done first, then what could be done (it has a saving), then the rest.
-    order = sorted(findings, key=lambda f: (not f.applied, not (f.bytes_saved or f.transfers_avoided)))
+    order = sorted(
+        findings, key=lambda f: (not f.applied, not (f.bytes_saved or f.transfers_avoided))
+    )
     for f in order:
         table.add_row(
             f.kind,
@@ -397,8 +453,13 @@ def _render_memory(report: Report, console: Any) -> None:
     if not (mem.get("before") and mem.get("after")):
         return
     console.print()
-    t = Table(title="compiled memory (memory_analysis)", title_justify="left", box=None,
-              pad_edge=False, show_edge=False)
+    t = Table(
+        title="compiled memory (memory_analysis)",
+        title_justify="left",
+        box=None,
+        pad_edge=False,
+        show_edge=False,
+    )
     t.add_column("")
     for col in ("argument", "output", "alias", "temp", "peak"):
         t.add_column(col, justify="right")
@@ -410,9 +471,11 @@ def _render_memory(report: Report, console: Any) -> None:
     if after.get("alias_bytes") and not before.get("alias_bytes"):
         # _memory_before_after compiles "after" as a donating call would: say so, since a
         # call site that keeps its arguments (donation not applied there) aliases nothing.
-        console.print("(after: as compiled for a call that donates every argument an output "
-                      "can reuse; a call site that keeps its arguments aliases nothing and "
-                      "holds the alias bytes more)")
+        console.print(
+            "(after: as compiled for a call that donates every argument an output "
+            "can reuse; a call site that keeps its arguments aliases nothing and "
+            "holds the alias bytes more)"
+        )
 
 
 def _signed(n: int) -> str:

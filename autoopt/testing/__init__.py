@@ -38,6 +38,7 @@ __all__ = [
     "Program",
 ]
 
+
 def assert_equivalent(fn, *args: Any, exact: bool = False, **kwargs: Any) -> Any:
     """Run ``jax.jit(fn)`` and ``autoopt.optimize(fn, fallback="raise")`` on the same inputs and
     assert equal outputs. Options of ``optimize`` may be given as keywords; ``static_argnums``/
@@ -56,19 +57,23 @@ def assert_equivalent(fn, *args: Any, exact: bool = False, **kwargs: Any) -> Any
     static = {k: opts[k] for k in ("static_argnums", "static_argnames") if k in opts}
     expected = jax.jit(fn, **static)(*args, **kwargs)
     got = optimize(fn, **opts)(*args, **kwargs)
-    assert_trees_equivalent(expected, got, exact=exact,
-                            what=f"optimize({getattr(fn, '__name__', 'fn')})")
+    assert_trees_equivalent(
+        expected, got, exact=exact, what=f"optimize({getattr(fn, '__name__', 'fn')})"
+    )
     return got
 
 
 # --- hypothesis strategies ----------------------------------------------------------------------
+
 
 def _hyp():
     try:
         import hypothesis.extra.numpy as hnp
         import hypothesis.strategies as st
     except ImportError as e:  # pragma: no cover - hypothesis is in the `test` extra
-        raise ImportError("autoopt.testing strategies need hypothesis: pip install 'autoopt[test]'") from e
+        raise ImportError(
+            "autoopt.testing strategies need hypothesis: pip install 'autoopt[test]'"
+        ) from e
     return st, hnp
 
 
@@ -79,8 +84,11 @@ def arrays(dtype: str | None = None, shape=None, max_dims: int = 3, max_side: in
     """Strategy for jax arrays of small shapes and finite values (bfloat16 via float32)."""
     st, hnp = _hyp()
     dtypes = st.sampled_from(DTYPES) if dtype is None else st.just(dtype)
-    shapes = hnp.array_shapes(min_dims=0, max_dims=max_dims, min_side=1, max_side=max_side) \
-        if shape is None else st.just(tuple(shape))
+    shapes = (
+        hnp.array_shapes(min_dims=0, max_dims=max_dims, min_side=1, max_side=max_side)
+        if shape is None
+        else st.just(tuple(shape))
+    )
 
     @st.composite
     def build(draw):

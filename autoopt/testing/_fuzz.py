@@ -177,11 +177,15 @@ def _st():
         import hypothesis.extra.numpy as hnp
         import hypothesis.strategies as st
     except ImportError as e:  # pragma: no cover - hypothesis is in the `test` extra
-        raise ImportError("autoopt.testing strategies need hypothesis: pip install 'autoopt[test]'") from e
+        raise ImportError(
+            "autoopt.testing strategies need hypothesis: pip install 'autoopt[test]'"
+        ) from e
     return st, hnp
 
 
-def _aval_of(expr: str, env: dict[str, Aval], extra_lines: tuple[str, ...] = ()) -> tuple[Aval, ...]:
+def _aval_of(
+    expr: str, env: dict[str, Aval], extra_lines: tuple[str, ...] = ()
+) -> tuple[Aval, ...]:
     """Avals of ``expr`` evaluated with ``env``'s variables (after ``extra_lines``, which may
     define helper functions), via ``jax.eval_shape``. A tuple: one per output."""
     names = sorted(env)
@@ -211,8 +215,9 @@ class _Builder:
     """Draws the statements of one block. ``env`` holds every variable in scope (outer blocks'
     variables included: nested functions close over them, as user code does)."""
 
-    def __init__(self, draw, names: _Names, env: dict[str, Aval], depth: int, under_grad: bool,
-                 max_ops: int):
+    def __init__(
+        self, draw, names: _Names, env: dict[str, Aval], depth: int, under_grad: bool, max_ops: int
+    ):
         self.draw = draw
         self.names = names
         self.env = dict(env)
@@ -232,7 +237,9 @@ class _Builder:
     def pick(self, ok: Callable[[Aval], bool] = lambda a: True) -> str | None:
         """A variable in scope satisfying ``ok`` (None when none does); the most recent first
         (shrinks towards it)."""
-        order = list(reversed(self.local)) + [n for n in reversed(list(self.env)) if n not in self.local]
+        order = list(reversed(self.local)) + [
+            n for n in reversed(list(self.env)) if n not in self.local
+        ]
         cands = [n for n in order if ok(self.env[n])]
         if not cands:
             return None
@@ -271,8 +278,11 @@ class _Builder:
         built from a variable in scope."""
         name = self.pick()
         src = self.env[name]
-        if broadcast_ok and src.dtype == dst.dtype and (
-                src.shape == () or dst.shape[len(dst.shape) - len(src.shape):] == src.shape):
+        if (
+            broadcast_ok
+            and src.dtype == dst.dtype
+            and (src.shape == () or dst.shape[len(dst.shape) - len(src.shape) :] == src.shape)
+        ):
             return name
         return self.fit_expr(name, dst)
 
@@ -296,9 +306,13 @@ class _Builder:
             elem = f"{elem}.astype('int32')"
         forms = [elem, f"({elem} + {self.integers(-3, 3)})"]
         if n is not None:
-            forms += [f"({elem} % {n})", f"jnp.clip({elem}, 0, {n - self.integers(0, 1)})",
-                      f"jnp.clip({elem}, {self.integers(-1, 0)}, {n - 1})", f"jnp.abs({elem})",
-                      f"({n - 1} - {elem})"]
+            forms += [
+                f"({elem} % {n})",
+                f"jnp.clip({elem}, 0, {n - self.integers(0, 1)})",
+                f"jnp.clip({elem}, {self.integers(-1, 0)}, {n - 1})",
+                f"jnp.abs({elem})",
+                f"({n - 1} - {elem})",
+            ]
         return self.choice(forms)
 
     def bind(self, kind: str, exprs_lines: tuple[str, ...], expr: str, n_out: int = 1) -> None:
@@ -318,19 +332,30 @@ class _Builder:
 
     # --- blocks -------------------------------------------------------------------------------
 
-    def block(self, kind: str, params: list[tuple[str, Aval]], results: list[Aval | None],
-              pre: tuple[str, ...] = (), under_grad: bool | None = None,
-              returns: Callable[[list[str]], str] | None = None,
-              signature: str | None = None) -> tuple[str, tuple[str, ...]]:
+    def block(
+        self,
+        kind: str,
+        params: list[tuple[str, Aval]],
+        results: list[Aval | None],
+        pre: tuple[str, ...] = (),
+        under_grad: bool | None = None,
+        returns: Callable[[list[str]], str] | None = None,
+        signature: str | None = None,
+    ) -> tuple[str, tuple[str, ...]]:
         """A nested ``def`` whose body sees ``params``; returns ``(function name, lines)``. Each
         entry of ``results`` is an aval the block must return (fitted) or None (any variable).
         ``signature`` replaces the parameter list when ``pre`` unpacks the params from it."""
         fname = self.names.fn(kind)
         env = dict(self.env)
         env.update(dict(params))
-        sub = _Builder(self.draw, self.names, env, self.depth + 1,
-                       self.under_grad if under_grad is None else under_grad,
-                       max_ops=max(1, self.max_ops // 2))
+        sub = _Builder(
+            self.draw,
+            self.names,
+            env,
+            self.depth + 1,
+            self.under_grad if under_grad is None else under_grad,
+            max_ops=max(1, self.max_ops // 2),
+        )
         for p, _ in params:
             sub.local.append(p)
         n_ops = self.integers(0, sub.max_ops)
@@ -340,8 +365,11 @@ class _Builder:
         for want in results:
             name = sub.pick_result()
             outs.append(name if want is None else sub.fit_expr(name, want))
-        ret = returns(outs) if returns is not None else (
-            outs[0] if len(outs) == 1 else "(" + ", ".join(outs) + ")")
+        ret = (
+            returns(outs)
+            if returns is not None
+            else (outs[0] if len(outs) == 1 else "(" + ", ".join(outs) + ")")
+        )
         header = [f"def {fname}({signature or ', '.join(p for p, _ in params)}):"]
         body = ["    " + ln for ln in pre]
         for op in sub.ops:
@@ -353,12 +381,38 @@ class _Builder:
 
     def step(self) -> None:
         # Repeats weight the draw towards what the passes rewrite (in-place updates, loops).
-        kinds = ["unary", "binary", "at_update", "reduce", "reshape", "dot", "cast", "compare",
-                 "broadcast", "transpose", "slice", "concat", "gather", "dynamic_slice",
-                 "dynamic_update_slice", "at_update", "at_update", "dynamic_update_slice"]
+        kinds = [
+            "unary",
+            "binary",
+            "at_update",
+            "reduce",
+            "reshape",
+            "dot",
+            "cast",
+            "compare",
+            "broadcast",
+            "transpose",
+            "slice",
+            "concat",
+            "gather",
+            "dynamic_slice",
+            "dynamic_update_slice",
+            "at_update",
+            "at_update",
+            "dynamic_update_slice",
+        ]
         if self.depth < 2:
-            kinds += ["cond", "switch", "scan", "fori_loop", "vmap", "grad", "scan", "fill_loop",
-                      "fill_loop"]
+            kinds += [
+                "cond",
+                "switch",
+                "scan",
+                "fori_loop",
+                "vmap",
+                "grad",
+                "scan",
+                "fill_loop",
+                "fill_loop",
+            ]
             if not self.under_grad:
                 kinds += ["while_loop", "fori_loop_dynamic"]
         getattr(self, "op_" + self.choice(kinds))()
@@ -367,12 +421,28 @@ class _Builder:
         x = self.pick()
         d = self.env[x].dtype
         if d in _FLOATS:
-            forms = ["jnp.sin({x})", "-{x}", "jnp.exp({x})", "jnp.tanh({x})", "jnp.abs({x})",
-                     "jnp.sqrt(jnp.abs({x}))", "jnp.log1p(jnp.abs({x}))", "{x} * 0.5 + 1.0",
-                     "jnp.floor({x})", "jnp.clip({x}, -1.0, 2.0)"]
+            forms = [
+                "jnp.sin({x})",
+                "-{x}",
+                "jnp.exp({x})",
+                "jnp.tanh({x})",
+                "jnp.abs({x})",
+                "jnp.sqrt(jnp.abs({x}))",
+                "jnp.log1p(jnp.abs({x}))",
+                "{x} * 0.5 + 1.0",
+                "jnp.floor({x})",
+                "jnp.clip({x}, -1.0, 2.0)",
+            ]
         elif d == "int32":
-            forms = ["-{x}", "{x} * 3 + 1", "jnp.abs({x})", "{x} // 2", "{x} % 5", "~{x}",
-                     "jnp.clip({x}, -2, 3)"]
+            forms = [
+                "-{x}",
+                "{x} * 3 + 1",
+                "jnp.abs({x})",
+                "{x} // 2",
+                "{x} % 5",
+                "~{x}",
+                "jnp.clip({x}, -2, 3)",
+            ]
         else:
             forms = ["~{x}", "jnp.logical_not({x})"]
         self.bind("unary", (), self.choice(forms).format(x=x))
@@ -387,12 +457,26 @@ class _Builder:
         a = self.env[x]
         y = self.operand(a, broadcast_ok=True)
         if a.dtype in _FLOATS:
-            forms = ["{x} + {y}", "{x} * {y}", "{x} - {y}", "jnp.maximum({x}, {y})",
-                     "jnp.minimum({x}, {y})", "jnp.where({x} > 0, {x}, {y})"]
+            forms = [
+                "{x} + {y}",
+                "{x} * {y}",
+                "{x} - {y}",
+                "jnp.maximum({x}, {y})",
+                "jnp.minimum({x}, {y})",
+                "jnp.where({x} > 0, {x}, {y})",
+            ]
         elif a.dtype == "int32":
-            forms = ["{x} + {y}", "{x} * {y}", "{x} - {y}", "jnp.maximum({x}, {y})",
-                     "jnp.minimum({x}, {y})", "{x} & {y}", "{x} | {y}", "{x} ^ {y}",
-                     "jnp.where({x} > 0, {x}, {y})"]
+            forms = [
+                "{x} + {y}",
+                "{x} * {y}",
+                "{x} - {y}",
+                "jnp.maximum({x}, {y})",
+                "jnp.minimum({x}, {y})",
+                "{x} & {y}",
+                "{x} | {y}",
+                "{x} ^ {y}",
+                "jnp.where({x} > 0, {x}, {y})",
+            ]
         else:
             forms = ["{x} & {y}", "{x} | {y}", "{x} ^ {y}", "jnp.where({x}, {y}, ~{y})"]
         self.bind("binary", (), self.choice(forms).format(x=x, y=y))
@@ -414,7 +498,9 @@ class _Builder:
             axis = self.integers(0, a.ndim)
             shape = list(a.shape)
             shape.insert(axis, n)
-            self.bind("broadcast", (), f"jnp.broadcast_to(jnp.expand_dims({x}, {axis}), {tuple(shape)!r})")
+            self.bind(
+                "broadcast", (), f"jnp.broadcast_to(jnp.expand_dims({x}, {axis}), {tuple(shape)!r})"
+            )
         else:
             self.bind("broadcast", (), f"jnp.broadcast_to({x}, {(n,) + a.shape!r})")
 
@@ -424,7 +510,9 @@ class _Builder:
             return self.op_unary()
         a = self.env[x]
         n = self.integers(1, 3)
-        form = self.choice(["matmul", "batched", "tensordot"] if a.ndim >= 2 else ["matmul", "tensordot"])
+        form = self.choice(
+            ["matmul", "batched", "tensordot"] if a.ndim >= 2 else ["matmul", "tensordot"]
+        )
         if form == "matmul":
             y = self.operand(Aval((a.shape[-1], n), a.dtype))
             self.bind("dot", (), f"jnp.matmul({x}, {y})")
@@ -479,7 +567,11 @@ class _Builder:
         elif form == "flip":
             self.bind("transpose", (), f"jnp.flip({x}, axis={self.integers(0, a.ndim - 1)})")
         else:
-            self.bind("transpose", (), f"jnp.roll({x}, {self.integers(-3, 3)}, axis={self.integers(0, a.ndim - 1)})")
+            self.bind(
+                "transpose",
+                (),
+                f"jnp.roll({x}, {self.integers(-3, 3)}, axis={self.integers(0, a.ndim - 1)})",
+            )
 
     def _static_slice(self, n: int, allow_empty: bool) -> str:
         """A slice of an axis of length n: a window (step 1) or strided, possibly reversed, with
@@ -501,7 +593,9 @@ class _Builder:
         if x is None:
             return self.op_unary()
         a = self.env[x]
-        idx = ", ".join(self._static_slice(n, allow_empty=False) for n in a.shape[: self.integers(1, a.ndim)])
+        idx = ", ".join(
+            self._static_slice(n, allow_empty=False) for n in a.shape[: self.integers(1, a.ndim)]
+        )
         self.bind("slice", (), f"{x}[{idx}]")
 
     def op_concat(self):
@@ -547,14 +641,20 @@ class _Builder:
         if x is None:
             return self.op_unary()
         a = self.env[x]
-        methods = ["set", "add", "mul", "min", "max", "get", "apply"] if a.dtype != "bool" else ["set", "get"]
+        methods = (
+            ["set", "add", "mul", "min", "max", "get", "apply"]
+            if a.dtype != "bool"
+            else ["set", "get"]
+        )
         if self.under_grad:  # JAX differentiates neither scatter_apply nor non-unique scatter_mul
             methods = [m for m in methods if m not in ("mul", "apply")]
         method = self.choice(methods)
         idx = self.index(a, allow_empty=method != "get")
         if method == "apply":
-            fn = self.choice(["jnp.negative", "lambda v: v * 3 + 1"]
-                             + (["jnp.sin", "jnp.sqrt", "jnp.exp"] if a.dtype in _FLOATS else []))
+            fn = self.choice(
+                ["jnp.negative", "lambda v: v * 3 + 1"]
+                + (["jnp.sin", "jnp.sqrt", "jnp.exp"] if a.dtype in _FLOATS else [])
+            )
             mode = self.choice([None, "drop", "clip"])
             extra = f", mode={mode!r}" if mode else ""
             self.bind("at_update", (), f"{x}.at[{idx}].apply({fn}{extra})")
@@ -582,7 +682,9 @@ class _Builder:
         form = self.choice(["dynamic", "array", "take"])
         if form == "take":
             st, _ = _st()
-            vals = self.draw(st.lists(st.integers(-a.shape[0] - 1, a.shape[0]), min_size=1, max_size=3))
+            vals = self.draw(
+                st.lists(st.integers(-a.shape[0] - 1, a.shape[0]), min_size=1, max_size=3)
+            )
             mode = self.choice(["clip", "wrap", "fill"])
             self.bind("gather", (), f"jnp.take({x}, jnp.array({vals!r}), axis=0, mode={mode!r})")
         else:
@@ -590,7 +692,9 @@ class _Builder:
             self.bind("gather", (), f"{x}[{index}]")
 
     def _starts(self, a: Aval) -> str:
-        starts = [self.dyn_scalar() if self.boolean() else str(self.integers(-2, n + 1)) for n in a.shape]
+        starts = [
+            self.dyn_scalar() if self.boolean() else str(self.integers(-2, n + 1)) for n in a.shape
+        ]
         return "(" + ", ".join(starts) + ("," if len(starts) == 1 else "") + ")"
 
     def op_dynamic_slice(self):
@@ -608,7 +712,9 @@ class _Builder:
         a = self.env[x]
         sizes = tuple(self.integers(1, n) for n in a.shape)
         u = self.operand(Aval(sizes, a.dtype))
-        self.bind("dynamic_update_slice", (), f"lax.dynamic_update_slice({x}, {u}, {self._starts(a)})")
+        self.bind(
+            "dynamic_update_slice", (), f"lax.dynamic_update_slice({x}, {u}, {self._starts(a)})"
+        )
 
     # --- control flow and transformations ------------------------------------------------------
 
@@ -644,8 +750,9 @@ class _Builder:
         if xs is None:
             return self.op_fori_loop()
         ca, xa = self.env[c], self.env[xs]
-        body, lines = self.block("body", [("carry", ca), ("x", Aval(xa.shape[1:], xa.dtype))],
-                                 [ca, None])
+        body, lines = self.block(
+            "body", [("carry", ca), ("x", Aval(xa.shape[1:], xa.dtype))], [ca, None]
+        )
         opts = []
         if self.boolean():
             opts.append("reverse=True")
@@ -673,16 +780,33 @@ class _Builder:
         n = a.shape[0]
         k = self.integers(1, max(1, n // 2))
         hi = self.integers(0, n + 2)
-        index = self.choice(["i", f"i + {self.integers(-1, 1)}", f"{n - 1} - i", "2 * i",
-                             f"i * {k} + jnp.arange({k})", f"(i + {self.integers(0, 2)}) % {n}"])
+        index = self.choice(
+            [
+                "i",
+                f"i + {self.integers(-1, 1)}",
+                f"{n - 1} - i",
+                "2 * i",
+                f"i * {k} + jnp.arange({k})",
+                f"(i + {self.integers(0, 2)}) % {n}",
+            ]
+        )
 
         def update_method():  # drawn when the block is built, after its body
             return self.choice(["set", "add"] if a.dtype != "bool" else ["set"])
 
         body, lines = self.block(
-            "fill", [("i", Aval((), "int32")), ("buf", a)], [Aval(_aval_of(f"buf[{index}]", {
-                **self.env, "i": Aval((), "int32"), "buf": a})[0].shape, a.dtype)],
-            returns=lambda outs: f"buf.at[{index}].{update_method()}({outs[0]})")
+            "fill",
+            [("i", Aval((), "int32")), ("buf", a)],
+            [
+                Aval(
+                    _aval_of(f"buf[{index}]", {**self.env, "i": Aval((), "int32"), "buf": a})[
+                        0
+                    ].shape,
+                    a.dtype,
+                )
+            ],
+            returns=lambda outs: f"buf.at[{index}].{update_method()}({outs[0]})",
+        )
         self.bind("fill_loop", lines, f"lax.fori_loop(0, {hi}, {body}, {x})")
 
     def op_fori_loop_dynamic(self):
@@ -699,10 +823,18 @@ class _Builder:
         cond_name = self.names.fn("cond")
         cond_lines = (f"def {cond_name}(s):", f"    return s[0] < {n}")
         body, body_lines = self.block(
-            "body", [("i", Aval((), "int32")), ("carry", ca)], [ca], pre=("i, carry = s",),
-            returns=lambda outs: f"(i + 1, {outs[0]})", signature="s")
-        self.bind("while_loop", cond_lines + body_lines,
-                  f"lax.while_loop({cond_name}, {body}, (jnp.int32(0), {c}))[1]")
+            "body",
+            [("i", Aval((), "int32")), ("carry", ca)],
+            [ca],
+            pre=("i, carry = s",),
+            returns=lambda outs: f"(i + 1, {outs[0]})",
+            signature="s",
+        )
+        self.bind(
+            "while_loop",
+            cond_lines + body_lines,
+            f"lax.while_loop({cond_name}, {body}, (jnp.int32(0), {c}))[1]",
+        )
 
     def op_vmap(self):
         x = self.pick(lambda a: a.ndim >= 1)
@@ -717,10 +849,14 @@ class _Builder:
         if x is None:
             return self.op_unary()
         a = self.env[x]
-        f, lines = self.block("loss", [("a", a)], [None], under_grad=True,
-                              returns=lambda outs: f"jnp.sum({outs[0]}.astype('float32'))")
+        f, lines = self.block(
+            "loss",
+            [("a", a)],
+            [None],
+            under_grad=True,
+            returns=lambda outs: f"jnp.sum({outs[0]}.astype('float32'))",
+        )
         self.bind("grad", lines, f"jax.grad({f})({x})")
-
 
 
 # --- strategies ---------------------------------------------------------------------------------
@@ -762,8 +898,11 @@ def programs(max_ops: int = 6, max_params: int = 3):
                     v = names.var()
                     env[v] = a
                     leaves.append(v)
-                    unpack.append(f"{v} = {pname}[{k!r}]" if form == "dict" else
-                                  f"{v} = {pname}[{keys.index(k)}]")
+                    unpack.append(
+                        f"{v} = {pname}[{k!r}]"
+                        if form == "dict"
+                        else f"{v} = {pname}[{keys.index(k)}]"
+                    )
                 in_avals.append(dict(zip(keys, avals)) if form == "dict" else tuple(avals))
         b = _Builder(draw, names, env, depth=0, under_grad=False, max_ops=max_ops)
         for _ in range(draw(st.integers(1, max_ops))):
@@ -790,25 +929,29 @@ def _leaf_values(aval: Aval):
         # Small integers: used as indices they land in bounds, out of bounds and negative.
         strat = hnp.arrays(np.int32, aval.shape, elements=st.integers(-6, 6))
     else:
-        strat = hnp.arrays(np.float32, aval.shape,
-                           elements=st.floats(-4, 4, width=32, allow_subnormal=False))
+        strat = hnp.arrays(
+            np.float32, aval.shape, elements=st.floats(-4, 4, width=32, allow_subnormal=False)
+        )
     return strat.map(lambda v: jnp.asarray(v, dtype=aval.dtype))
 
 
 def program_args(program: Program):
     """Strategy for arguments matching ``program.in_avals``."""
     st, _ = _st()
-    leaves, tree = jax.tree_util.tree_flatten(program.in_avals,
-                                              is_leaf=lambda x: isinstance(x, Aval))
+    leaves, tree = jax.tree_util.tree_flatten(
+        program.in_avals, is_leaf=lambda x: isinstance(x, Aval)
+    )
     return st.tuples(*[_leaf_values(a) for a in leaves]).map(
-        lambda vals: tuple(jax.tree_util.tree_unflatten(tree, list(vals))))
+        lambda vals: tuple(jax.tree_util.tree_unflatten(tree, list(vals)))
+    )
 
 
 def fuzz_cases(max_ops: int = 6, max_params: int = 3):
     """Strategy for ``FuzzCase``: a random program and arguments for it."""
     st, _ = _st()
     return programs(max_ops, max_params).flatmap(
-        lambda p: program_args(p).map(lambda args: FuzzCase(p, args)))
+        lambda p: program_args(p).map(lambda args: FuzzCase(p, args))
+    )
 
 
 # How many programs ``check_program`` ran in this process, by outcome (tests report it).
@@ -819,8 +962,9 @@ def _call(f: Callable, args: tuple) -> Any:
     return f(*args)
 
 
-def check_program(case: FuzzCase, *, through: Callable[[Callable, tuple], Any] = _call,
-                  **options: Any) -> Any:
+def check_program(
+    case: FuzzCase, *, through: Callable[[Callable, tuple], Any] = _call, **options: Any
+) -> Any:
     """Run ``case`` under ``jax.jit`` and under ``autoopt.optimize(fallback="raise",
     donate="off", **options)`` and assert equal outputs: bit-identical ints and bools,
     dtype-aware float tolerance. ``through(f, args)`` says how each compiled function is called
@@ -851,8 +995,9 @@ def check_program(case: FuzzCase, *, through: Callable[[Callable, tuple], Any] =
             # longer needs (scatter_to_dus made it a dynamic_update_slice): more, not different.
             RUNS["rejected by jax.jit only"] += 1
             return None
-        raise AssertionError(f"jax.jit raised {type(e).__name__}: {e}; autoopt did not.\n"
-                             f"{case!r}") from e
+        raise AssertionError(
+            f"jax.jit raised {type(e).__name__}: {e}; autoopt did not.\n{case!r}"
+        ) from e
     fast = optimize(fn, **options)
     got = through(fast, case.args)
     assert_trees_equivalent(expected, got, what="optimize(program)")

@@ -21,8 +21,9 @@ import autoopt
 @pytest.mark.parametrize("nested", [False, True], ids=["flat", "inside-a-dict"])
 def test_auto_policy_never_donates_an_array_passed_twice(nested):
     if nested:
-        f = autoopt.optimize(lambda s, t: ({"v": s["v"] + t["v"]}, {"v": s["v"] - t["v"]}),
-                             donate="auto")
+        f = autoopt.optimize(
+            lambda s, t: ({"v": s["v"] + t["v"]}, {"v": s["v"] - t["v"]}), donate="auto"
+        )
         c = {"v": jnp.ones(3) + 0}
         a, b = f(c, {"v": c["v"]})
         got_a, got_b = a["v"], b["v"]

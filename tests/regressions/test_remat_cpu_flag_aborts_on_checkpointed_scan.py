@@ -58,9 +58,11 @@ autoopt.testing.assert_trees_equivalent(
 print("OK")
 """
 
+
 def _run(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_gradient_of_a_users_checkpointed_scan_does_not_abort_under_default_options():

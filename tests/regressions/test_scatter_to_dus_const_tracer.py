@@ -32,6 +32,7 @@ def program(x0):
 def _outer(compile_):
     def inner(first):
         return compile_(lambda: program(first))()
+
     return jax.jit(inner)(jnp.float32(0.5))
 
 

@@ -33,11 +33,14 @@ def with_debug_print(x):
 
 def test_a_cond_with_forwarded_outputs_optimizes_without_error():
     x = jnp.int32(3)
-    assert_trees_equivalent(jax.jit(program)(x),
-                            autoopt.optimize(program, fallback="raise", donate="off")(x))
+    assert_trees_equivalent(
+        jax.jit(program)(x), autoopt.optimize(program, fallback="raise", donate="off")(x)
+    )
 
 
 def test_a_program_with_debug_print_optimizes_without_error():
     x = jnp.zeros(3)
-    assert_trees_equivalent(jax.jit(with_debug_print)(x),
-                            autoopt.optimize(with_debug_print, fallback="raise", donate="off")(x))
+    assert_trees_equivalent(
+        jax.jit(with_debug_print)(x),
+        autoopt.optimize(with_debug_print, fallback="raise", donate="off")(x),
+    )

@@ -34,7 +34,9 @@ def aval_bytes(aval) -> int:
     return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
 
 
-def match_donations(in_avals: Sequence, out_avals: Sequence, donated: Sequence[bool]) -> dict[int, int]:
+def match_donations(
+    in_avals: Sequence, out_avals: Sequence, donated: Sequence[bool]
+) -> dict[int, int]:
     """``{input leaf: output leaf}`` exactly as JAX pairs donated inputs with outputs."""
     pool: dict = collections.defaultdict(collections.deque)
     for i, (aval, d) in enumerate(zip(in_avals, donated)):
@@ -48,8 +50,9 @@ def match_donations(in_avals: Sequence, out_avals: Sequence, donated: Sequence[b
     return pairs
 
 
-def donatable_args(in_avals: Sequence, out_avals: Sequence, arg_of_leaf: Sequence,
-                   candidates: Iterable) -> tuple[frozenset, dict[int, int]]:
+def donatable_args(
+    in_avals: Sequence, out_avals: Sequence, arg_of_leaf: Sequence, candidates: Iterable
+) -> tuple[frozenset, dict[int, int]]:
     """The largest set of candidate arguments whose every leaf is aliased to an output.
 
     Removing an argument frees outputs for the others, so iterate to a fixed point (at most one
@@ -82,28 +85,47 @@ def donation(closed, ctx: PassContext) -> PassResult:
         total = sum(aval_bytes(in_avals[i]) for i in leaves)
         if arg in chosen:
             outs = sorted({pairs[i] for i in leaves})
-            out_names = [ctx.out_leaf_names[o] if o < len(ctx.out_leaf_names) else f"out[{o}]" for o in outs]
-            findings.append(Finding(
-                kind="donate", applied=False, location=ctx.fn_location, bytes_saved=total,
-                message=(f"`{root}` ({len(leaves)} leaves, {total:,} bytes) can be donated: every leaf "
-                         f"has an output of the same shape and dtype ({', '.join(out_names[:4])}"
-                         f"{', ...' if len(out_names) > 4 else ''}). Donated when the caller rebinds it "
-                         f"(`{root} = f({root}, ...)`) under donate='safe', always under donate='auto'."),
-                details={"arg": arg, "name": root, "leaves": leaves, "aliasable": True},
-            ))
+            out_names = [
+                ctx.out_leaf_names[o] if o < len(ctx.out_leaf_names) else f"out[{o}]" for o in outs
+            ]
+            findings.append(
+                Finding(
+                    kind="donate",
+                    applied=False,
+                    location=ctx.fn_location,
+                    bytes_saved=total,
+                    message=(
+                        f"`{root}` ({len(leaves)} leaves, {total:,} bytes) can be donated: every leaf "
+                        f"has an output of the same shape and dtype ({', '.join(out_names[:4])}"
+                        f"{', ...' if len(out_names) > 4 else ''}). Donated when the caller rebinds it "
+                        f"(`{root} = f({root}, ...)`) under donate='safe', always under donate='auto'."
+                    ),
+                    details={"arg": arg, "name": root, "leaves": leaves, "aliasable": True},
+                )
+            )
         else:
-            unmatched = [names[i] for i in leaves
-                         if i not in match_donations(in_avals, out_avals,
-                                                     [a == arg for a in ctx.in_arg_of_leaf])]
+            unmatched = [
+                names[i]
+                for i in leaves
+                if i
+                not in match_donations(in_avals, out_avals, [a == arg for a in ctx.in_arg_of_leaf])
+            ]
             if not unmatched:
                 continue
-            findings.append(Finding(
-                kind="donate", applied=False, location=ctx.fn_location, bytes_saved=None,
-                message=(f"`{root}` cannot be donated: {', '.join(unmatched[:3])}"
-                         f"{' and others' if len(unmatched) > 3 else ''} "
-                         "has no output of the same shape and dtype to reuse its buffer."),
-                details={"arg": arg, "name": root, "leaves": leaves, "aliasable": False},
-            ))
+            findings.append(
+                Finding(
+                    kind="donate",
+                    applied=False,
+                    location=ctx.fn_location,
+                    bytes_saved=None,
+                    message=(
+                        f"`{root}` cannot be donated: {', '.join(unmatched[:3])}"
+                        f"{' and others' if len(unmatched) > 3 else ''} "
+                        "has no output of the same shape and dtype to reuse its buffer."
+                    ),
+                    details={"arg": arg, "name": root, "leaves": leaves, "aliasable": False},
+                )
+            )
     return PassResult.unchanged(closed, findings)
 
 
@@ -126,7 +148,13 @@ PASS = Pass(
     run=donation,
     kinds=("donate",),
     after=("remat",),
-    options=(Option("donate", "safe", _check_donate,
-                    "'safe', 'auto' or 'off': which arguments' buffers the outputs may reuse"),),
+    options=(
+        Option(
+            "donate",
+            "safe",
+            _check_donate,
+            "'safe', 'auto' or 'off': which arguments' buffers the outputs may reuse",
+        ),
+    ),
     codemod="autoopt.passes.donation.codemod:DonateCommand",
 )

@@ -77,8 +77,14 @@ def _later_uses(stmt: ast.stmt, name: str) -> list[int]:
         scope = scope.parent
     end = getattr(stmt, "end_lineno", stmt.lineno)
     lines = sorted(
-        {n.lineno for n in ast.walk(scope)
-         if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load) and n.lineno > end}
+        {
+            n.lineno
+            for n in ast.walk(scope)
+            if isinstance(n, ast.Name)
+            and n.id == name
+            and isinstance(n.ctx, ast.Load)
+            and n.lineno > end
+        }
     )
     return lines
 
@@ -135,27 +141,40 @@ def prove_call_site(frame, callee: Any = None) -> CallSiteProof:
         node = None
     loc = f"{frame.f_code.co_filename}:{frame.f_lineno}"
     if not isinstance(node, ast.Call):
-        return _refuse(loc, "the call site could not be read (no source, or the call is not a "
-                            "plain call expression)")
+        return _refuse(
+            loc,
+            "the call site could not be read (no source, or the call is not a "
+            "plain call expression)",
+        )
     code = frame.f_code
     if not code.co_flags & inspect.CO_OPTIMIZED and frame.f_locals is not frame.f_globals:
         # A class body (or exec with separate locals) reads names from one namespace and binds
         # them in another: ``x = f(x)`` there leaves the module's ``x`` bound to the argument.
-        return _refuse(loc, "a class body or exec namespace: the name it rebinds is not the "
-                            "one it reads")
+        return _refuse(
+            loc, "a class body or exec namespace: the name it rebinds is not the one it reads"
+        )
     if isinstance(node.func, ast.Attribute) and node.func.attr == "__call__":
-        return _refuse(loc, "the function is called through `__call__`, a call shape whose "
-                            "references autoopt does not measure")
+        return _refuse(
+            loc,
+            "the function is called through `__call__`, a call shape whose "
+            "references autoopt does not measure",
+        )
     starred = any(isinstance(a, ast.Starred) for a in node.args)
     double_starred = any(kw.arg is None for kw in node.keywords)
     resolved, value = _resolve_callee(node.func, frame)
     if resolved and value is not callee:
-        return _refuse(loc, f"the statement calls `{ast.unparse(node.func)}`, which calls this "
-                            "function with other arguments (a functools.partial, or a builtin "
-                            "calling back)")
+        return _refuse(
+            loc,
+            f"the statement calls `{ast.unparse(node.func)}`, which calls this "
+            "function with other arguments (a functools.partial, or a builtin "
+            "calling back)",
+        )
     if starred and not resolved:
-        return _refuse(loc, "arguments from `*` unpacking, and the called name is local, so "
-                            "positions cannot be matched to what the function receives")
+        return _refuse(
+            loc,
+            "arguments from `*` unpacking, and the called name is local, so "
+            "positions cannot be matched to what the function receives",
+        )
     parent = getattr(node, "parent", None)
     targets: set[str] = set()
     unpack = None
@@ -182,7 +201,9 @@ def prove_call_site(frame, callee: Any = None) -> CallSiteProof:
         if expr.id in targets:
             return None
         if not targets:
-            what = "not assigned" if stmt is None else "assigned to something other than plain names"
+            what = (
+                "not assigned" if stmt is None else "assigned to something other than plain names"
+            )
             msg = f"the call's result is {what}, so `{expr.id}` may be used later"
         else:
             msg = f"the statement rebinds {', '.join(sorted(targets))}, not `{expr.id}`"
@@ -211,10 +232,15 @@ def prove_call_site(frame, callee: Any = None) -> CallSiteProof:
         else:
             reasons.append((kw.arg, why))
     return CallSiteProof(
-        tuple(positions), tuple(names), tuple(reasons), loc, text,
+        tuple(positions),
+        tuple(names),
+        tuple(reasons),
+        loc,
+        text,
         n_positional=None if starred else len(node.args),
         keywords=None if double_starred else frozenset(kw.arg for kw in node.keywords),
-        unpack=unpack)
+        unpack=unpack,
+    )
 
 
 # --- run-time checks -------------------------------------------------------------------------
@@ -315,10 +341,12 @@ def _calibrate_kids() -> tuple[int, int, int, int, int]:
         def __init__(self, kid):
             self.parts = [kid]
 
-    jax.tree_util.register_pytree_node(Fresh, lambda n: ([n.kid], None),
-                                       lambda _, kids: Fresh(*kids))
-    jax.tree_util.register_pytree_node(Stored, lambda n: (n.parts, None),
-                                       lambda _, kids: Stored(*kids))
+    jax.tree_util.register_pytree_node(
+        Fresh, lambda n: ([n.kid], None), lambda _, kids: Fresh(*kids)
+    )
+    jax.tree_util.register_pytree_node(
+        Stored, lambda n: (n.parts, None), lambda _, kids: Stored(*kids)
+    )
     _, same_counts, _, same = _registry_counts([object()])
     assert same  # flatten_one_level returns a list node itself as its children
     _, new_counts, fresh, _ = _registry_counts(Fresh(object()))
@@ -328,8 +356,9 @@ def _calibrate_kids() -> tuple[int, int, int, int, int]:
     return same_counts[0], new_counts[0], builtin, stored_counts[0], fresh
 
 
-(_BASE_KID_SAME, _BASE_KID_NEW, _BASE_KID_BUILTIN, _BASE_KID_STORED,
- _FRESH_CONTAINER) = _calibrate_kids()
+(_BASE_KID_SAME, _BASE_KID_NEW, _BASE_KID_BUILTIN, _BASE_KID_STORED, _FRESH_CONTAINER) = (
+    _calibrate_kids()
+)
 
 
 # The concrete array type jax returns from every computation: checked with ``type(x) is`` first,
@@ -364,8 +393,10 @@ def _leaf_problem(obj, seen: set[int], check_refs: bool = True) -> str | None:
         if getattr(t, "_autoopt_never_donate", False):
             return "it holds an autoopt.constant, whose device copy every call shares"
         if isinstance(obj, _HOST_SCALARS):
-            return ("it holds a NumPy array or Python scalar; jax copies those to the device "
-                    "on every call, so donating saves nothing")
+            return (
+                "it holds a NumPy array or Python scalar; jax copies those to the device "
+                "on every call, so donating saves nothing"
+            )
     try:
         kids, counts, base = _kid_refcounts(obj)
     except ValueError:
@@ -399,9 +430,16 @@ def _repeated_array_ids(args: tuple, kwargs: dict) -> set[int]:
     return twice
 
 
-def donation_checks(args: tuple, kwargs: dict, positions, names, *, check_refs: bool,
-                    bases: tuple[int, int, int] | None = None,
-                    exclude: frozenset[int] = frozenset()):
+def donation_checks(
+    args: tuple,
+    kwargs: dict,
+    positions,
+    names,
+    *,
+    check_refs: bool,
+    bases: tuple[int, int, int] | None = None,
+    exclude: frozenset[int] = frozenset(),
+):
     """Filter the candidate arguments down to those safe to donate now.
 
     Returns ``(positions, names, reasons)``. ``check_refs`` is the ``"safe"`` policy's proof that

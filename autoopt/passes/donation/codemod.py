@@ -38,9 +38,11 @@ def _tuple_text(values) -> str:
 
 
 class DonateCommand(FindingCommand):
-    DESCRIPTION = ("Donate the arguments an output can reuse: `@jax.jit` -> "
-                   "`@partial(jax.jit, donate_argnums=...)`, or -> `@autoopt.optimize` "
-                   "with style='autoopt'.")
+    DESCRIPTION = (
+        "Donate the arguments an output can reuse: `@jax.jit` -> "
+        "`@partial(jax.jit, donate_argnums=...)`, or -> `@autoopt.optimize` "
+        "with style='autoopt'."
+    )
     KIND = "donate"
     HINT = "pass donate_argnums=(...) to jax.jit for these arguments, or use @autoopt.optimize"
 
@@ -51,14 +53,18 @@ class DonateCommand(FindingCommand):
     def visit_Module(self, node: cst.Module) -> bool:
         super().visit_Module(node)
         # Arguments some call site reuses after the call: never suggested.
-        self._reused = {f.details.get("arg"): f.details.get("site") or f.location
-                        for f in self.findings
-                        if f.kind == "donate" and not f.applied and f.details.get("site")}
+        self._reused = {
+            f.details.get("arg"): f.details.get("site") or f.location
+            for f in self.findings
+            if f.kind == "donate" and not f.applied and f.details.get("site")
+        }
         self._args: dict = {}
         for i, f in self.targets.items():
             arg = f.details["arg"]
             if arg in self._reused:
-                self.outcomes[i] = f"a call site keeps using it after the call ({self._reused[arg]})"
+                self.outcomes[i] = (
+                    f"a call site keeps using it after the call ({self._reused[arg]})"
+                )
             else:
                 self._args.setdefault(arg, []).append(i)
         if not self._args:
@@ -77,8 +83,10 @@ class DonateCommand(FindingCommand):
         their reason; the reason also when none is left to donate."""
         why = None
         for arg, reason in self._unproven.items():
-            why = (f"{reason}; donate_argnums would delete the caller's array. Use "
-                   "@autoopt.optimize (rewrite --style autoopt), which donates per call site")
+            why = (
+                f"{reason}; donate_argnums would delete the caller's array. Use "
+                "@autoopt.optimize (rewrite --style autoopt), which donates per call site"
+            )
             for i in self._args.pop(arg, ()):
                 self.outcomes[i] = why
         return why if not self._args else None
@@ -91,10 +99,17 @@ class DonateCommand(FindingCommand):
             out.append(("donate_argnums", _tuple_text(nums)))
         if names:
             out.append(("donate_argnames", _tuple_text(names)))
-        return [cst.Arg(keyword=cst.Name(k), value=cst.parse_expression(v),
-                        equal=cst.AssignEqual(whitespace_before=cst.SimpleWhitespace(""),
-                                              whitespace_after=cst.SimpleWhitespace("")))
-                for k, v in out]
+        return [
+            cst.Arg(
+                keyword=cst.Name(k),
+                value=cst.parse_expression(v),
+                equal=cst.AssignEqual(
+                    whitespace_before=cst.SimpleWhitespace(""),
+                    whitespace_after=cst.SimpleWhitespace(""),
+                ),
+            )
+            for k, v in out
+        ]
 
     def _done(self, reason: str | None) -> None:
         for idxs in self._args.values():
@@ -111,8 +126,9 @@ class DonateCommand(FindingCommand):
 
     # --- the def's decorators -----------------------------------------------------------------
 
-    def leave_FunctionDef(self, original_node: cst.FunctionDef,
-                          updated_node: cst.FunctionDef) -> cst.FunctionDef:
+    def leave_FunctionDef(
+        self, original_node: cst.FunctionDef, updated_node: cst.FunctionDef
+    ) -> cst.FunctionDef:
         if not self._args or not self._is_our_def(original_node):
             return updated_node
         decorators = list(updated_node.decorators)
@@ -142,16 +158,23 @@ class DonateCommand(FindingCommand):
                 args = comma_separated([cst.Arg(expr.deep_clone()), *self._keywords()])
                 return cst.Call(func=self.ref("functools.partial"), args=args), None
             return self._add_keywords(expr, jit_first=False)
-        if q == "functools.partial" and isinstance(expr, cst.Call) and expr.args and \
-                imp.qualified(expr.args[0].value) == "jax.jit":
+        if (
+            q == "functools.partial"
+            and isinstance(expr, cst.Call)
+            and expr.args
+            and imp.qualified(expr.args[0].value) == "jax.jit"
+        ):
             return self._add_keywords(expr, jit_first=True)
         return None, None
 
     def _add_keywords(self, call: cst.Call, jit_first: bool):
         present = [a.keyword.value for a in call.args if a.keyword is not None]
         if self.style == "autoopt":
-            kept = [a for a in call.args[1 if jit_first else 0:]
-                    if a.keyword is None or a.keyword.value not in _DONATE_KEYWORDS]
+            kept = [
+                a
+                for a in call.args[1 if jit_first else 0 :]
+                if a.keyword is None or a.keyword.value not in _DONATE_KEYWORDS
+            ]
             opt = self.ref("autoopt.optimize")
             if not kept:
                 return opt, None
@@ -180,19 +203,23 @@ class DonateCommand(FindingCommand):
         for idxs in getattr(self, "_args", {}).values():
             for i in idxs:
                 self.outcomes.setdefault(
-                    i, f"`{self.function}` is not jitted in this file; " + self.HINT)
+                    i, f"`{self.function}` is not jitted in this file; " + self.HINT
+                )
         return super().leave_Module(original_node, updated_node)
 
 
-
 # --- the calls in this file: does every one rebind what it donates? --------------------------
+
 
 def _bound_names(target: cst.BaseExpression) -> set[str]:
     if isinstance(target, cst.Name):
         return {target.value}
     if isinstance(target, cst.Tuple | cst.List):
-        return set().union(*(_bound_names(e.value) for e in target.elements)) \
-            if target.elements else set()
+        return (
+            set().union(*(_bound_names(e.value) for e in target.elements))
+            if target.elements
+            else set()
+        )
     return set()
 
 
@@ -203,17 +230,21 @@ class _Uses(cst.CSTVisitor):
         self.fn, self.cmd = fn, cmd
         self.names = {fn}
         self.refs: list[cst.Name] = []
-        self.jit_wraps: set[int] = set()     # id of the Name wrapped by jax.jit(fn, ...)
-        self.defs: set[int] = set()          # id of a Name that a def or an alias binds
+        self.jit_wraps: set[int] = set()  # id of the Name wrapped by jax.jit(fn, ...)
+        self.defs: set[int] = set()  # id of a Name that a def or an alias binds
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
         self.defs.add(id(node.name))
 
     def visit_Assign(self, node: cst.Assign) -> None:
         v = node.value
-        if (isinstance(v, cst.Call) and v.args and isinstance(v.args[0].value, cst.Name)
-                and v.args[0].value.value == self.fn
-                and self.cmd.imports.qualified(v.func) == "jax.jit"):
+        if (
+            isinstance(v, cst.Call)
+            and v.args
+            and isinstance(v.args[0].value, cst.Name)
+            and v.args[0].value.value == self.fn
+            and self.cmd.imports.qualified(v.func) == "jax.jit"
+        ):
             self.jit_wraps.add(id(v.args[0].value))
             for t in node.targets:
                 for name in _bound_names(t.target):
@@ -258,8 +289,10 @@ def _unproven_callers(module: cst.Module, fn: str, args, cmd) -> dict:
     for arg in args:
         if escapes:
             line = cmd.span(escapes[0])[0]
-            out[arg] = (f"`{escapes[0].value}` is passed around on line {line}, so its callers "
-                        "cannot all be seen")
+            out[arg] = (
+                f"`{escapes[0].value}` is passed around on line {line}, so its callers "
+                "cannot all be seen"
+            )
             continue
         if not calls:
             out[arg] = f"no call of `{fn}` in this file shows the caller rebinding the argument"
@@ -267,10 +300,12 @@ def _unproven_callers(module: cst.Module, fn: str, args, cmd) -> dict:
         for call in calls:
             if not _rebinds(call, arg, cmd, calls):
                 line = cmd.span(call)[0]
-                out[arg] = (f"the call on line {line} (`{cmd.code(call)}`) does not show the "
-                            "argument dead after it (it must pass a name the statement "
-                            "rebinds, bound only to fresh arrays and read only in ways that "
-                            "keep no second holder)")
+                out[arg] = (
+                    f"the call on line {line} (`{cmd.code(call)}`) does not show the "
+                    "argument dead after it (it must pass a name the statement "
+                    "rebinds, bound only to fresh arrays and read only in ways that "
+                    "keep no second holder)"
+                )
                 break
     return out
 
@@ -300,8 +335,9 @@ def _rebinds(call: cst.Call, arg, cmd, calls: list) -> bool:
         positional = [a for a in call.args if a.keyword is None]
         passed = positional[arg].value if arg < len(positional) else None
     else:
-        passed = next((a.value for a in call.args
-                       if a.keyword is not None and a.keyword.value == arg), None)
+        passed = next(
+            (a.value for a in call.args if a.keyword is not None and a.keyword.value == arg), None
+        )
     if not isinstance(passed, cst.Name):
         return False
     stmt = cmd.get_metadata(ParentNodeProvider, call, None)
@@ -336,8 +372,11 @@ def _only_fresh(name: str, call: cst.Call, calls: list, cmd) -> bool:
     ids = {id(c) for c in calls}
     for ref in names.found:
         parent = cmd.get_metadata(ParentNodeProvider, ref, None)
-        if isinstance(parent, cst.Arg) and parent.value is ref and \
-                id(cmd.get_metadata(ParentNodeProvider, parent, None)) in ids:
+        if (
+            isinstance(parent, cst.Arg)
+            and parent.value is ref
+            and id(cmd.get_metadata(ParentNodeProvider, parent, None)) in ids
+        ):
             continue  # passed to the donating function
         if isinstance(parent, cst.Attribute | cst.Subscript) and parent.value is ref:
             continue  # w.sum(), w[0], w.shape: new values

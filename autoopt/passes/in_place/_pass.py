@@ -66,8 +66,13 @@ from autoopt.passes._base import Pass, PassContext, PassResult
 from autoopt.passes.in_place import _ranges
 
 _SCATTERS = (P.scatter_p, P.scatter_add_p, P.scatter_mul_p, P.scatter_min_p, P.scatter_max_p)
-_METHOD = {P.scatter_p: "set", P.scatter_add_p: "add", P.scatter_mul_p: "multiply",
-           P.scatter_min_p: "min", P.scatter_max_p: "max"}
+_METHOD = {
+    P.scatter_p: "set",
+    P.scatter_add_p: "add",
+    P.scatter_mul_p: "multiply",
+    P.scatter_min_p: "min",
+    P.scatter_max_p: "max",
+}
 
 # The original scatter/gather kept as the out-of-bounds path of a guard runs under this name
 # scope, so that running the pass again leaves it alone (idempotence).
@@ -77,18 +82,41 @@ _FALLBACK_SCOPE = "autoopt_scatter_fallback"
 # update computation runs) or vectorized (as DUS(x, f(DS(x), u)) runs): single, correctly
 # rounded operations. A multiply feeding an add is excluded: it may be contracted to an FMA in
 # one form and not the other.
-_EXACT_COMBINER_OPS = frozenset({
-    P.add_p, P.sub_p, P.mul_p, P.min_p, P.max_p, P.neg_p, P.abs_p, P.select_n_p, P.and_p,
-    P.or_p, P.xor_p, P.not_p, P.eq_p, P.ne_p, P.lt_p, P.le_p, P.gt_p, P.ge_p, P.copy_p,
-    P.convert_element_type_p, P.sign_p,
-})
+_EXACT_COMBINER_OPS = frozenset(
+    {
+        P.add_p,
+        P.sub_p,
+        P.mul_p,
+        P.min_p,
+        P.max_p,
+        P.neg_p,
+        P.abs_p,
+        P.select_n_p,
+        P.and_p,
+        P.or_p,
+        P.xor_p,
+        P.not_p,
+        P.eq_p,
+        P.ne_p,
+        P.lt_p,
+        P.le_p,
+        P.gt_p,
+        P.ge_p,
+        P.copy_p,
+        P.convert_element_type_p,
+        P.sign_p,
+    }
+)
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
 # Out-of-bounds behaviours handled here. PROMISE_IN_BOUNDS lowers to the same XLA scatter as
 # FILL_OR_DROP (it drops) and the same XLA gather as CLIP (it clamps); both are kept exactly.
-_MODES = (GatherScatterMode.FILL_OR_DROP, GatherScatterMode.CLIP,
-          GatherScatterMode.PROMISE_IN_BOUNDS)
+_MODES = (
+    GatherScatterMode.FILL_OR_DROP,
+    GatherScatterMode.CLIP,
+    GatherScatterMode.PROMISE_IN_BOUNDS,
+)
 
 
 class _Decline(Exception):
@@ -119,8 +147,13 @@ class _Window:
         return all(self.proven) and not (self.wrapped and self.block is not None)
 
 
-def _plan(facts: _ranges.Facts, indices, operand_shape: Sequence[int], point_sizes: Sequence[int],
-          dims: Sequence[int]) -> _Window:
+def _plan(
+    facts: _ranges.Facts,
+    indices,
+    operand_shape: Sequence[int],
+    point_sizes: Sequence[int],
+    dims: Sequence[int],
+) -> _Window:
     """The one window the points of ``indices`` cover, or ``_Decline`` with the reason."""
     if any(n > _INT32_MAX for n in operand_shape):
         raise _Decline("the operand has an axis longer than 2**31 - 1")
@@ -134,20 +167,25 @@ def _plan(facts: _ranges.Facts, indices, operand_shape: Sequence[int], point_siz
     varying = [a for a, n in enumerate(batch) if n > 1]
     block = None
     if len(varying) > 1:
-        raise _Decline(f"the indices vary along {len(varying)} axes, so they are not one "
-                       "contiguous window")
+        raise _Decline(
+            f"the indices vary along {len(varying)} axes, so they are not one contiguous window"
+        )
     if varying:
         a = varying[0]
         k = batch[a]
         strides = [c.form.strides[a] if c.form is not None else None for c in comps]
         if None in strides:
-            raise _Decline(f"the {k} indices are not provably contiguous (only `i + "
-                           "jnp.arange(k)`-shaped index arrays are; lax.dynamic_update_slice "
-                           "states it directly)")
+            raise _Decline(
+                f"the {k} indices are not provably contiguous (only `i + "
+                "jnp.arange(k)`-shaped index arrays are; lax.dynamic_update_slice "
+                "states it directly)"
+            )
         moving = [c for c, s in enumerate(strides) if s != 0]
         if not moving:
-            raise _Decline(f"all {k} indices are equal: the same window is written {k} times "
-                           "(duplicate indices)")
+            raise _Decline(
+                f"all {k} indices are equal: the same window is written {k} times "
+                "(duplicate indices)"
+            )
         if len(moving) > 1 or strides[moving[0]] != 1:
             what = "descending" if strides[moving[0]] == -1 and len(moving) == 1 else "strided"
             raise _Decline(f"the indices are {what}, not one contiguous ascending window")
@@ -156,8 +194,10 @@ def _plan(facts: _ranges.Facts, indices, operand_shape: Sequence[int], point_siz
         if sizes[d] != 1:
             raise _Decline("the windows of consecutive indices overlap")
         if k > operand_shape[d]:
-            raise _Decline(f"the block of {k} is longer than the axis of {operand_shape[d]} "
-                           "it writes, so it is never wholly in bounds")
+            raise _Decline(
+                f"the block of {k} is longer than the axis of {operand_shape[d]} "
+                "it writes, so it is never wholly in bounds"
+            )
         if np.iinfo(indices.aval.dtype).max < operand_shape[d]:
             raise _Decline(f"its {indices.aval.dtype} indices can wrap around inside the block")
         sizes[d] = k
@@ -167,16 +207,22 @@ def _plan(facts: _ranges.Facts, indices, operand_shape: Sequence[int], point_siz
         d = dims[c]
         r = comp.range
         if block is not None and c == block[1]:
-            ok = (r is not None and comp.form is not None and not comp.form.wrapped
-                  and r.within(0, operand_shape[d] - 1))
+            ok = (
+                r is not None
+                and comp.form is not None
+                and not comp.form.wrapped
+                and r.within(0, operand_shape[d] - 1)
+            )
         else:
             ok = r is not None and r.within(0, operand_shape[d] - point_sizes[d])
         proven.append(ok)
     block_form = comps[block[1]].form if block is not None else None
     wrapped = block_form is not None and block_form.wrapped
     n_points = int(np.prod(batch, dtype=np.int64)) if batch else 1
-    exact = tuple(c.range.exact if c.range is not None and (block is None or i != block[1])
-                  else None for i, c in enumerate(comps))
+    exact = tuple(
+        c.range.exact if c.range is not None and (block is None or i != block[1]) else None
+        for i, c in enumerate(comps)
+    )
     return _Window(tuple(sizes), tuple(dims), n_points, block, tuple(proven), wrapped, exact)
 
 
@@ -195,8 +241,10 @@ def _first_values(idx, w: _Window):
     if w.n_points == 1 and k == 1:
         return [lax.reshape(idx, ())], None
     flat = lax.reshape(idx, (w.n_points, k))
-    first = [_scalar(flat, 0, c) if w.exact[c] is None else np.asarray(w.exact[c], idx.dtype)
-             for c in range(k)]
+    first = [
+        _scalar(flat, 0, c) if w.exact[c] is None else np.asarray(w.exact[c], idx.dtype)
+        for c in range(k)
+    ]
     last = _scalar(flat, w.n_points - 1, w.block[1]) if w.block is not None else None
     return first, last
 
@@ -279,18 +327,24 @@ def _combiner(eqn: JaxprEqn):
     fed_by_mul = set()
     for e in jaxpr.eqns:
         if e.primitive not in _EXACT_COMBINER_OPS:
-            raise _Decline(f"its update computation uses `{e.primitive.name}`, which may round "
-                           "differently vectorized than in the scatter's scalar loop")
+            raise _Decline(
+                f"its update computation uses `{e.primitive.name}`, which may round "
+                "differently vectorized than in the scatter's scalar loop"
+            )
         if e.primitive in (P.add_p, P.sub_p) and any(
-                isinstance(v, Var) and v in fed_by_mul for v in e.invars):
-            raise _Decline("its update computation multiplies then adds, which one form may "
-                           "contract to a fused multiply-add and the other not")
+            isinstance(v, Var) and v in fed_by_mul for v in e.invars
+        ):
+            raise _Decline(
+                "its update computation multiplies then adds, which one form may "
+                "contract to a fused multiply-add and the other not"
+            )
         if e.primitive is P.mul_p:
             fed_by_mul.update(e.outvars)
 
     def combine(cur, upd):
         def one(a, b):
             return eval_jaxpr(jaxpr, consts, a, b)[0]
+
         flat = jax.vmap(one)(lax.reshape(cur, (cur.size,)), lax.reshape(upd, (upd.size,)))
         return lax.reshape(flat, cur.shape)
 
@@ -321,8 +375,10 @@ def _scatter_plan(facts, eqn: JaxprEqn) -> tuple[_Window, Any]:
     x, idx, upd = (_jaxpr.shaped(v) for v in eqn.invars)
     dn = eqn.params["dimension_numbers"]
     if dn.operand_batching_dims:
-        raise _Decline("it is a batched scatter (vmap over the index): each batch element "
-                       "writes its own window")
+        raise _Decline(
+            "it is a batched scatter (vmap over the index): each batch element "
+            "writes its own window"
+        )
     if x.dtype != upd.dtype:
         raise _Decline("the update's dtype differs from the operand's")
     inserted = {int(d) for d in dn.inserted_window_dims}
@@ -378,8 +434,13 @@ def _consuming_scatters(closed) -> set:
         for t, eqn in enumerate(jaxpr.eqns):
             if eqn.primitive in _SCATTERS:
                 x = eqn.invars[0]
-                if (isinstance(x, Var) and last.get(x) == t and x not in live_out
-                        and x not in outside and x not in jaxpr.constvars):
+                if (
+                    isinstance(x, Var)
+                    and last.get(x) == t
+                    and x not in live_out
+                    and x not in outside
+                    and x not in jaxpr.constvars
+                ):
                     out.add(eqn.outvars[0])
             for _, _, sub in _jaxpr.subjaxprs(eqn):
                 visit(sub.jaxpr if isinstance(sub, ClosedJaxpr) else sub, False)
@@ -397,18 +458,21 @@ class _Decision:
     combine: Any = None
 
 
-_WHY = {"none": "bounds proven by range analysis",
-        "clamp": "CLIP mode: the clamped start is exactly what DUS does",
-        "select": "guarded by a select over the window (the drop when out of bounds)",
-        "cond": "guarded by lax.cond (out of bounds drops the update, as the scatter does)"}
-_GATHER_WHY = {"none": "bounds proven by range analysis",
-               "clamp": "the gather clamps its start exactly as dynamic_slice does",
-               "select": "a select supplies the fill value out of bounds, as jax's own lowering",
-               "cond": "guarded by lax.cond (out of bounds keeps the original gather)"}
+_WHY = {
+    "none": "bounds proven by range analysis",
+    "clamp": "CLIP mode: the clamped start is exactly what DUS does",
+    "select": "guarded by a select over the window (the drop when out of bounds)",
+    "cond": "guarded by lax.cond (out of bounds drops the update, as the scatter does)",
+}
+_GATHER_WHY = {
+    "none": "bounds proven by range analysis",
+    "clamp": "the gather clamps its start exactly as dynamic_slice does",
+    "select": "a select supplies the fill value out of bounds, as jax's own lowering",
+    "cond": "guarded by lax.cond (out of bounds keeps the original gather)",
+}
 
 
-def _decide_scatter(facts: _ranges.Facts, consumes: set, backend: str, eqn: JaxprEqn
-                    ) -> _Decision:
+def _decide_scatter(facts: _ranges.Facts, consumes: set, backend: str, eqn: JaxprEqn) -> _Decision:
     """How to rewrite one scatter, or ``_Decline`` with the reason."""
     mode = eqn.params["mode"]
     if mode not in _MODES:
@@ -424,7 +488,8 @@ def _decide_scatter(facts: _ranges.Facts, consumes: set, backend: str, eqn: Jaxp
             "in-bounds rows: every exact guard measured on XLA:CPU costs as much as the "
             "scatter (a lax.cond whose other branch writes makes XLA copy the buffer). "
             "Clamp the start (`jnp.clip(i, 0, n - k) + jnp.arange(k)`) so range analysis "
-            "proves it, or write lax.dynamic_update_slice")
+            "proves it, or write lax.dynamic_update_slice"
+        )
     once = not facts.in_loop(eqn) and eqn.outvars[0] in consumes
     return _Decision(w, "cond" if (once and backend == "cpu") else "select", combine)
 
@@ -464,8 +529,7 @@ def _emit_scatter(eqn: JaxprEqn, invals, plan: _Decision):
     def write(x, upd, starts):
         new = upd
         if combine is not None:
-            new = combine(lax.dynamic_slice(x, starts, w.sizes, allow_negative_indices=False),
-                          upd)
+            new = combine(lax.dynamic_slice(x, starts, w.sizes, allow_negative_indices=False), upd)
         return lax.dynamic_update_slice(x, new, starts, allow_negative_indices=False)
 
     if guard in ("none", "clamp"):
@@ -516,8 +580,14 @@ def _emit_gather(eqn: JaxprEqn, invals, plan: _Decision):
         got = read(operand, _starts(first, w, x.ndim))
         fill = lax.full_like(got, eqn.params["fill_value"])
         return lax.select(lax.broadcast(ok, got.shape), got, fill)
-    return lax.cond(ok, lambda o, i, *f: read(o, _starts(f, w, x.ndim)),
-                    lambda o, i, *f: _fallback(eqn, [o, i]), operand, idx, *first)
+    return lax.cond(
+        ok,
+        lambda o, i, *f: read(o, _starts(f, w, x.ndim)),
+        lambda o, i, *f: _fallback(eqn, [o, i]),
+        operand,
+        idx,
+        *first,
+    )
 
 
 def scatter_to_dus(closed, ctx: PassContext) -> PassResult:
@@ -534,9 +604,17 @@ def scatter_to_dus(closed, ctx: PassContext) -> PassResult:
     def note(eqn, applied, message, **details):
         # `op` tells the codemods a read (gather) from a write (scatter) without reading text.
         details.setdefault("op", "gather" if eqn.primitive is P.gather_p else "scatter")
-        findings.setdefault(eqn.outvars[0], Finding(
-            kind="scatter_to_dus", applied=applied, message=message,
-            location=_jaxpr.user_location(eqn), pass_name="scatter_to_dus", details=details))
+        findings.setdefault(
+            eqn.outvars[0],
+            Finding(
+                kind="scatter_to_dus",
+                applied=applied,
+                message=message,
+                location=_jaxpr.user_location(eqn),
+                pass_name="scatter_to_dus",
+                details=details,
+            ),
+        )
 
     for site in _jaxpr.iter_eqns(closed):
         eqn = site.eqn
@@ -558,23 +636,39 @@ def scatter_to_dus(closed, ctx: PassContext) -> PassResult:
 
     def rule_for(emit, describe):
         """A rule applying the precomputed plan of an equation (declining where there is none)."""
+
         def rule(eqn: JaxprEqn, invals):
             plan = plans.get(eqn.outvars[0])
             if plan is None:
                 return None
             out = emit(eqn, invals, plan)
             w = plan.window
-            note(eqn, True, describe(eqn, plan, "x".join(map(str, w.sizes))),
-                 guard=plan.guard, window=w.sizes, block=w.block is not None)
+            note(
+                eqn,
+                True,
+                describe(eqn, plan, "x".join(map(str, w.sizes))),
+                guard=plan.guard,
+                window=w.sizes,
+                block=w.block is not None,
+            )
             return [out]
+
         return rule
 
-    scatter_rule = rule_for(_emit_scatter, lambda eqn, plan, size: (
-        f"{_describe_scatter(eqn)} rewritten to dynamic_update_slice of one {size} window; "
-        f"{_WHY[plan.guard]}."))
-    gather_rule = rule_for(_emit_gather, lambda eqn, plan, size: (
-        f"gather on {eqn.invars[0].aval.str_short()} rewritten to dynamic_slice of one {size} "
-        f"window; {_GATHER_WHY[plan.guard]}."))
+    scatter_rule = rule_for(
+        _emit_scatter,
+        lambda eqn, plan, size: (
+            f"{_describe_scatter(eqn)} rewritten to dynamic_update_slice of one {size} window; "
+            f"{_WHY[plan.guard]}."
+        ),
+    )
+    gather_rule = rule_for(
+        _emit_gather,
+        lambda eqn, plan, size: (
+            f"gather on {eqn.invars[0].aval.str_short()} rewritten to dynamic_slice of one {size} "
+            f"window; {_GATHER_WHY[plan.guard]}."
+        ),
+    )
 
     rules = {p: scatter_rule for p in _SCATTERS}
     rules[P.gather_p] = gather_rule

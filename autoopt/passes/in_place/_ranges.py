@@ -135,6 +135,7 @@ def _arith(fn: Callable[[Interval, Interval], Interval | None]) -> Transfer:
         if a.empty or b.empty:
             return [EMPTY]
         return _out(eqn, fn(a, b))
+
     return rule
 
 
@@ -180,6 +181,7 @@ def _unary(fn: Callable[[Interval], Interval | None]) -> Transfer:
         if a is None:
             return _out(eqn, None)
         return [EMPTY] if a.empty else _out(eqn, fn(a))
+
     return rule
 
 
@@ -198,7 +200,7 @@ def _integer_pow(eqn, ins):
         return _out(eqn, None)
     if a.empty:
         return [EMPTY]
-    iv = _corners(lambda x, _: x ** y, a, a)
+    iv = _corners(lambda x, _: x**y, a, a)
     if y % 2 == 0 and a.lo < 0 < a.hi:
         iv = Interval(0, iv.hi)
     return _out(eqn, iv)
@@ -206,8 +208,11 @@ def _integer_pow(eqn, ins):
 
 _TRANSFER[P.neg_p] = _unary(lambda a: Interval(-a.hi, -a.lo))
 _TRANSFER[P.abs_p] = _unary(_abs)
-_TRANSFER[P.sign_p] = _unary(lambda a: Interval(-1 if a.lo < 0 else (0 if a.lo == 0 else 1),
-                                                1 if a.hi > 0 else (0 if a.hi == 0 else -1)))
+_TRANSFER[P.sign_p] = _unary(
+    lambda a: Interval(
+        -1 if a.lo < 0 else (0 if a.lo == 0 else 1), 1 if a.hi > 0 else (0 if a.hi == 0 else -1)
+    )
+)
 _TRANSFER[P.integer_pow_p] = _integer_pow
 
 
@@ -231,6 +236,7 @@ def _compare(decide: Callable[[Interval, Interval], bool | None]) -> Transfer:
             return [EMPTY]
         d = decide(a, b)
         return [Interval(0, 1) if d is None else Interval(int(d), int(d))]
+
     return rule
 
 
@@ -328,9 +334,23 @@ def _join_all(eqn, ins):
     return [_fit(acc, _aval_dtype(eqn.outvars[0]))]
 
 
-for _p in (P.broadcast_in_dim_p, P.reshape_p, P.squeeze_p, P.transpose_p, P.rev_p, P.slice_p,
-           P.dynamic_slice_p, P.copy_p, P.reduce_max_p, P.reduce_min_p, P.reduce_and_p,
-           P.reduce_or_p, P.cummax_p, P.cummin_p, P.stop_gradient_p):
+for _p in (
+    P.broadcast_in_dim_p,
+    P.reshape_p,
+    P.squeeze_p,
+    P.transpose_p,
+    P.rev_p,
+    P.slice_p,
+    P.dynamic_slice_p,
+    P.copy_p,
+    P.reduce_max_p,
+    P.reduce_min_p,
+    P.reduce_and_p,
+    P.reduce_or_p,
+    P.cummax_p,
+    P.cummin_p,
+    P.stop_gradient_p,
+):
     _TRANSFER[_p] = _same
 for _p in (P.concatenate_p, P.pad_p):
     _TRANSFER[_p] = _join_all
@@ -354,8 +374,9 @@ def _gather(eqn, ins):
     if "FILL_OR_DROP" in mode:
         fill = eqn.params.get("fill_value")
         fill_iv = None if fill is None else _values_interval(fill)
-        return [_fit(ins[0].join(fill_iv) if ins[0] is not None else None,
-                     _aval_dtype(eqn.outvars[0]))]
+        return [
+            _fit(ins[0].join(fill_iv) if ins[0] is not None else None, _aval_dtype(eqn.outvars[0]))
+        ]
     return _same(eqn, ins)
 
 
@@ -474,8 +495,9 @@ class Facts:
 
     # -- branch refinement --
 
-    def refine(self, pred: Atom, truth: bool, depth: int = _REFINE_DEPTH
-               ) -> dict[Var, Interval] | None:
+    def refine(
+        self, pred: Atom, truth: bool, depth: int = _REFINE_DEPTH
+    ) -> dict[Var, Interval] | None:
         """What holds for ``pred``'s operands where ``pred == truth``, position by position.
 
         Returns narrowed intervals (``{}`` when nothing is learned), or None when ``pred`` can
@@ -514,11 +536,17 @@ class Facts:
             a, b, ra, rb = b, a, rb, ra
             prim = P.lt_p if prim is P.gt_p else P.le_p
         if prim is P.lt_p:  # a < b when true; a >= b when false
-            na, nb = ((Interval(ra.lo, rb.hi - 1), Interval(ra.lo + 1, rb.hi)) if truth else
-                      (Interval(rb.lo, ra.hi), Interval(rb.lo, ra.hi)))
+            na, nb = (
+                (Interval(ra.lo, rb.hi - 1), Interval(ra.lo + 1, rb.hi))
+                if truth
+                else (Interval(rb.lo, ra.hi), Interval(rb.lo, ra.hi))
+            )
         elif prim is P.le_p:
-            na, nb = ((Interval(ra.lo, rb.hi), Interval(ra.lo, rb.hi)) if truth else
-                      (Interval(rb.lo + 1, ra.hi), Interval(rb.lo, ra.hi - 1)))
+            na, nb = (
+                (Interval(ra.lo, rb.hi), Interval(ra.lo, rb.hi))
+                if truth
+                else (Interval(rb.lo + 1, ra.hi), Interval(rb.lo, ra.hi - 1))
+            )
         else:
             if (prim is P.eq_p) == truth:
                 na = nb = ra.meet(rb)
@@ -535,8 +563,13 @@ class Facts:
                 env[atom] = m
         return env
 
-    def range_under(self, atom: Atom, env: dict[Var, Interval], depth: int = _REFINE_DEPTH,
-                    global_env: bool = False) -> Interval | None:
+    def range_under(
+        self,
+        atom: Atom,
+        env: dict[Var, Interval],
+        depth: int = _REFINE_DEPTH,
+        global_env: bool = False,
+    ) -> Interval | None:
         """``range(atom)`` recomputed with the narrowed intervals ``env``.
 
         ``env`` holds position by position, so it is followed through elementwise ops only;
@@ -562,8 +595,11 @@ class Facts:
             return base if new is None else (new if base is None else new.meet(base))
         if eqn.primitive not in _TRANSFER and eqn.primitive is not P.select_n_p:
             return base
-        position_kept = (eqn.primitive in _ELEMENTWISE or global_env or (
-            eqn.primitive is P.broadcast_in_dim_p and _shaped(eqn.invars[0]).shape == ()))
+        position_kept = (
+            eqn.primitive in _ELEMENTWISE
+            or global_env
+            or (eqn.primitive is P.broadcast_in_dim_p and _shaped(eqn.invars[0]).shape == ())
+        )
         if not position_kept:
             return base
         ins = [self.range_under(v, env, depth - 1, global_env) for v in eqn.invars]
@@ -650,11 +686,17 @@ class Facts:
                 return self._uniform_op(eqn, shape)
             fa, fb = _pad(fa, shape), _pad(fb, shape)
             sign = 1 if prim is P.add_p else -1
-            if (fa.wrapped and not fb.uniform) or (fb.wrapped and not fa.uniform) or \
-                    (fb.wrapped and prim is P.sub_p) or (fa.wrapped and fb.wrapped):
+            if (
+                (fa.wrapped and not fb.uniform)
+                or (fb.wrapped and not fa.uniform)
+                or (fb.wrapped and prim is P.sub_p)
+                or (fa.wrapped and fb.wrapped)
+            ):
                 return None
-            return Form(tuple(x + sign * y for x, y in zip(fa.strides, fb.strides)),
-                        fa.wrapped or fb.wrapped)
+            return Form(
+                tuple(x + sign * y for x, y in zip(fa.strides, fb.strides)),
+                fa.wrapped or fb.wrapped,
+            )
         if prim is P.neg_p:
             f = sub(ins[0])
             return None if f is None or f.wrapped else Form(tuple(-s for s in f.strides))
@@ -686,9 +728,15 @@ class Facts:
             x, shifted = cases
             lt = self.producer(pred)
             add = self.producer(shifted)
-            if (lt is not None and lt.primitive is P.lt_p and lt.invars[0] is x
-                    and _exact(self, lt.invars[1]) == 0 and add is not None
-                    and add.primitive is P.add_p and x in add.invars):
+            if (
+                lt is not None
+                and lt.primitive is P.lt_p
+                and lt.invars[0] is x
+                and _exact(self, lt.invars[1]) == 0
+                and add is not None
+                and add.primitive is P.add_p
+                and x in add.invars
+            ):
                 n = _exact(self, add.invars[1] if add.invars[0] is x else add.invars[0])
                 f = self.form(x, depth - 1)
                 r = self.range(x)
@@ -706,11 +754,16 @@ class Facts:
         k = shape[-1]
         val = self.value(indices)
         if val is not None:
-            return [Component(_form_of_values(val[..., c]), _values_interval(val[..., c]))
-                    for c in range(k)]
+            return [
+                Component(_form_of_values(val[..., c]), _values_interval(val[..., c]))
+                for c in range(k)
+            ]
         eqn = self.producer(indices)
-        if eqn is not None and eqn.primitive is P.concatenate_p \
-                and eqn.params["dimension"] == len(shape) - 1:
+        if (
+            eqn is not None
+            and eqn.primitive is P.concatenate_p
+            and eqn.params["dimension"] == len(shape) - 1
+        ):
             out: list[Component] = []
             for part in eqn.invars:
                 sub = self.components(part)
@@ -724,8 +777,7 @@ class Facts:
         # Affine over the index-vector axis too: every component has the batch strides.
         if k > 1 and f.wrapped:
             return None
-        return [Component(Form(f.strides[:-1], f.wrapped), self.range(indices))
-                for _ in range(k)]
+        return [Component(Form(f.strides[:-1], f.wrapped), self.range(indices)) for _ in range(k)]
 
 
 class _CallView(Facts):
@@ -780,9 +832,14 @@ def _call_body(eqn: JaxprEqn) -> tuple[Jaxpr, Sequence[Any]] | None:
         if not isinstance(s, ClosedJaxpr | Jaxpr):
             continue
         j = s.jaxpr if isinstance(s, ClosedJaxpr) else s
-        if len(j.invars) == len(eqn.invars) and len(j.outvars) == len(eqn.outvars) \
-                and all(getattr(a.aval, "shape", None) == getattr(b.aval, "shape", None)
-                        for a, b in zip(j.invars, eqn.invars)):
+        if (
+            len(j.invars) == len(eqn.invars)
+            and len(j.outvars) == len(eqn.outvars)
+            and all(
+                getattr(a.aval, "shape", None) == getattr(b.aval, "shape", None)
+                for a, b in zip(j.invars, eqn.invars)
+            )
+        ):
             return j, (s.consts if isinstance(s, ClosedJaxpr) else ())
     return None
 
@@ -849,8 +906,9 @@ def analyze(closed: ClosedJaxpr) -> Facts:
     return facts
 
 
-def _walk(facts: Facts, jaxpr: Jaxpr, consts: Sequence[Any], in_ranges: Sequence, in_loop: bool
-          ) -> list[Interval | None]:
+def _walk(
+    facts: Facts, jaxpr: Jaxpr, consts: Sequence[Any], in_ranges: Sequence, in_loop: bool
+) -> list[Interval | None]:
     for v, c in zip(jaxpr.constvars, consts):
         if isinstance(c, Tracer):  # closed over from an enclosing trace: unknown
             _set(facts, v, None)
@@ -909,8 +967,11 @@ def _eqn_ranges(facts: Facts, eqn: JaxprEqn, ins: list, in_loop: bool) -> list:
         outs = None
         for branch in eqn.params["branches"]:
             r = _walk(facts, branch.jaxpr, branch.consts, ins[1:], in_loop)
-            outs = r if outs is None else [a.join(b) if a is not None else None
-                                           for a, b in zip(outs, r)]
+            outs = (
+                r
+                if outs is None
+                else [a.join(b) if a is not None else None for a, b in zip(outs, r)]
+            )
         return outs or [_top(v) for v in eqn.outvars]
     body = _call_body(eqn)
     if body is not None:
@@ -924,8 +985,13 @@ def _eqn_ranges(facts: Facts, eqn: JaxprEqn, ins: list, in_loop: bool) -> list:
     if prim.name not in ("shard_map", "pallas_call", "custom_partitioning"):
         for _, _, s in _subjaxprs(eqn):
             j = s.jaxpr if isinstance(s, ClosedJaxpr) else s
-            _walk(facts, j, s.consts if isinstance(s, ClosedJaxpr) else (),
-                  [None] * len(j.invars), True)
+            _walk(
+                facts,
+                j,
+                s.consts if isinstance(s, ClosedJaxpr) else (),
+                [None] * len(j.invars),
+                True,
+            )
     return [_top(v) for v in eqn.outvars]
 
 
@@ -957,7 +1023,7 @@ def _scan(facts: Facts, eqn: JaxprEqn, ins: list, in_loop: bool) -> list:
     nc, ncarry, length = p["num_consts"], p["num_carry"], p["length"]
     j = body.jaxpr
     defs = _local_defs(j)
-    carry_in = j.invars[nc:nc + ncarry]
+    carry_in = j.invars[nc : nc + ncarry]
     carry_out = j.outvars[:ncarry]
     body_ranges: list = list(ins[:nc])
     final: list = []
@@ -973,11 +1039,12 @@ def _scan(facts: Facts, eqn: JaxprEqn, ins: list, in_loop: bool) -> list:
         body_ranges.append(inside)
         last = c * length
         final.append(Interval(init.lo + min(last, 0), init.hi + max(last, 0)))
-    body_ranges.extend(ins[nc + ncarry:])  # xs: each slice's elements come from the operand
+    body_ranges.extend(ins[nc + ncarry :])  # xs: each slice's elements come from the operand
     outs = _walk(facts, j, body.consts, body_ranges, True)
     ys = outs[ncarry:]
-    return ([_fit(iv, _aval_dtype(v)) for iv, v in zip(final, eqn.outvars[:ncarry])]
-            + [_fit(iv, _aval_dtype(v)) for iv, v in zip(ys, eqn.outvars[ncarry:])])
+    return [_fit(iv, _aval_dtype(v)) for iv, v in zip(final, eqn.outvars[:ncarry])] + [
+        _fit(iv, _aval_dtype(v)) for iv, v in zip(ys, eqn.outvars[ncarry:])
+    ]
 
 
 def _while(facts: Facts, eqn: JaxprEqn, ins: list, in_loop: bool) -> list:
@@ -985,12 +1052,13 @@ def _while(facts: Facts, eqn: JaxprEqn, ins: list, in_loop: bool) -> list:
     cond: ClosedJaxpr = p["cond_jaxpr"]
     body: ClosedJaxpr = p["body_jaxpr"]
     cn, bn = p["cond_nconsts"], p["body_nconsts"]
-    cconsts, bconsts, init = ins[:cn], ins[cn:cn + bn], ins[cn + bn:]
+    cconsts, bconsts, init = ins[:cn], ins[cn : cn + bn], ins[cn + bn :]
     bj, cj = body.jaxpr, cond.jaxpr
     bdefs = _local_defs(bj)
     b_carry, b_out = bj.invars[bn:], bj.outvars
-    steps = [(_step(bdefs, vin, vout) if _is_int(vin) else None)
-             for vin, vout in zip(b_carry, b_out)]
+    steps = [
+        (_step(bdefs, vin, vout) if _is_int(vin) else None) for vin, vout in zip(b_carry, b_out)
+    ]
     # The loop bound: cond computes `lt(carry[k], bound)` (fori_loop), bound loop-invariant.
     body_in: list = [init[k] if steps[k] == 0 else _top(v) for k, v in enumerate(b_carry)]
     final: list = list(body_in)
@@ -1009,8 +1077,15 @@ def _while(facts: Facts, eqn: JaxprEqn, ins: list, in_loop: bool) -> list:
                 bound = _values_interval(b.val) if isinstance(b, Literal) else None
             c = steps[k]
             top = _top(b_carry[k])
-            if (bound is not None and not bound.empty and c is not None and c > 0
-                    and init[k] is not None and not init[k].empty and top is not None):
+            if (
+                bound is not None
+                and not bound.empty
+                and c is not None
+                and c > 0
+                and init[k] is not None
+                and not init[k].empty
+                and top is not None
+            ):
                 hi = bound.hi - (1 if pred.primitive is P.lt_p else 0)
                 if hi + c <= top.hi:  # the increment cannot wrap around
                     body_in[k] = Interval(init[k].lo, max(hi, init[k].lo))

@@ -25,8 +25,14 @@ from autoopt.codemod import FindingCommand, dotted_name, template
 
 __all__ = ["ScatterToDUSCommand"]
 
-_OPS = {"set": None, "add": "+", "subtract": "-", "multiply": "*", "min": "minimum",
-        "max": "maximum"}
+_OPS = {
+    "set": None,
+    "add": "+",
+    "subtract": "-",
+    "multiply": "*",
+    "min": "minimum",
+    "max": "maximum",
+}
 
 
 def _guard_kind(details: dict) -> str:
@@ -53,7 +59,8 @@ def _simple(node: cst.CSTNode) -> bool:
         return _simple(node.left) and _simple(node.right)
     if isinstance(node, cst.Subscript):
         return _simple(node.value) and all(
-            isinstance(e.slice, cst.Index) and _simple(e.slice.value) for e in node.slice)
+            isinstance(e.slice, cst.Index) and _simple(e.slice.value) for e in node.slice
+        )
     return False
 
 
@@ -61,7 +68,8 @@ def _literal(node: cst.CSTNode) -> bool:
     if isinstance(node, cst.UnaryOperation):
         return _literal(node.expression)
     return isinstance(node, cst.Integer | cst.Float) or (
-        isinstance(node, cst.Name) and node.value in ("True", "False"))
+        isinstance(node, cst.Name) and node.value in ("True", "False")
+    )
 
 
 class _AtUpdate:
@@ -69,7 +77,12 @@ class _AtUpdate:
 
     def __init__(self, base, element, op, value, keywords):
         self.base, self.element, self.op, self.value, self.keywords = (
-            base, element, op, value, keywords)
+            base,
+            element,
+            op,
+            value,
+            keywords,
+        )
 
 
 def _match(node: cst.Call) -> _AtUpdate | None:
@@ -77,8 +90,11 @@ def _match(node: cst.Call) -> _AtUpdate | None:
     if not (isinstance(func, cst.Attribute) and func.attr.value in _OPS):
         return None
     sub = func.value
-    if not (isinstance(sub, cst.Subscript) and isinstance(sub.value, cst.Attribute)
-            and sub.value.attr.value == "at"):
+    if not (
+        isinstance(sub, cst.Subscript)
+        and isinstance(sub.value, cst.Attribute)
+        and sub.value.attr.value == "at"
+    ):
         return None
     positional = [a for a in node.args if a.keyword is None and a.star == ""]
     if len(positional) != 1:
@@ -90,9 +106,14 @@ def _match(node: cst.Call) -> _AtUpdate | None:
 def _arange_window(index: cst.BaseExpression, imports) -> tuple | None:
     """``(start, size)`` for ``i + jnp.arange(k)``, ``jnp.arange(k) + i`` and
     ``jnp.arange(i, i + k)``."""
+
     def arange_args(n):
-        if isinstance(n, cst.Call) and (dotted_name(n.func) or "").endswith("arange") and \
-                imports.is_library(n.func) and all(a.keyword is None for a in n.args):
+        if (
+            isinstance(n, cst.Call)
+            and (dotted_name(n.func) or "").endswith("arange")
+            and imports.is_library(n.func)
+            and all(a.keyword is None for a in n.args)
+        ):
             return [a.value for a in n.args]
         return None
 
@@ -104,19 +125,26 @@ def _arange_window(index: cst.BaseExpression, imports) -> tuple | None:
     args = arange_args(index)
     if args is not None and len(args) == 2:
         lo, hi = args
-        if isinstance(hi, cst.BinaryOperation) and isinstance(hi.operator, cst.Add) and \
-                hi.left.deep_equals(lo):
+        if (
+            isinstance(hi, cst.BinaryOperation)
+            and isinstance(hi.operator, cst.Add)
+            and hi.left.deep_equals(lo)
+        ):
             return lo, hi.right
     return None
 
 
 class ScatterToDUSCommand(FindingCommand):
-    DESCRIPTION = ("Rewrite `x.at[i].set(v)` (and add, subtract, multiply, min, max) where the "
-                   "scatter_to_dus pass applied as `lax.dynamic_update_*`, keeping a `lax.cond` "
-                   "bounds guard unless the pass proved the index in bounds.")
+    DESCRIPTION = (
+        "Rewrite `x.at[i].set(v)` (and add, subtract, multiply, min, max) where the "
+        "scatter_to_dus pass applied as `lax.dynamic_update_*`, keeping a `lax.cond` "
+        "bounds guard unless the pass proved the index in bounds."
+    )
     KIND = "scatter_to_dus"
-    HINT = ("write `x = lax.dynamic_update_index_in_dim(x, v, i, 0)` in place of "
-            "`x = x.at[i].set(v)`, inside `lax.cond(in_bounds, ...)` unless i is known in bounds")
+    HINT = (
+        "write `x = lax.dynamic_update_index_in_dim(x, v, i, 0)` in place of "
+        "`x = x.at[i].set(v)`, inside `lax.cond(in_bounds, ...)` unless i is known in bounds"
+    )
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -124,7 +152,9 @@ class ScatterToDUSCommand(FindingCommand):
 
     def _is_cond(self, node: cst.Call) -> bool:
         return self.imports is not None and (self.imports.qualified(node.func) or "") in (
-            "jax.lax.cond", "jax.lax.switch")
+            "jax.lax.cond",
+            "jax.lax.switch",
+        )
 
     def visit_Call(self, node: cst.Call) -> bool:
         if self._is_cond(node):
@@ -156,34 +186,47 @@ class ScatterToDUSCommand(FindingCommand):
             self.outcomes[i] = reason
         return updated_node if new is None else self.fit(original_node, new)
 
-    def leave_Subscript(self, original_node: cst.Subscript,
-                        updated_node: cst.Subscript) -> cst.BaseExpression:
+    def leave_Subscript(
+        self, original_node: cst.Subscript, updated_node: cst.Subscript
+    ) -> cst.BaseExpression:
         """The read side: a proven window ``x[i + jnp.arange(k)]`` -> ``dynamic_slice_in_dim``."""
         hits = [i for i in self.targets_within(original_node) if _is_gather(self.targets[i])]
-        if not hits or len(original_node.slice) != 1 or \
-                not isinstance(original_node.slice[0].slice, cst.Index):
+        if (
+            not hits
+            or len(original_node.slice) != 1
+            or not isinstance(original_node.slice[0].slice, cst.Index)
+        ):
             return updated_node
         window = _arange_window(original_node.slice[0].slice.value, self.imports)
         if window is None:
             return updated_node
         if any(_guard_kind(self.targets[i].details) != "none" for i in hits):
-            reason = ("a read whose bounds are not proven has no short exact source form "
-                      "(out-of-bounds rows are filled or clamped one by one)")
+            reason = (
+                "a read whose bounds are not proven has no short exact source form "
+                "(out-of-bounds rows are filled or clamped one by one)"
+            )
             for i in hits:
                 self.outcomes[i] = reason
             return updated_node
         start, size = window
         for i in hits:
             self.outcomes[i] = None
-        return template("{f}({x}, {i}, {k}, 0)", f=self.ref("jax.lax.dynamic_slice_in_dim"),
-                        x=updated_node.value, i=start, k=size)
+        return template(
+            "{f}({x}, {i}, {k}, 0)",
+            f=self.ref("jax.lax.dynamic_slice_in_dim"),
+            x=updated_node.value,
+            i=start,
+            k=size,
+        )
 
     # --- building the replacement -------------------------------------------------------------
 
     def _replacement(self, at: _AtUpdate, original: cst.Call, details: dict):
         if len(at.element) != 1 or not isinstance(at.element[0].slice, cst.Index | cst.Slice):
-            return None, ("the update indexes several axes; write lax.dynamic_update_slice with "
-                          "a start index per axis by hand")
+            return None, (
+                "the update indexes several axes; write lax.dynamic_update_slice with "
+                "a start index per axis by hand"
+            )
         if not _simple(at.base):
             return None, "the updated array is an expression; assign it to a name first"
         guard = _guard_kind(details)
@@ -209,8 +252,10 @@ class ScatterToDUSCommand(FindingCommand):
             if not (_simple(start) and _simple(size)):
                 return None, "the window start or size is an expression; name it first"
             if guard == "select":
-                return None, ("a window guarded by select has no exact source form (a partly "
-                              "out-of-bounds window writes its in-bounds rows)")
+                return None, (
+                    "a window guarded by select has no exact source form (a partly "
+                    "out-of-bounds window writes its in-bounds rows)"
+                )
             return self._window(at, original, start, size, guard), None
         if not _simple(index):
             return None, "the index is an expression; assign it to a name first"
@@ -220,8 +265,9 @@ class ScatterToDUSCommand(FindingCommand):
         op = _OPS[at.op]
         if op is None:
             if _literal(at.value):  # a scalar fill: DUS needs the window's shape and dtype
-                return template("{fl}({old}, {v})", fl=self.ref("jax.numpy.full_like"),
-                                old=old, v=at.value)
+                return template(
+                    "{fl}({old}, {v})", fl=self.ref("jax.numpy.full_like"), old=old, v=at.value
+                )
             return at.value
         if len(op) == 1:
             return template(f"{{old}} {op} {{v}}", old=old, v=_paren(at.value))
@@ -233,46 +279,93 @@ class ScatterToDUSCommand(FindingCommand):
         new = self._new_value(at, old)
         in_bounds = template("(-{x}.shape[0] <= {i}) & ({i} < {x}.shape[0])", x=x, i=index)
         if guard == "select":  # out of bounds: write back what is there (clamped), a no-op
-            new = template("{where}({ok}, {new}, {old})", where=self.ref("jax.numpy.where"),
-                           ok=in_bounds, new=new, old=old)
-        dus = template("{f}({x}, {v}, {i}, 0)", f=self.ref("jax.lax.dynamic_update_index_in_dim"),
-                       x=x, v=new, i=index)
+            new = template(
+                "{where}({ok}, {new}, {old})",
+                where=self.ref("jax.numpy.where"),
+                ok=in_bounds,
+                new=new,
+                old=old,
+            )
+        dus = template(
+            "{f}({x}, {v}, {i}, 0)",
+            f=self.ref("jax.lax.dynamic_update_index_in_dim"),
+            x=x,
+            v=new,
+            i=index,
+        )
         if guard != "cond":
             return dus
-        return template("{cond}({ok}, lambda: {dus}, lambda: {x})", cond=self.ref("jax.lax.cond"),
-                        ok=in_bounds, x=x, dus=dus)
+        return template(
+            "{cond}({ok}, lambda: {dus}, lambda: {x})",
+            cond=self.ref("jax.lax.cond"),
+            ok=in_bounds,
+            x=x,
+            dus=dus,
+        )
 
     def _window(self, at: _AtUpdate, original: cst.Call, start, size, guard: str):
         x = at.base
-        old = template("{f}({x}, {i}, {k}, 0)", f=self.ref("jax.lax.dynamic_slice_in_dim"),
-                       x=x, i=start, k=size)
-        dus = template("{f}({x}, {v}, {i}, 0)", f=self.ref("jax.lax.dynamic_update_slice_in_dim"),
-                       x=x, v=self._new_value(at, old), i=start)
+        old = template(
+            "{f}({x}, {i}, {k}, 0)",
+            f=self.ref("jax.lax.dynamic_slice_in_dim"),
+            x=x,
+            i=start,
+            k=size,
+        )
+        dus = template(
+            "{f}({x}, {v}, {i}, 0)",
+            f=self.ref("jax.lax.dynamic_update_slice_in_dim"),
+            x=x,
+            v=self._new_value(at, old),
+            i=start,
+        )
         if guard == "none":
             return dus
         # A window that is partly out of bounds writes only its in-bounds rows, and a negative
         # start wraps row by row: only the original scatter does that, so it stays the else.
-        return template("{cond}((0 <= {i}) & ({i} + {k} <= {x}.shape[0]), lambda: {dus}, "
-                        "lambda: {orig})", cond=self.ref("jax.lax.cond"), x=x, i=_paren(start),
-                        k=_paren(size), dus=dus, orig=original)
+        return template(
+            "{cond}((0 <= {i}) & ({i} + {k} <= {x}.shape[0]), lambda: {dus}, lambda: {orig})",
+            cond=self.ref("jax.lax.cond"),
+            x=x,
+            i=_paren(start),
+            k=_paren(size),
+            dus=dus,
+            orig=original,
+        )
 
     def _static_slice(self, at: _AtUpdate, slc: cst.Slice):
         def const(n):
             return n is None or _literal(n)
 
         if not (const(slc.lower) and const(slc.upper)) or (
-                slc.step is not None and self.code(slc.step) != "1"):
+            slc.step is not None and self.code(slc.step) != "1"
+        ):
             return None, "only constant, unit-step slices have an exact dynamic_update_slice form"
         if _literal(at.value) or _OPS[at.op] is not None:
             return None, "a fill or combine over a static slice; XLA already updates it in place"
         lower = slc.lower if slc.lower is not None else cst.Integer("0")
-        return template("{f}({x}, {v}, {i}, 0)", f=self.ref("jax.lax.dynamic_update_slice_in_dim"),
-                        x=at.base, v=at.value, i=lower), None
+        return template(
+            "{f}({x}, {v}, {i}, 0)",
+            f=self.ref("jax.lax.dynamic_update_slice_in_dim"),
+            x=at.base,
+            v=at.value,
+            i=lower,
+        ), None
 
 
 def _paren(node: cst.BaseExpression) -> cst.BaseExpression:
     """``node`` parenthesized when it would bind looser than an operator next to it."""
-    if isinstance(node, cst.BinaryOperation | cst.BooleanOperation | cst.Comparison |
-                  cst.IfExp | cst.Lambda | cst.UnaryOperation) and not node.lpar:
+    if (
+        isinstance(
+            node,
+            cst.BinaryOperation
+            | cst.BooleanOperation
+            | cst.Comparison
+            | cst.IfExp
+            | cst.Lambda
+            | cst.UnaryOperation,
+        )
+        and not node.lpar
+    ):
         return node.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
     return node

@@ -45,7 +45,8 @@ def findings_for(inspection, args: tuple, kwargs: dict) -> list:
     on = o.placement in ("auto", "pack")
     # placement="auto" packs a layout only where its first calls measured packing faster
     pack_on = o.placement == "pack" or bool(
-        stats is not None and stats.last is not None and stats.last.packed_leaves)
+        stats is not None and stats.last is not None and stats.last.packed_leaves
+    )
     cpu = inspection.backend == "cpu"
 
     arrays = [i for i, x in enumerate(leaves) if isinstance(x, np.ndarray)]
@@ -54,62 +55,107 @@ def findings_for(inspection, args: tuple, kwargs: dict) -> list:
     writeable = [i for i in arrays if i not in read_only]
     for i in read_only:
         x = leaves[i]
-        out.append(Finding(
-            kind="placement", applied=on, location=site, bytes_saved=None,
-            transfers_avoided=1 if on else 0,
-            message=(f"`{names[i]}` ({_describe(x)}, {format_bytes(x.nbytes)}) is read-only: "
-                     + ("placed on the device once and reused by every call (the copy is dropped "
-                        "when the host array is freed)." if on else
-                        "it would be placed once and reused with placement='auto'.")),
-            details={"leaf": names[i], "strategy": "constant", "bytes": int(x.nbytes)}))
+        out.append(
+            Finding(
+                kind="placement",
+                applied=on,
+                location=site,
+                bytes_saved=None,
+                transfers_avoided=1 if on else 0,
+                message=(
+                    f"`{names[i]}` ({_describe(x)}, {format_bytes(x.nbytes)}) is read-only: "
+                    + (
+                        "placed on the device once and reused by every call (the copy is dropped "
+                        "when the host array is freed)."
+                        if on
+                        else "it would be placed once and reused with placement='auto'."
+                    )
+                ),
+                details={"leaf": names[i], "strategy": "constant", "bytes": int(x.nbytes)},
+            )
+        )
     if writeable:
-        small = [i for i in writeable if not (cpu and leaves[i].nbytes >= ZERO_COPY_MIN_BYTES
-                                              and is_aligned(leaves[i]))]
+        small = [
+            i
+            for i in writeable
+            if not (cpu and leaves[i].nbytes >= ZERO_COPY_MIN_BYTES and is_aligned(leaves[i]))
+        ]
         nbytes = sum(int(leaves[i].nbytes) for i in writeable)
-        shown = ", ".join(f"`{names[i]}`" for i in writeable[:4]) + (" ..." if len(writeable) > 4 else "")
+        shown = ", ".join(f"`{names[i]}`" for i in writeable[:4]) + (
+            " ..." if len(writeable) > 4 else ""
+        )
         if pack_on and len(small) >= PACK_MIN_LEAVES:
-            msg = (f"{len(writeable)} NumPy argument leaves ({shown}; {format_bytes(nbytes)}) are "
-                   f"transferred on every call: packed into one aligned host buffer per dtype, "
-                   f"one transfer instead of {len(small)}.")
+            msg = (
+                f"{len(writeable)} NumPy argument leaves ({shown}; {format_bytes(nbytes)}) are "
+                f"transferred on every call: packed into one aligned host buffer per dtype, "
+                f"one transfer instead of {len(small)}."
+            )
             avoided = len(small) - len({leaves[i].dtype for i in small})
         else:
-            msg = (f"NumPy argument leaves {shown} ({format_bytes(nbytes)}) are transferred on "
-                   "every call by jit" + ("" if on else " (placement='off')") + ". Place them "
-                   "ahead with autoopt.prefetch(batches) in the loop that feeds this call. "
-                   "placement='auto' packs 4+ small leaves of a dtype into one transfer where "
-                   "its first calls measure that faster (it was not, or not yet measured, here); "
-                   "placement='pack' always packs.")
+            msg = (
+                f"NumPy argument leaves {shown} ({format_bytes(nbytes)}) are transferred on "
+                "every call by jit" + ("" if on else " (placement='off')") + ". Place them "
+                "ahead with autoopt.prefetch(batches) in the loop that feeds this call. "
+                "placement='auto' packs 4+ small leaves of a dtype into one transfer where "
+                "its first calls measure that faster (it was not, or not yet measured, here); "
+                "placement='pack' always packs."
+            )
             avoided = 0
         big = [i for i in writeable if leaves[i].nbytes >= _LARGE_CONSTANT_BYTES]
         if big:
-            msg += (f" `{names[big[0]]}` is large: if it never changes, mark it read-only "
-                    "(`x.flags.writeable = False`) or wrap it in autoopt.constant(x) to place it once.")
-        out.append(Finding(kind="placement", applied=pack_on and avoided > 0, location=site,
-                           transfers_avoided=avoided, message=msg,
-                           details={"leaves": [names[i] for i in writeable], "strategy": "pack"}))
+            msg += (
+                f" `{names[big[0]]}` is large: if it never changes, mark it read-only "
+                "(`x.flags.writeable = False`) or wrap it in autoopt.constant(x) to place it once."
+            )
+        out.append(
+            Finding(
+                kind="placement",
+                applied=pack_on and avoided > 0,
+                location=site,
+                transfers_avoided=avoided,
+                message=msg,
+                details={"leaves": [names[i] for i in writeable], "strategy": "pack"},
+            )
+        )
     if scalars:
         shown = ", ".join(f"`{names[i]}` ({_describe(leaves[i])})" for i in scalars[:4])
-        out.append(Finding(
-            kind="placement", applied=o.canonicalize_scalars, location=site,
-            message=(f"scalar arguments {shown} are transferred by jit on every call, and each "
-                     "distinct scalar type (2.0, 2, True, np.float32(2)) compiles a new program"
-                     + (": canonicalize_scalars=True keeps the first call's type." if
-                        o.canonicalize_scalars else
-                        "; pass canonicalize_scalars=True (each keeps its first call's type) or "
-                        "pass jax arrays.")),
-            details={"leaves": [names[i] for i in scalars], "strategy": "scalar"}))
+        out.append(
+            Finding(
+                kind="placement",
+                applied=o.canonicalize_scalars,
+                location=site,
+                message=(
+                    f"scalar arguments {shown} are transferred by jit on every call, and each "
+                    "distinct scalar type (2.0, 2, True, np.float32(2)) compiles a new program"
+                    + (
+                        ": canonicalize_scalars=True keeps the first call's type."
+                        if o.canonicalize_scalars
+                        else "; pass canonicalize_scalars=True (each keeps its first call's type) or "
+                        "pass jax arrays."
+                    )
+                ),
+                details={"leaves": [names[i] for i in scalars], "strategy": "scalar"},
+            )
+        )
     out.extend(_recompile_findings(inspection.programs, site))
     out.extend(_closed_constant_findings(inspection.program, hoist=on))
     if stats is not None and stats.last is not None:
         last = stats.last
-        out.append(Finding(
-            # transfers_avoided stays None: the placement findings above already count them.
-            kind="transfer", applied=last.implicit < last.before, location=site,
-            message=(f"host-to-device transfers in the last scanned call: {last.before} host "
-                     f"values passed, {last.implicit} transferred implicitly by jit, "
-                     f"{last.explicit} placed explicitly, {last.cached} served from the constant "
-                     f"cache ({stats.calls_scanned} calls scanned)."),
-            details=dataclasses.asdict(last)))
+        out.append(
+            Finding(
+                # transfers_avoided stays None: the placement findings above already count them.
+                kind="transfer",
+                applied=last.implicit < last.before,
+                location=site,
+                message=(
+                    f"host-to-device transfers in the last scanned call: {last.before} host "
+                    f"values passed, {last.implicit} transferred implicitly by jit, "
+                    f"{last.explicit} placed explicitly, {last.cached} served from the constant "
+                    f"cache ({stats.calls_scanned} calls scanned)."
+                ),
+                details=dataclasses.asdict(last),
+            )
+        )
     return out
 
 
@@ -124,18 +170,36 @@ def _recompile_findings(programs, site) -> list:
         if len(members) < 2:
             continue
         types0, program = members[0]
-        differ = [i for i in range(len(types0))
-                  if len({(str(getattr(t[i], "dtype", t[i])), getattr(t[i], "weak_type", False))
-                          for t, _ in members}) > 1]
+        differ = [
+            i
+            for i in range(len(types0))
+            if len(
+                {
+                    (str(getattr(t[i], "dtype", t[i])), getattr(t[i], "weak_type", False))
+                    for t, _ in members
+                }
+            )
+            > 1
+        ]
         names = program.traced.in_leaf_names
         shown = ", ".join(f"`{names[i]}`" if i < len(names) else f"leaf {i}" for i in differ[:4])
-        out.append(Finding(
-            kind="placement", applied=False, location=site,
-            message=(f"compiled {len(members)} programs that differ only in the dtype or weak type "
-                     f"of {shown}: a recompile trigger (Python scalars of different types, or "
-                     "NumPy scalars). Pass canonicalize_scalars=True or jax arrays of one dtype."),
-            details={"leaves": [names[i] for i in differ if i < len(names)], "programs": len(members),
-                     "strategy": "recompile"}))
+        out.append(
+            Finding(
+                kind="placement",
+                applied=False,
+                location=site,
+                message=(
+                    f"compiled {len(members)} programs that differ only in the dtype or weak type "
+                    f"of {shown}: a recompile trigger (Python scalars of different types, or "
+                    "NumPy scalars). Pass canonicalize_scalars=True or jax arrays of one dtype."
+                ),
+                details={
+                    "leaves": [names[i] for i in differ if i < len(names)],
+                    "programs": len(members),
+                    "strategy": "recompile",
+                },
+            )
+        )
     return out
 
 
@@ -155,15 +219,24 @@ def _closed_constant_findings(program, hoist: bool = False) -> list:
                 break
         what = f"a closed-over constant {getattr(c, 'dtype', '')}{list(getattr(c, 'shape', ()))}"
         hoisted = hoist and nbytes >= HOIST_MIN_BYTES
-        out.append(Finding(
-            kind="placement", applied=hoisted, location=where, bytes_saved=None,
-            message=(f"{what} ({format_bytes(nbytes)}) is passed to the compiled program as a "
-                     "device argument, placed once, instead of being embedded into it (calls "
-                     "that reach jit without autoopt's placer still embed it)." if hoisted else
-                     f"{what} ({format_bytes(nbytes)}) is embedded into the compiled program: it "
-                     "slows compilation and is copied into every executable. Pass it as an "
-                     "argument (wrapped in autoopt.constant(...) so it is placed once)."),
-            details={"bytes": nbytes, "strategy": "closed_constant"}))
+        out.append(
+            Finding(
+                kind="placement",
+                applied=hoisted,
+                location=where,
+                bytes_saved=None,
+                message=(
+                    f"{what} ({format_bytes(nbytes)}) is passed to the compiled program as a "
+                    "device argument, placed once, instead of being embedded into it (calls "
+                    "that reach jit without autoopt's placer still embed it)."
+                    if hoisted
+                    else f"{what} ({format_bytes(nbytes)}) is embedded into the compiled program: it "
+                    "slows compilation and is copied into every executable. Pass it as an "
+                    "argument (wrapped in autoopt.constant(...) so it is placed once)."
+                ),
+                details={"bytes": nbytes, "strategy": "closed_constant"},
+            )
+        )
     return out
 
 
@@ -175,5 +248,3 @@ def _describe(x: Any) -> str:
     if isinstance(x, np.generic):
         return f"NumPy scalar {x.dtype}"
     return type(x).__name__
-
-

@@ -61,13 +61,18 @@ class Hoisted:
 
 
 tree_util.register_pytree_node(
-    Hoisted, lambda h: (h.devs, h.keys), lambda keys, devs: Hoisted(keys, tuple(devs)))
+    Hoisted, lambda h: (h.devs, h.keys), lambda keys, devs: Hoisted(keys, tuple(devs))
+)
 
 
 def large_consts(closed) -> list:
-    return [c for c in closed.consts
-            if getattr(c, "ndim", 0) > 0 and int(getattr(c, "nbytes", 0) or 0) >= HOIST_MIN_BYTES
-            and not isinstance(c, Tracer)]
+    return [
+        c
+        for c in closed.consts
+        if getattr(c, "ndim", 0) > 0
+        and int(getattr(c, "nbytes", 0) or 0) >= HOIST_MIN_BYTES
+        and not isinstance(c, Tracer)
+    ]
 
 
 def with_hoisted_consts(closed, hoisted: Hoisted | None):

@@ -34,7 +34,7 @@ def aligned_empty(n: int, dtype) -> np.ndarray:
     nbytes = n * dtype.itemsize
     raw = np.empty(nbytes + _ALIGN, np.uint8)
     off = (-raw.ctypes.data) % _ALIGN
-    return raw[off:off + nbytes].view(dtype)
+    return raw[off : off + nbytes].view(dtype)
 
 
 def is_aligned(a: np.ndarray) -> bool:
@@ -67,4 +67,5 @@ def is_read_only(a: np.ndarray) -> bool:
             return False
         base = base.base
     return not isinstance(base, bytearray | memoryview) or (
-        isinstance(base, memoryview) and base.readonly)
+        isinstance(base, memoryview) and base.readonly
+    )

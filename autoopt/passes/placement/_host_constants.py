@@ -153,8 +153,10 @@ def constant(host_array, *, sharding=None) -> Constant:
     if isinstance(host_array, Constant):
         return host_array
     if isinstance(host_array, Tracer):
-        raise TypeError("autoopt.constant() needs a concrete host array, got a traced value; "
-                        "call it once outside the jitted function and pass the result in.")
+        raise TypeError(
+            "autoopt.constant() needs a concrete host array, got a traced value; "
+            "call it once outside the jitted function and pass the result in."
+        )
     if isinstance(host_array, jax.Array):
         dev = host_array if sharding is None else jax.device_put(host_array, sharding)
         return Constant(host_array, dev)

@@ -73,8 +73,10 @@ class Pool:
             for buf in self.bufs:
                 # jax may hold the array itself (its C++ dispatch path) or a view of it, whose
                 # base is the allocation (its first-call Python path): test both.
-                if (sys.getrefcount(buf) <= _POOL_FREE_REFS
-                        and sys.getrefcount(buf.base) <= _POOL_FREE_BASE_REFS):
+                if (
+                    sys.getrefcount(buf) <= _POOL_FREE_REFS
+                    and sys.getrefcount(buf.base) <= _POOL_FREE_BASE_REFS
+                ):
                     return buf
             buf = aligned_empty(self.total, self.dtype)
             if (len(self.bufs) + 1) * buf.nbytes <= _POOL_MAX_BYTES and len(self.bufs) < self.size:
@@ -121,12 +123,28 @@ class Layout:
     kernel) and on the machine, so the first calls measure both (``strategy``).
     """
 
-    __slots__ = ("treedef", "n", "kept", "groups", "static_argnums", "static_argnames", "nargs",
-                 "leaves_packed", "bytes_packed", "pools", "mode", "trials", "timings", "run",
-                 "run_t0", "run_ok")
+    __slots__ = (
+        "treedef",
+        "n",
+        "kept",
+        "groups",
+        "static_argnums",
+        "static_argnames",
+        "nargs",
+        "leaves_packed",
+        "bytes_packed",
+        "pools",
+        "mode",
+        "trials",
+        "timings",
+        "run",
+        "run_t0",
+        "run_ok",
+    )
 
-    def __init__(self, treedef, n, kept, groups, static_argnums, static_argnames, nargs,
-                 mode="pack"):
+    def __init__(
+        self, treedef, n, kept, groups, static_argnums, static_argnames, nargs, mode="pack"
+    ):
         self.treedef = treedef
         self.n = n
         self.kept = kept  # leaf indices passed to jit as they are
@@ -173,8 +191,13 @@ class Layout:
         if len(jit) > _TUNE_SAMPLES and len(pack) > _TUNE_SAMPLES:
             j, p = min(jit[1:]), min(pack[1:])
             self.mode = "pack" if p < _TUNE_MARGIN * j else "jit"
-            log.debug("autoopt: %s: packed %.1f us, per-leaf jit %.1f us a call: %s", self,
-                      p * 1e6, j * 1e6, self.mode)
+            log.debug(
+                "autoopt: %s: packed %.1f us, per-leaf jit %.1f us a call: %s",
+                self,
+                p * 1e6,
+                j * 1e6,
+                self.mode,
+            )
 
     def __repr__(self) -> str:
         return f"<packed layout: {self.leaves_packed} leaves in {len(self.groups)} buffers>"
@@ -210,7 +233,8 @@ class Packed:
 
 
 tree_util.register_pytree_node(
-    Packed, lambda p: (p.bufs, p.layout), lambda layout, bufs: Packed(layout, bufs))
+    Packed, lambda p: (p.bufs, p.layout), lambda layout, bufs: Packed(layout, bufs)
+)
 
 
 def unpack(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -231,7 +255,7 @@ def unpack(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         host = isinstance(buf, np.ndarray)
         for idx, off, size, shape in members:
             if host:  # a copy: the pooled buffer is reused by the next call
-                full[idx] = buf[off:off + size].reshape(shape).copy()
+                full[idx] = buf[off : off + size].reshape(shape).copy()
             else:
                 full[idx] = jax.lax.slice(buf, (off,), (off + size,)).reshape(shape)
     return _trace.merge_args(tree_util.tree_unflatten(layout.treedef, full), statics, layout.nargs)

@@ -96,8 +96,11 @@ def _user_location() -> str | None:
     """``"file:line"`` of the innermost frame outside autoopt (the user's call), or None."""
     f = sys._getframe(1)
     # The bundled examples live inside the package when installed, but are user code.
-    while (f is not None and f.f_code.co_filename.startswith(_PKG_DIR)
-           and not f.f_code.co_filename.startswith(_EXAMPLES_DIR)):
+    while (
+        f is not None
+        and f.f_code.co_filename.startswith(_PKG_DIR)
+        and not f.f_code.co_filename.startswith(_EXAMPLES_DIR)
+    ):
         f = f.f_back
     return None if f is None else f"{f.f_code.co_filename}:{f.f_lineno}"
 
@@ -354,9 +357,13 @@ class Placer:
     def figures(self) -> PlacementFigures:
         """What ``OptimizedFunction.inspect`` reports about this placer."""
         return PlacementFigures(
-            stats=self.stats, active=self._active, hoisted=self._hoisted,
-            packed_layouts=tuple(hit[0] for hit in list(self._layouts.values())
-                                 if hit[0] is not None))
+            stats=self.stats,
+            active=self._active,
+            hoisted=self._hoisted,
+            packed_layouts=tuple(
+                hit[0] for hit in list(self._layouts.values()) if hit[0] is not None
+            ),
+        )
 
     def hoists(self, program) -> bool:
         """Whether calls of ``program`` must go through the placer: it has large constants the
@@ -376,9 +383,12 @@ class Placer:
     def _fall_back(self, error: BaseException) -> None:
         if not self._warned:
             self._warned = True
-            warnings.warn(f"autoopt placement skipped for {getattr(self._fn, '__name__', 'fn')}: "
-                          f"{type(error).__name__}: {error}. The call runs as plain jax.jit would.",
-                          AutooptWarning, stacklevel=5)
+            warnings.warn(
+                f"autoopt placement skipped for {getattr(self._fn, '__name__', 'fn')}: "
+                f"{type(error).__name__}: {error}. The call runs as plain jax.jit would.",
+                AutooptWarning,
+                stacklevel=5,
+            )
 
     # --- planning one call ------------------------------------------------------------------------
 
@@ -386,7 +396,9 @@ class Placer:
         """``(args, kwargs, trial)`` to call jit with (``trial``: a tuning call to time, or None;
         args and kwargs None for the originals), or None to call with the originals."""
         if self._has_statics:
-            dyn, statics = _trace.split_args(args, kwargs, self._static_argnums, self._static_argnames)
+            dyn, statics = _trace.split_args(
+                args, kwargs, self._static_argnums, self._static_argnames
+            )
         else:
             dyn, statics = (args, kwargs), ()
         leaves, treedef = tree_util.tree_flatten(dyn)
@@ -405,9 +417,11 @@ class Placer:
         if [type(x) for x in leaves] != feed.types:  # every leaf: a new NumPy leaf is seen
             return _MISS
         xs = [leaves[i] for i in feed.arrays]
-        if ([x.shape for x in xs] != feed.shapes
-                or [x.dtype for x in xs] != feed.dtypes
-                or [x.flags.writeable for x in xs] != feed.writeable):
+        if (
+            [x.shape for x in xs] != feed.shapes
+            or [x.dtype for x in xs] != feed.dtypes
+            or [x.flags.writeable for x in xs] != feed.writeable
+        ):
             return _MISS
         device, constants = self._device, CONSTANTS
         for i in feed.consts:  # an identity lookup a constant: the array the cache holds
@@ -443,8 +457,15 @@ class Placer:
                     self._calls = _WATCH_FIRST
                     return None
                 return None if trial is None else (None, None, trial)
-        new_args, new_kwargs = _rebuild(feed.args_pack if strategy == "pack" else feed.args_jit,
-                                        args, kwargs, leaves, treedef, statics, nargs)
+        new_args, new_kwargs = _rebuild(
+            feed.args_pack if strategy == "pack" else feed.args_jit,
+            args,
+            kwargs,
+            leaves,
+            treedef,
+            statics,
+            nargs,
+        )
         if packing is not None:
             new_kwargs = dict(new_kwargs)
             new_kwargs[PACKED] = Packed(packing, bufs)
@@ -502,8 +523,9 @@ class Placer:
                     changed = True
                     continue
                 # XLA:CPU aliases a large aligned contiguous array for free: leave it to jit.
-                if pack_on and (zero_copy_min is None or x.nbytes < zero_copy_min
-                                or not is_aligned(x)):
+                if pack_on and (
+                    zero_copy_min is None or x.nbytes < zero_copy_min or not is_aligned(x)
+                ):
                     if self._on_cpu() or self._guard or x.nbytes <= _PACK_MAX_BYTES_ACCELERATOR:
                         pack.append(i)
                         continue
@@ -545,53 +567,76 @@ class Placer:
             call.implicit_names = self._names(dyn, statics, nargs, sorted(implicit))
         self.stats.add(call)
         if arrays and not self._always:
-            feed = self._remember(args, treedef, types, arrays, xs, consts, layout, pack, call,
-                                  len(scalars))
+            feed = self._remember(
+                args, treedef, types, arrays, xs, consts, layout, pack, call, len(scalars)
+            )
         else:
             feed = None
         if not changed:
             return None if trial is None else (None, None, trial)
         # The same call structure as _plan_fast builds (one jit signature, one compile).
-        arg_plan = None if feed is None else (
-            feed.args_pack if strategy == "pack" else feed.args_jit)
+        arg_plan = (
+            None if feed is None else (feed.args_pack if strategy == "pack" else feed.args_jit)
+        )
         new_args, new_kwargs = _rebuild(arg_plan, args, kwargs, leaves, treedef, statics, nargs)
         if packing is not None:
             new_kwargs = dict(new_kwargs)
             new_kwargs[PACKED] = Packed(packing, bufs)
         return tuple(new_args), new_kwargs, trial
 
-    def _remember(self, args, treedef, types, arrays, xs, consts, layout, pack, call,
-                  n_scalars) -> _Feed:
+    def _remember(
+        self, args, treedef, types, arrays, xs, consts, layout, pack, call, n_scalars
+    ) -> _Feed:
         """Store this scan's decision for the next calls with the same structure (_plan_fast)."""
         if len(self._feeds) >= 64:  # a function called with ever new structures: start over
             self._feeds.clear()
         n_arrays = len(arrays)
-        jit_call = CallTransfers(before=call.before, cached=len(consts),
-                                 implicit=n_scalars + n_arrays - len(consts))
+        jit_call = CallTransfers(
+            before=call.before, cached=len(consts), implicit=n_scalars + n_arrays - len(consts)
+        )
         pack_call = jit_call
         group_leaves: tuple = ()
         if layout is not None:
             group_leaves = tuple(tuple(m[0] for m in members) for _d, _t, members in layout.groups)
             pack_call = CallTransfers(
-                before=call.before, cached=len(consts), packed_leaves=layout.leaves_packed,
+                before=call.before,
+                cached=len(consts),
+                packed_leaves=layout.leaves_packed,
                 packed_bytes=layout.bytes_packed,
-                implicit=n_scalars + n_arrays - len(consts) - len(pack) + len(layout.groups))
+                implicit=n_scalars + n_arrays - len(consts) - len(pack) + len(layout.groups),
+            )
         args_jit = args_pack = None
         if not self._has_statics:
             n = len(types)
             args_jit = _arg_plan(args, set(consts), set(), n)
             args_pack = _arg_plan(args, set(consts) | set(pack), set(pack), n)
         feed = self._feeds[treedef] = _Feed(
-            arrays=tuple(arrays), types=types, shapes=[x.shape for x in xs],
-            dtypes=[x.dtype for x in xs], writeable=[x.flags.writeable for x in xs],
-            consts=tuple(consts), layout=layout, pack=tuple(pack), group_leaves=group_leaves,
-            call_jit=jit_call, call_pack=pack_call, args_jit=args_jit, args_pack=args_pack)
+            arrays=tuple(arrays),
+            types=types,
+            shapes=[x.shape for x in xs],
+            dtypes=[x.dtype for x in xs],
+            writeable=[x.flags.writeable for x in xs],
+            consts=tuple(consts),
+            layout=layout,
+            pack=tuple(pack),
+            group_leaves=group_leaves,
+            call_jit=jit_call,
+            call_pack=pack_call,
+            args_jit=args_jit,
+            args_pack=args_pack,
+        )
         return feed
 
     def _layout_for(self, leaves: list, treedef, pack: list[int], nargs: int):
         """``(layout or None, packed leaf indices, leaf indices left to jit)``."""
         xs = [leaves[i] for i in pack]
-        key = (treedef, nargs, tuple(pack), tuple([x.shape for x in xs]), tuple([x.dtype for x in xs]))
+        key = (
+            treedef,
+            nargs,
+            tuple(pack),
+            tuple([x.shape for x in xs]),
+            tuple([x.dtype for x in xs]),
+        )
         hit = self._layouts.get(key)
         if hit is not None:
             return hit
@@ -620,8 +665,16 @@ class Placer:
         kept = tuple(i for i in range(len(leaves)) if i not in packed_set)
         layout = None
         if groups:
-            layout = Layout(treedef, len(leaves), kept, tuple(groups), self._static_argnums,
-                             self._static_argnames, nargs, mode="tune" if tune else "pack")
+            layout = Layout(
+                treedef,
+                len(leaves),
+                kept,
+                tuple(groups),
+                self._static_argnums,
+                self._static_argnames,
+                nargs,
+                mode="tune" if tune else "pack",
+            )
         hit = (layout, packed, left)
         self._layouts[key] = hit
         return hit
@@ -657,10 +710,19 @@ class Placer:
     def _call_guarded(self, jitted, args: tuple, kwargs: dict):
         call = self.stats.last
         site = _user_location()
-        if self._guard == "log" and call is not None and call.implicit and site not in self._logged_sites:
+        if (
+            self._guard == "log"
+            and call is not None
+            and call.implicit
+            and site not in self._logged_sites
+        ):
             self._logged_sites.add(site)
-            log.warning("autoopt: %d implicit host-to-device transfer(s) in the call at %s: %s",
-                        call.implicit, site, ", ".join(call.implicit_names) or "?")
+            log.warning(
+                "autoopt: %d implicit host-to-device transfer(s) in the call at %s: %s",
+                call.implicit,
+                site,
+                ", ".join(call.implicit_names) or "?",
+            )
         with jax.transfer_guard_host_to_device(self._guard):
             try:
                 return jitted(*args, **kwargs)
@@ -675,7 +737,8 @@ class Placer:
                     "Pass device arrays (jnp.asarray(...) once, outside the loop), mark arrays "
                     "that never change with autoopt.constant(...), feed batches through "
                     "autoopt.prefetch(...), or use transfer_guard='log' to only report. "
-                    f"JAX said: {e}") from e
+                    f"JAX said: {e}"
+                ) from e
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,9 +38,13 @@ def _unpacker(members: tuple):
     """A jitted function slicing one packed buffer back into its leaves (cached per layout)."""
     fn = _UNPACKERS.get(members)
     if fn is None:
+
         def split(buf):
-            return tuple(jax.lax.slice(buf, (off,), (off + size,)).reshape(shape)
-                         for _i, off, size, shape in members)
+            return tuple(
+                jax.lax.slice(buf, (off,), (off + size,)).reshape(shape)
+                for _i, off, size, shape in members
+            )
+
         fn = _UNPACKERS[members] = jax.jit(split)
     return fn
 
@@ -60,6 +64,8 @@ def _prefetch_pool(members: tuple, dtype, total: int) -> Pool:
             _PREFETCH_POOLS.clear()
         pool = _PREFETCH_POOLS[key] = Pool(dtype, total, _PREFETCH_POOL_SIZE)
     return pool
+
+
 # Many tiny leaves: one packed buffer and a jitted split beat one jit argument a leaf.
 _PREFETCH_PACK_MIN_LEAVES = 16
 _PREFETCH_PACK_MAX_MEAN_BYTES = 8 * 1024
@@ -69,8 +75,9 @@ def place_batch(batch, sharding=None):
     """``batch`` with every NumPy leaf on the device (or split over ``sharding``), in one batched
     placement. jax arrays and Python scalars are returned as they are."""
     leaves, treedef = tree_util.tree_flatten(batch)
-    host = [i for i, x in enumerate(leaves)
-            if type(x) in NDARRAY_TYPES or isinstance(x, np.generic)]
+    host = [
+        i for i, x in enumerate(leaves) if type(x) in NDARRAY_TYPES or isinstance(x, np.generic)
+    ]
     if not host:
         return batch
     xs = [leaves[i] for i in host]
@@ -78,9 +85,11 @@ def place_batch(batch, sharding=None):
         placed = jax.device_put(xs, sharding)
     elif len(xs) == 1:
         placed = [jax.device_put(xs[0])]
-    elif (len(xs) >= _PREFETCH_PACK_MIN_LEAVES
-          and sum(x.nbytes for x in xs) / len(xs) <= _PREFETCH_PACK_MAX_MEAN_BYTES
-          and len({x.dtype for x in xs}) == 1):
+    elif (
+        len(xs) >= _PREFETCH_PACK_MIN_LEAVES
+        and sum(x.nbytes for x in xs) / len(xs) <= _PREFETCH_PACK_MAX_MEAN_BYTES
+        and len({x.dtype for x in xs}) == 1
+    ):
         members, off = [], 0
         for i, x in enumerate(xs):
             members.append((i, off, int(x.size), tuple(x.shape)))
@@ -153,8 +162,11 @@ class Prefetch(Iterator):
         self._stop = threading.Event()
         self._done = False
         self.thread = threading.Thread(
-            target=_prefetch_worker, args=(source, self._queue, self._stop, sharding),
-            name="autoopt-prefetch", daemon=True)
+            target=_prefetch_worker,
+            args=(source, self._queue, self._stop, sharding),
+            name="autoopt-prefetch",
+            daemon=True,
+        )
         self.thread.start()
 
     def __iter__(self):
@@ -213,9 +225,13 @@ def prefetch(iterable: Iterable, size: int = 2, sharding=None) -> Prefetch:
     Transfer guards apply as usual; note that device-to-host guards do not fire on XLA:CPU.
     """
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        raise ValueError(f"prefetch(size={size!r}): size is how many batches to place ahead; "
-                         "pass an int >= 1 (2 double-buffers).")
+        raise ValueError(
+            f"prefetch(size={size!r}): size is how many batches to place ahead; "
+            "pass an int >= 1 (2 double-buffers)."
+        )
     if sharding is not None and not isinstance(sharding, jax.sharding.Sharding | jax.Device):
-        raise TypeError(f"prefetch(sharding={sharding!r}): pass a jax.sharding.Sharding (e.g. "
-                        "NamedSharding(mesh, P('data'))), a jax.Device, or None.")
+        raise TypeError(
+            f"prefetch(sharding={sharding!r}): pass a jax.sharding.Sharding (e.g. "
+            "NamedSharding(mesh, P('data'))), a jax.Device, or None."
+        )
     return Prefetch(iter(iterable), size, sharding)

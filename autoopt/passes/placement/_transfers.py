@@ -61,15 +61,17 @@ def host_callbacks(closed) -> list[dict]:
         name = eqn.primitive.name
         if name not in CALLBACK_PRIMITIVES:
             continue
-        out.append({
-            "primitive": name,
-            "api": CALLBACK_PRIMITIVES[name],
-            "location": _jaxpr.user_location(eqn),
-            "to_host_bytes": _nbytes(v.aval for v in eqn.invars),
-            "to_device_bytes": _nbytes(v.aval for v in eqn.outvars),
-            "in_loop": site.in_loop,
-            "path": tuple(p for p, _ in site.path),
-        })
+        out.append(
+            {
+                "primitive": name,
+                "api": CALLBACK_PRIMITIVES[name],
+                "location": _jaxpr.user_location(eqn),
+                "to_host_bytes": _nbytes(v.aval for v in eqn.invars),
+                "to_device_bytes": _nbytes(v.aval for v in eqn.outvars),
+                "in_loop": site.in_loop,
+                "path": tuple(p for p, _ in site.path),
+            }
+        )
     return out
 
 
@@ -77,19 +79,27 @@ def transfers(closed, ctx: PassContext) -> PassResult:
     found = host_callbacks(closed)
     findings = []
     for cb in found:
-        back = (f" and {cb['to_device_bytes']:,} bytes back" if cb["to_device_bytes"] else "")
+        back = f" and {cb['to_device_bytes']:,} bytes back" if cb["to_device_bytes"] else ""
         debug = cb["primitive"] in ("debug_print", "debug_callback")
-        advice = ("remove it, or guard it with a Python flag so production traces leave it out"
-                  if debug else
-                  "move the host work out of the step (precompute it, or express it in jax.numpy)"
-                  " if it is on the hot path")
-        findings.append(Finding(
-            kind="transfer", applied=False, location=cb["location"] or ctx.fn_location,
-            message=(f"`{cb['api']}` stalls the device: it copies {cb['to_host_bytes']:,} bytes to "
-                     f"the host{back} and waits for Python{_loop_words(cb['path'])}; "
-                     f"{advice}."),
-            details=cb,
-        ))
+        advice = (
+            "remove it, or guard it with a Python flag so production traces leave it out"
+            if debug
+            else "move the host work out of the step (precompute it, or express it in jax.numpy)"
+            " if it is on the hot path"
+        )
+        findings.append(
+            Finding(
+                kind="transfer",
+                applied=False,
+                location=cb["location"] or ctx.fn_location,
+                message=(
+                    f"`{cb['api']}` stalls the device: it copies {cb['to_host_bytes']:,} bytes to "
+                    f"the host{back} and waits for Python{_loop_words(cb['path'])}; "
+                    f"{advice}."
+                ),
+                details=cb,
+            )
+        )
     return PassResult.unchanged(closed, findings)
 
 
@@ -99,9 +109,11 @@ PLACEMENTS = ("auto", "pack", "off")
 
 def _check_placement(placement):
     if placement not in PLACEMENTS:
-        raise ValueError(f"placement={placement!r}: use 'auto' (cache read-only host constants, "
-                         "pass large constants as arguments, pack many small NumPy leaves into "
-                         "one transfer where measured faster), 'pack' (always pack) or 'off'.")
+        raise ValueError(
+            f"placement={placement!r}: use 'auto' (cache read-only host constants, "
+            "pass large constants as arguments, pack many small NumPy leaves into "
+            "one transfer where measured faster), 'pack' (always pack) or 'off'."
+        )
     return placement
 
 
@@ -119,12 +131,24 @@ PASS = Pass(
     kinds=("placement", "transfer"),
     after=("remat",),
     options=(
-        Option("placement", "auto", _check_placement,
-               "'auto', 'pack' or 'off': how host inputs and constants reach the device"),
-        Option("transfer_guard", None, _check_guard,
-               "None, 'log', 'disallow' or 'allow': implicit host-to-device transfers"),
-        Option("canonicalize_scalars", False, bool,
-               "place Python scalars as weakly typed device scalars once"),
+        Option(
+            "placement",
+            "auto",
+            _check_placement,
+            "'auto', 'pack' or 'off': how host inputs and constants reach the device",
+        ),
+        Option(
+            "transfer_guard",
+            None,
+            _check_guard,
+            "None, 'log', 'disallow' or 'allow': implicit host-to-device transfers",
+        ),
+        Option(
+            "canonicalize_scalars",
+            False,
+            bool,
+            "place Python scalars as weakly typed device scalars once",
+        ),
     ),
     codemod="autoopt.passes.placement.codemod:PlacementCommand",
 )

@@ -80,8 +80,13 @@ class _Assigned(cst.CSTVisitor):
 
 # The pass's strategies with a source edit, and the edit each one asks for (None: decide from
 # where the argument comes from).
-_STRATEGY = {None: None, "constant": "device_put", "device_put": "device_put",
-             "pack": "prefetch", "prefetch": "prefetch"}
+_STRATEGY = {
+    None: None,
+    "constant": "device_put",
+    "device_put": "device_put",
+    "pack": "prefetch",
+    "prefetch": "prefetch",
+}
 _EDITABLE = frozenset(_STRATEGY)
 
 
@@ -128,12 +133,16 @@ def _names_in(node: cst.CSTNode) -> set[str]:
 
 
 class PlacementCommand(FindingCommand):
-    DESCRIPTION = ("Place what the placement pass placed: loop-fed batches through "
-                   "`autoopt.prefetch(...)`, loop-invariant host arrays once with `jax.device_put`.")
+    DESCRIPTION = (
+        "Place what the placement pass placed: loop-fed batches through "
+        "`autoopt.prefetch(...)`, loop-invariant host arrays once with `jax.device_put`."
+    )
     KIND = "placement"
     INSERTS_STATEMENTS = True  # a `jax.device_put` line before the loop
-    HINT = ("iterate over `autoopt.prefetch(batches)` and `jax.device_put` constant host arrays "
-            "once, before the loop")
+    HINT = (
+        "iterate over `autoopt.prefetch(batches)` and `jax.device_put` constant host arrays "
+        "once, before the loop"
+    )
 
     @classmethod
     def wants(cls, finding) -> bool:
@@ -151,7 +160,13 @@ class PlacementCommand(FindingCommand):
 
     def _calls_function(self, call: cst.Call) -> bool:
         f = call.func
-        name = f.value if isinstance(f, cst.Name) else f.attr.value if isinstance(f, cst.Attribute) else None
+        name = (
+            f.value
+            if isinstance(f, cst.Name)
+            else f.attr.value
+            if isinstance(f, cst.Attribute)
+            else None
+        )
         return name is not None and name == self.function
 
     def visit_For(self, node: cst.For) -> bool:
@@ -184,8 +199,11 @@ class PlacementCommand(FindingCommand):
         calls = self._calls.pop(id(original_node), [])
         if self._stack:  # an inner loop's calls belong to the outer loop too
             self._calls[id(self._stack[-1])].extend(calls)
-        chosen = {i: c for i, f in self.targets.items()
-                  if i not in self.outcomes and (c := self._call_for(f, calls)) is not None}
+        chosen = {
+            i: c
+            for i, f in self.targets.items()
+            if i not in self.outcomes and (c := self._call_for(f, calls)) is not None
+        }
         if not chosen:
             return updated_node
         loop_vars = _names_in(original_node.target)
@@ -211,13 +229,23 @@ class PlacementCommand(FindingCommand):
         new_loop = updated_node
         if prefetch:
             new_loop = new_loop.with_changes(
-                iter=cst.Call(func=self.ref("autoopt.prefetch"), args=[cst.Arg(updated_node.iter)]))
+                iter=cst.Call(func=self.ref("autoopt.prefetch"), args=[cst.Arg(updated_node.iter)])
+            )
         if not put:
             return new_loop
-        stmts = [cst.SimpleStatementLine(body=[cst.Assign(
-            targets=[cst.AssignTarget(cst.Name(n))],
-            value=cst.Call(func=self.ref("jax.device_put"), args=[cst.Arg(cst.Name(n))]))])
-            for n in dict.fromkeys(put)]
+        stmts = [
+            cst.SimpleStatementLine(
+                body=[
+                    cst.Assign(
+                        targets=[cst.AssignTarget(cst.Name(n))],
+                        value=cst.Call(
+                            func=self.ref("jax.device_put"), args=[cst.Arg(cst.Name(n))]
+                        ),
+                    )
+                ]
+            )
+            for n in dict.fromkeys(put)
+        ]
         stmts[0] = stmts[0].with_changes(leading_lines=new_loop.leading_lines)
         return cst.FlattenSentinel([*stmts, new_loop.with_changes(leading_lines=[])])
 
@@ -230,21 +258,29 @@ class PlacementCommand(FindingCommand):
         if kind in (None, "prefetch") and any(_names_in(e) & loop_vars for e in candidates):
             return "prefetch", None
         names = [e.value for e in exprs if isinstance(e, cst.Name)]
-        if kind in (None, "device_put") and names and all(
-                n not in assigned and n not in loop_vars for n in names):
+        if (
+            kind in (None, "device_put")
+            and names
+            and all(n not in assigned and n not in loop_vars for n in names)
+        ):
             return "device_put", names[0]
         if not exprs and kind != "prefetch":
             return None, "the finding does not say which argument to place"
         if kind == "prefetch":
-            return None, ("the host arrays do not come from the loop variable; place them where "
-                          "they are made")
-        return None, ("the argument neither comes from the loop variable nor stays the same "
-                      "through the loop")
+            return None, (
+                "the host arrays do not come from the loop variable; place them where they are made"
+            )
+        return None, (
+            "the argument neither comes from the loop variable nor stays the same through the loop"
+        )
 
     def _is_prefetch(self, node: cst.BaseExpression) -> bool:
         imports = self.imports
-        return (imports is not None and isinstance(node, cst.Call)
-                and (imports.qualified(node.func) or "").endswith("prefetch"))
+        return (
+            imports is not None
+            and isinstance(node, cst.Call)
+            and (imports.qualified(node.func) or "").endswith("prefetch")
+        )
 
     def _placed_before(self, loop: cst.For, name: str | None) -> bool:
         from libcst.metadata import ParentNodeProvider
@@ -261,9 +297,14 @@ class PlacementCommand(FindingCommand):
             if not isinstance(stmt, cst.SimpleStatementLine):
                 continue
             for small in stmt.body:
-                if isinstance(small, cst.Assign) and isinstance(small.value, cst.Call) and \
-                        imports.qualified(small.value.func) == "jax.device_put" and \
-                        any(isinstance(t.target, cst.Name) and t.target.value == name
-                            for t in small.targets):
+                if (
+                    isinstance(small, cst.Assign)
+                    and isinstance(small.value, cst.Call)
+                    and imports.qualified(small.value.func) == "jax.device_put"
+                    and any(
+                        isinstance(t.target, cst.Name) and t.target.value == name
+                        for t in small.targets
+                    )
+                ):
                     return True
         return False

@@ -110,6 +110,7 @@ def vjp_jaxpr(closed: ClosedJaxpr) -> ClosedJaxpr | None:
 
 # --- segments of a straight-line forward ---------------------------------------------------------
 
+
 def forward_cuts(closed: ClosedJaxpr) -> list[tuple[int, int]]:
     return fine_cuts(closed.jaxpr.eqns)
 
@@ -126,8 +127,9 @@ def forward_segment_counts(closed: ClosedJaxpr) -> list[int]:
     return segment_counts(len(cuts) + 1) if cuts else []
 
 
-def checkpoint_segments(closed: ClosedJaxpr, bounds: Sequence[int], policy,
-                        skip_last: bool = True) -> ClosedJaxpr:
+def checkpoint_segments(
+    closed: ClosedJaxpr, bounds: Sequence[int], policy, skip_last: bool = True
+) -> ClosedJaxpr:
     """``closed`` with each segment ``[bounds[j], bounds[j+1])`` of its top-level equations run
     under ``jax.checkpoint(policy=policy)``; the last segment is left alone when ``skip_last``
     (the backward would recompute it at once)."""
@@ -178,7 +180,9 @@ def checkpoint_segments(closed: ClosedJaxpr, bounds: Sequence[int], policy,
                             local[v] = val
                 return [local[v] for v in outs]
 
-            results = jax.checkpoint(segment, policy=policy, prevent_cse=True)(*[env[u] for u in ins])
+            results = jax.checkpoint(segment, policy=policy, prevent_cse=True)(
+                *[env[u] for u in ins]
+            )
             env.update(zip(outs, results))
         return [read(v) for v in j.outvars]
 
@@ -187,6 +191,7 @@ def checkpoint_segments(closed: ClosedJaxpr, bounds: Sequence[int], policy,
 
 # --- loops ---------------------------------------------------------------------------------------
 
+
 def _scan_has_residuals(eqn) -> bool:
     body = eqn.params["jaxpr"]
     return any(heavy(e) or e.primitive.name not in ("add", "mul", "sub") for e in body.jaxpr.eqns)
@@ -194,8 +199,11 @@ def _scan_has_residuals(eqn) -> bool:
 
 def forward_scans(closed: ClosedJaxpr) -> list:
     """Top-level scans worth checkpointing (their bodies do work worth saving per iteration)."""
-    return [e for e in closed.jaxpr.eqns
-            if e.primitive.name == "scan" and e.params["length"] > 1 and _scan_has_residuals(e)]
+    return [
+        e
+        for e in closed.jaxpr.eqns
+        if e.primitive.name == "scan" and e.params["length"] > 1 and _scan_has_residuals(e)
+    ]
 
 
 def _factor(n: int) -> tuple[int, int] | None:
@@ -221,14 +229,17 @@ def checkpoint_scans(closed: ClosedJaxpr, policy, nest: bool) -> ClosedJaxpr:
         n = p["length"]
         split = _factor(n) if nest and n >= NEST_MIN_LENGTH else None
         if split is None:
+
             def ck_body(*a):
-                return jax.checkpoint(lambda *b: _jaxpr.eval_closed(body, *b), policy=policy,
-                                      prevent_cse=True)(*a)
+                return jax.checkpoint(
+                    lambda *b: _jaxpr.eval_closed(body, *b), policy=policy, prevent_cse=True
+                )(*a)
+
             new_body = _compat.trace_closed_jaxpr(ck_body, body.in_avals, name="autoopt.remat.body")
             return eqn.primitive.bind(*invals, **dict(p, jaxpr=new_body))
         outer_n, inner_n = split
         nc, nk = p["num_consts"], p["num_carry"]
-        consts, carry, xs = invals[:nc], invals[nc:nc + nk], invals[nc + nk:]
+        consts, carry, xs = invals[:nc], invals[nc : nc + nk], invals[nc + nk :]
         xs_r = [x.reshape((outer_n, inner_n) + tuple(x.shape[1:])) for x in xs]
 
         def chunk(c, xc):
@@ -236,8 +247,9 @@ def checkpoint_scans(closed: ClosedJaxpr, policy, nest: bool) -> ClosedJaxpr:
             return list(out[:nk]), list(out[nk:])
 
         chunk_ck = jax.checkpoint(chunk, policy=policy, prevent_cse=True)
-        c, ys = jax.lax.scan(lambda c, xc: chunk_ck(c, xc), list(carry), xs_r, length=outer_n,
-                             reverse=p["reverse"])
+        c, ys = jax.lax.scan(
+            lambda c, xc: chunk_ck(c, xc), list(carry), xs_r, length=outer_n, reverse=p["reverse"]
+        )
         ys = [y.reshape((n,) + tuple(y.shape[2:])) for y in ys]
         return list(c) + list(ys)
 
@@ -254,5 +266,10 @@ def as_jaxpr(j: ClosedJaxpr | Jaxpr) -> Jaxpr:
 
 
 def float_bytes(avals: Sequence[Any]) -> int:
-    return int(sum(np.prod(a.shape, dtype=np.int64) * np.dtype(a.dtype).itemsize
-                   for a in avals if _floating(a)))
+    return int(
+        sum(
+            np.prod(a.shape, dtype=np.int64) * np.dtype(a.dtype).itemsize
+            for a in avals
+            if _floating(a)
+        )
+    )

@@ -66,13 +66,13 @@ from autoopt.passes.remat import _plan as _remat_plan
 
 log = logging.getLogger("autoopt")
 
-MIN_DROP = 0.20             # the compiled peak must drop by this much ...
-MAX_EXTRA_FLOPS = 0.10      # ... for at most this many more FLOPs (remat="auto", no budget)
+MIN_DROP = 0.20  # the compiled peak must drop by this much ...
+MAX_EXTRA_FLOPS = 0.10  # ... for at most this many more FLOPs (remat="auto", no budget)
 # Below this many bytes of residuals a program is left alone without compiling anything.
 MIN_RESIDUAL_BYTES = 1 << 20
-MAX_COMPILES = 6            # candidates compiled per decision, the original not counted
-AUTO_COMPILES = 3           # of which without a budget (see _auto_order)
-FLOOR_EXTRA_COMPILES = 2    # more, when the lowest-memory plan misses the budget (_choose)
+MAX_COMPILES = 6  # candidates compiled per decision, the original not counted
+AUTO_COMPILES = 3  # of which without a budget (see _auto_order)
+FLOOR_EXTRA_COMPILES = 2  # more, when the lowest-memory plan misses the budget (_choose)
 
 # XLA:CPU expands optimization barriers away before CSE (jax-ml/jax#19822), which merges every
 # recomputation back into the forward; by default plans there recompute inside conditionals
@@ -85,8 +85,11 @@ FLOOR_EXTRA_COMPILES = 2    # more, when the lowest-memory plan misses the budge
 # by measurement when it is absent.
 CPU_FLAGS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
 
-_POLICY_FACTORIES_WITHOUT_ARGS = ("save_only_these_names", "save_any_names_but_these",
-                                  "save_anything_except_these_names")
+_POLICY_FACTORIES_WITHOUT_ARGS = (
+    "save_only_these_names",
+    "save_any_names_but_these",
+    "save_anything_except_these_names",
+)
 
 
 def fence_for(backend: str, compiler_options) -> str:
@@ -120,6 +123,7 @@ def _policy(name: str):
 
 # --- measuring -----------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class Measured:
     memory: CompiledMemory
@@ -132,8 +136,10 @@ class Measured:
 
 
 def _structs(avals) -> list:
-    return [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
-            for a in avals]
+    return [
+        jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
+        for a in avals
+    ]
 
 
 def _compile(fn: Callable, avals, compiler_options) -> Measured | None:
@@ -141,7 +147,9 @@ def _compile(fn: Callable, avals, compiler_options) -> Measured | None:
     gives no memory figures. Runs inside the outer jit's trace, which is fine: lowering opens its
     own trace."""
     t0 = time.perf_counter()
-    compiled = jax.jit(fn, compiler_options=compiler_options or None).lower(*_structs(avals)).compile()
+    compiled = (
+        jax.jit(fn, compiler_options=compiler_options or None).lower(*_structs(avals)).compile()
+    )
     mem = compiled_memory(compiled)
     if mem is None:
         return None
@@ -176,8 +184,9 @@ def _measure_split_vjp(closed: ClosedJaxpr, compiler_options) -> Measured | None
     mems = [compiled_memory(f), compiled_memory(b)]
     if any(m is None for m in mems):
         return None
-    return Measured(max(mems, key=lambda m: m.peak_bytes), _flops(f) + _flops(b),
-                    time.perf_counter() - t0)
+    return Measured(
+        max(mems, key=lambda m: m.peak_bytes), _flops(f) + _flops(b), time.perf_counter() - t0
+    )
 
 
 def _measure_vjp(closed: ClosedJaxpr, compiler_options) -> Measured | None:
@@ -190,14 +199,15 @@ def _measure_vjp(closed: ClosedJaxpr, compiler_options) -> Measured | None:
 
 # --- choosing ------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass
 class Candidate:
     name: str
     build: Callable[[], ClosedJaxpr]
-    est_peak: float             # static estimate, only for ranking
+    est_peak: float  # static estimate, only for ranking
     est_extra_flops: float
     describe: Callable[[], dict] = dict
-    heavy: bool = False         # recomputes a matmul, convolution or reduction
+    heavy: bool = False  # recomputes a matmul, convolution or reduction
     _built: ClosedJaxpr | None = None
 
     def program(self) -> ClosedJaxpr:
@@ -216,10 +226,15 @@ class Decision:
     floor: int | None = None
 
 
-def _choose(auto_order: list[Candidate], front: list[Candidate],
-            measure: Callable[[ClosedJaxpr], Measured | None], base_program: ClosedJaxpr,
-            budget: int | None, bisect: bool = True,
-            floor_extra: list[Candidate] | None = None) -> Decision:
+def _choose(
+    auto_order: list[Candidate],
+    front: list[Candidate],
+    measure: Callable[[ClosedJaxpr], Measured | None],
+    base_program: ClosedJaxpr,
+    budget: int | None,
+    bisect: bool = True,
+    floor_extra: list[Candidate] | None = None,
+) -> Decision:
     """Apply the rule, compiling as few programs as possible.
 
     ``auto_order``: candidates the static estimate says may pass the 20%/10% rule, in the
@@ -245,12 +260,21 @@ def _choose(auto_order: list[Candidate], front: list[Candidate],
         return cache[c.name]
 
     def acceptable(base: Measured, got: Measured | None) -> bool:
-        return (got is not None and got.peak <= (1 - MIN_DROP) * base.peak
-                and got.flops <= (1 + MAX_EXTRA_FLOPS) * max(base.flops, 1.0))
+        return (
+            got is not None
+            and got.peak <= (1 - MIN_DROP) * base.peak
+            and got.flops <= (1 + MAX_EXTRA_FLOPS) * max(base.flops, 1.0)
+        )
 
     if budget is None and not auto_order:
-        return Decision(None, None, None, "no plan is estimated to cut the peak by "
-                        f"{MIN_DROP:.0%} for at most {MAX_EXTRA_FLOPS:.0%} more FLOPs", tried)
+        return Decision(
+            None,
+            None,
+            None,
+            "no plan is estimated to cut the peak by "
+            f"{MIN_DROP:.0%} for at most {MAX_EXTRA_FLOPS:.0%} more FLOPs",
+            tried,
+        )
     base = measure(base_program)
     if base is None:
         return Decision(None, None, None, "the backend reports no memory figures", tried)
@@ -262,9 +286,12 @@ def _choose(auto_order: list[Candidate], front: list[Candidate],
     if budget is None or base.peak <= budget:
         if rule is not None:
             return Decision(rule[0], base, rule[1], "rule", tried)
-        why = ("already within the memory budget" if budget is not None else
-               f"no compiled plan cut the peak by {MIN_DROP:.0%} for at most "
-               f"{MAX_EXTRA_FLOPS:.0%} more FLOPs")
+        why = (
+            "already within the memory budget"
+            if budget is not None
+            else f"no compiled plan cut the peak by {MIN_DROP:.0%} for at most "
+            f"{MAX_EXTRA_FLOPS:.0%} more FLOPs"
+        )
         return Decision(None, base, None, why, tried)
     # A budget the original exceeds. First the plan the rule would apply without a budget, when
     # it meets the budget too: a budget only ever adds memory savings to the default (else a
@@ -292,15 +319,18 @@ def _choose(auto_order: list[Candidate], front: list[Candidate],
                     found = c
                     break
     else:
-        for c in front[:MAX_COMPILES // 2]:
+        for c in front[: MAX_COMPILES // 2]:
             got = m(c)
             if got is not None and got.peak <= budget:
                 found = c
                 break
     if found is not None:
         return Decision(found, base, cache[found.name], "budget", tried)
-    best = min((c for c in [*front, *(floor_extra or [])] if cache.get(c.name) is not None),
-               key=lambda c: cache[c.name].peak, default=None)
+    best = min(
+        (c for c in [*front, *(floor_extra or [])] if cache.get(c.name) is not None),
+        key=lambda c: cache[c.name].peak,
+        default=None,
+    )
     if best is None or cache[best.name].peak >= base.peak:
         return Decision(None, base, None, "no plan lowers the peak", tried, floor=base.peak)
     return Decision(best, base, cache[best.name], "floor", tried, floor=cache[best.name].peak)
@@ -323,8 +353,15 @@ def _auto_order(cands: list[Candidate], est_base: float, total_flops: float) -> 
     """The candidates compiled for the rule, in order: the two with the lowest estimated peak,
     then the best that recomputes no matmul or reduction (when neither of the first two is
     such), so that a misestimated heavy plan falls back to the elementwise min-cut."""
-    ok = sorted((c for c in cands if c.est_extra_flops <= MAX_EXTRA_FLOPS * total_flops
-                 and c.est_peak <= (1 - MIN_DROP) * est_base), key=lambda c: c.est_peak)
+    ok = sorted(
+        (
+            c
+            for c in cands
+            if c.est_extra_flops <= MAX_EXTRA_FLOPS * total_flops
+            and c.est_peak <= (1 - MIN_DROP) * est_base
+        ),
+        key=lambda c: c.est_peak,
+    )
     order = ok[:2]
     if all(c.heavy for c in order):
         order += [c for c in ok[2:] if not c.heavy][:1]
@@ -333,8 +370,14 @@ def _auto_order(cands: list[Candidate], est_base: float, total_flops: float) -> 
 
 # --- case 1: a program with its own backward ----------------------------------------------------
 
-def _joint_candidates(closed: ClosedJaxpr, g: _remat_plan.JointGraph, total: float,
-                      budget: int | None, fence: str = "barrier") -> tuple[list[Candidate], float]:
+
+def _joint_candidates(
+    closed: ClosedJaxpr,
+    g: _remat_plan.JointGraph,
+    total: float,
+    budget: int | None,
+    fence: str = "barrier",
+) -> tuple[list[Candidate], float]:
     base = _remat_plan.cheap_plan(g)
     if budget is None:
         # Without a budget: the min-cut, more elementwise work segment by segment, and the
@@ -344,100 +387,179 @@ def _joint_candidates(closed: ClosedJaxpr, g: _remat_plan.JointGraph, total: flo
         # some matmuls too takes the peak from 0.58x to 0.44x of plain for +8% FLOPs, at the
         # same step time (benchmarks/RESULTS.md).
         cap = MAX_EXTRA_FLOPS * total
-        plans = [base, *_remat_plan.partial_plans(g, base, cap, allow_heavy=False,
-                                                  label="elementwise"),
-                 *_remat_plan.partial_plans(g, base, cap)]
+        plans = [
+            base,
+            *_remat_plan.partial_plans(g, base, cap, allow_heavy=False, label="elementwise"),
+            *_remat_plan.partial_plans(g, base, cap),
+        ]
     else:
-        plans = [base, *_remat_plan.segment_plans(g, base),
-                 *_remat_plan.partial_plans(g, base, 10.0 * total)]
+        plans = [
+            base,
+            *_remat_plan.segment_plans(g, base),
+            *_remat_plan.partial_plans(g, base, 10.0 * total),
+        ]
     plans = _remat_plan.estimate(g, plans)
     # The baseline is the program as it is, although XLA's fusion already recomputes some cheap
     # values by itself: a plan it makes redundant costs a compile and is then rejected.
     est_base = _remat_plan.estimate(g, [_remat_plan.Plan("none", frozenset())])[0].est_peak
 
     def cand(p: _remat_plan.Plan) -> Candidate:
-        return Candidate(p.name, lambda: _remat_plan.apply(closed, g, p.recompute, fence),
-                         p.est_peak, p.est_flops, lambda: _remat_plan.describe(g, p.recompute),
-                         heavy=_remat_plan.recomputes_heavy(g, p.recompute))
+        return Candidate(
+            p.name,
+            lambda: _remat_plan.apply(closed, g, p.recompute, fence),
+            p.est_peak,
+            p.est_flops,
+            lambda: _remat_plan.describe(g, p.recompute),
+            heavy=_remat_plan.recomputes_heavy(g, p.recompute),
+        )
 
     unique = {p.recompute: p for p in reversed(plans) if p.recompute}  # the first of equals
     cands = [cand(p) for p in plans if p.recompute and unique[p.recompute] is p]
     pairs = _remat_plan.scan_pairs(g) if budget is not None else []
     if pairs:
         saved = sum(p.saved_bytes - p.carry_bytes for p in pairs)
-        cands.append(Candidate(
-            "checkpoint scan bodies", lambda: _remat_plan.apply_scan_checkpoints(closed, g, pairs),
-            est_base - saved, sum(p.flops for p in pairs),
-            lambda: {"recomputed": [{"location": g.location(p.fwd) or "?", "values": len(p.res_out),
-                                     "bytes": p.saved_bytes, "primitives": ["scan"],
-                                     "what": "recomputed"} for p in pairs],
-                     "kept_bytes": sum(p.carry_bytes for p in pairs)}))
+        cands.append(
+            Candidate(
+                "checkpoint scan bodies",
+                lambda: _remat_plan.apply_scan_checkpoints(closed, g, pairs),
+                est_base - saved,
+                sum(p.flops for p in pairs),
+                lambda: {
+                    "recomputed": [
+                        {
+                            "location": g.location(p.fwd) or "?",
+                            "values": len(p.res_out),
+                            "bytes": p.saved_bytes,
+                            "primitives": ["scan"],
+                            "what": "recomputed",
+                        }
+                        for p in pairs
+                    ],
+                    "kept_bytes": sum(p.carry_bytes for p in pairs),
+                },
+            )
+        )
     return cands, est_base
 
 
-def _plan_joint(closed: ClosedJaxpr, g, ctx: PassContext, where: str) -> tuple[ClosedJaxpr, list[Finding]]:
+def _plan_joint(
+    closed: ClosedJaxpr, g, ctx: PassContext, where: str
+) -> tuple[ClosedJaxpr, list[Finding]]:
     options = ctx.options
     total = _remat_plan.jaxpr_flops(closed)
     compiler_options = ctx.options.jit_kwargs.get("compiler_options")
     measure = functools.partial(_measure_closed, compiler_options=compiler_options)
     fence = fence_for(ctx.backend, compiler_options)
-    mechanism = ("recompute in the backward behind optimization barriers" if fence == "barrier"
-                 else "recompute in the backward inside conditionals (XLA:CPU)")
+    mechanism = (
+        "recompute in the backward behind optimization barriers"
+        if fence == "barrier"
+        else "recompute in the backward inside conditionals (XLA:CPU)"
+    )
     if options.remat not in ("auto", "off"):
         plan = _remat_plan.policy_plan(g, _policy(options.remat))
         if not plan.recompute:
-            return closed, [Finding("remat", False, f"policy {options.remat!r} saves every "
-                                    f"residual of {where}; nothing to recompute",
-                                    location=ctx.fn_location)]
+            return closed, [
+                Finding(
+                    "remat",
+                    False,
+                    f"policy {options.remat!r} saves every "
+                    f"residual of {where}; nothing to recompute",
+                    location=ctx.fn_location,
+                )
+            ]
         new = _remat_plan.apply(closed, g, plan.recompute, fence)
-        details = {**_remat_plan.describe(g, plan.recompute), "policy": options.remat,
-                   "mechanism": mechanism}
+        details = {
+            **_remat_plan.describe(g, plan.recompute),
+            "policy": options.remat,
+            "mechanism": mechanism,
+        }
         before, after = _safe(measure, closed), _safe(measure, new)
-        return new, [_finding(True, f"remat={options.remat!r} forced", where, ctx, before, after,
-                              details, "policy", None)]
+        return new, [
+            _finding(
+                True,
+                f"remat={options.remat!r} forced",
+                where,
+                ctx,
+                before,
+                after,
+                details,
+                "policy",
+                None,
+            )
+        ]
     if g.residual_bytes < MIN_RESIDUAL_BYTES and options.memory_budget is None:
         return closed, []
     cands, est_base = _joint_candidates(closed, g, total, options.memory_budget, fence)
     front = _pareto(cands)
-    dec = _choose(_auto_order(cands, est_base, total), front, measure, closed,
-                  options.memory_budget, floor_extra=_lowest_estimates(cands))
+    dec = _choose(
+        _auto_order(cands, est_base, total),
+        front,
+        measure,
+        closed,
+        options.memory_budget,
+        floor_extra=_lowest_estimates(cands),
+    )
     return _finish(closed, dec, where, ctx, mechanism=mechanism)
 
 
 # --- case 2 and 3: a forward the user differentiates --------------------------------------------
 
-def _forward_candidates(closed: ClosedJaxpr, budget: int | None,
-                        eager: bool = False) -> list[Candidate]:
+
+def _forward_candidates(
+    closed: ClosedJaxpr, budget: int | None, eager: bool = False
+) -> list[Candidate]:
     """Checkpointed scan bodies, nested scans, and segment counts nearest sqrt(n) first. Without
     a budget only ``dots_saveable`` (matmul outputs kept: the backward recomputes elementwise
     work only); with one, ``nothing_saveable`` first. ``eager``: the last segment is
     checkpointed too (its residuals would otherwise stay alive between the two programs: on
     the benchmark's MLP 80 MiB kept instead of 32)."""
     cp = jax.checkpoint_policies
-    policies = [("dots_saveable", cp.dots_saveable)] if budget is None else \
-        [("nothing_saveable", cp.nothing_saveable), ("dots_saveable", cp.dots_saveable)]
+    policies = (
+        [("dots_saveable", cp.dots_saveable)]
+        if budget is None
+        else [("nothing_saveable", cp.nothing_saveable), ("dots_saveable", cp.dots_saveable)]
+    )
     scans = _remat_forward.forward_scans(closed)
     counts = _remat_forward.forward_segment_counts(closed)
     sqrt_n = math.sqrt(len(_remat_forward.forward_cuts(closed)) + 1)
     cands = []
     for pname, pol in policies:
         if scans:
-            cands.append(Candidate(f"checkpoint scan bodies ({pname})",
-                                   lambda pol=pol: _remat_forward.checkpoint_scans(closed, pol, nest=False),
-                                   0, 0, lambda pname=pname: {"policy": pname}))
-            if budget is not None and any(e.params["length"] >= _remat_forward.NEST_MIN_LENGTH
-                                          for e in scans):
-                cands.append(Candidate(f"nested sqrt(n) scans ({pname})",
-                                       lambda pol=pol: _remat_forward.checkpoint_scans(closed, pol, nest=True),
-                                       0, 0, lambda pname=pname: {"policy": pname}))
-        for k in sorted(counts, key=lambda k: abs(k - sqrt_n))[:2 if budget is not None else 1]:
+            cands.append(
+                Candidate(
+                    f"checkpoint scan bodies ({pname})",
+                    lambda pol=pol: _remat_forward.checkpoint_scans(closed, pol, nest=False),
+                    0,
+                    0,
+                    lambda pname=pname: {"policy": pname},
+                )
+            )
+            if budget is not None and any(
+                e.params["length"] >= _remat_forward.NEST_MIN_LENGTH for e in scans
+            ):
+                cands.append(
+                    Candidate(
+                        f"nested sqrt(n) scans ({pname})",
+                        lambda pol=pol: _remat_forward.checkpoint_scans(closed, pol, nest=True),
+                        0,
+                        0,
+                        lambda pname=pname: {"policy": pname},
+                    )
+                )
+        for k in sorted(counts, key=lambda k: abs(k - sqrt_n))[: 2 if budget is not None else 1]:
             bounds = _remat_forward.segment_bounds(closed, k)
             if bounds is not None:
-                cands.append(Candidate(
-                    f"checkpoint {len(bounds) - 1} segments ({pname})",
-                    lambda b=bounds, pol=pol: _remat_forward.checkpoint_segments(
-                        closed, b, pol, skip_last=not eager), 0, 0,
-                    lambda pname=pname: {"policy": pname}))
+                cands.append(
+                    Candidate(
+                        f"checkpoint {len(bounds) - 1} segments ({pname})",
+                        lambda b=bounds, pol=pol: _remat_forward.checkpoint_segments(
+                            closed, b, pol, skip_last=not eager
+                        ),
+                        0,
+                        0,
+                        lambda pname=pname: {"policy": pname},
+                    )
+                )
     return cands
 
 
@@ -447,12 +569,19 @@ def _plan_forward(closed: ClosedJaxpr, ctx: PassContext) -> tuple[ClosedJaxpr, l
     if not any(_remat_forward._floating(a) for a in closed.in_avals):
         return closed, []
     if options.remat not in ("auto", "off"):
-        new = _remat_forward.checkpoint_segments(closed, [0, len(closed.jaxpr.eqns)],
-                                                 _policy(options.remat), skip_last=False)
-        return new, [Finding("remat", True, f"remat={options.remat!r} forced: the forward runs "
-                             "under jax.checkpoint with that policy", location=ctx.fn_location,
-                             details={"plan": "policy", "mechanism": "jax.checkpoint",
-                                      "policy": options.remat})]
+        new = _remat_forward.checkpoint_segments(
+            closed, [0, len(closed.jaxpr.eqns)], _policy(options.remat), skip_last=False
+        )
+        return new, [
+            Finding(
+                "remat",
+                True,
+                f"remat={options.remat!r} forced: the forward runs "
+                "under jax.checkpoint with that policy",
+                location=ctx.fn_location,
+                details={"plan": "policy", "mechanism": "jax.checkpoint", "policy": options.remat},
+            )
+        ]
     if not _remat_forward.has_loops_or_segments(closed):
         return closed, []
     # Static gate, no compile: the residuals JAX would save, and whether any recompute plan of
@@ -470,8 +599,10 @@ def _plan_forward(closed: ClosedJaxpr, ctx: PassContext) -> tuple[ClosedJaxpr, l
     total = _remat_plan.jaxpr_flops(joint)
     eager = ctx.under_autodiff
     if eager:
-        where = ("the forward, differentiated eagerly (forward and backward run as two "
-                 "programs, the residuals alive in between)")
+        where = (
+            "the forward, differentiated eagerly (forward and backward run as two "
+            "programs, the residuals alive in between)"
+        )
     elif options.memory_budget is None and not _remat_forward.forward_scans(closed):
         jc, est_base = _joint_candidates(joint, g, total, None)
         if not _auto_order(jc, est_base, total):
@@ -484,12 +615,14 @@ def _plan_forward(closed: ClosedJaxpr, ctx: PassContext) -> tuple[ClosedJaxpr, l
     # An eager call's jit runs without compiler options (jax refuses them inside a trace).
     measure = functools.partial(
         _measure_split_vjp if eager else _measure_vjp,
-        compiler_options=None if eager else ctx.options.jit_kwargs.get("compiler_options"))
+        compiler_options=None if eager else ctx.options.jit_kwargs.get("compiler_options"),
+    )
     dec = _choose(cands, cands, measure, closed, options.memory_budget, bisect=False)
     return _finish(closed, dec, where, ctx, mechanism="jax.checkpoint in the forward")
 
 
 # --- findings ------------------------------------------------------------------------------------
+
 
 def _safe(measure, closed):
     try:
@@ -499,8 +632,17 @@ def _safe(measure, closed):
         return None
 
 
-def _finding(applied: bool, headline: str, where: str, ctx: PassContext, before: Measured | None,
-             after: Measured | None, details: dict, plan: str, dec: Decision | None) -> Finding:
+def _finding(
+    applied: bool,
+    headline: str,
+    where: str,
+    ctx: PassContext,
+    before: Measured | None,
+    after: Measured | None,
+    details: dict,
+    plan: str,
+    dec: Decision | None,
+) -> Finding:
     details = dict(details)
     details.update(plan=plan, where=where)
     if before is not None:
@@ -510,7 +652,8 @@ def _finding(applied: bool, headline: str, where: str, ctx: PassContext, before:
     if dec is not None:
         details["tried"] = [(n, None if m is None else m.peak) for n, m in dec.tried]
         details["compile_seconds"] = sum(m.seconds for _, m in dec.tried if m is not None) + (
-            dec.base.seconds if dec.base is not None else 0.0)
+            dec.base.seconds if dec.base is not None else 0.0
+        )
         if dec.floor is not None:
             details["floor_bytes"] = dec.floor
     if ctx.backend == "cpu":
@@ -522,42 +665,63 @@ def _finding(applied: bool, headline: str, where: str, ctx: PassContext, before:
     if before is not None and after is not None:
         saved = before.peak - after.peak
         extra = (after.flops / before.flops - 1) if before.flops else 0.0
-        parts.append(f"peak {_mb(before.peak)} -> {_mb(after.peak)} "
-                     f"({saved / max(before.peak, 1):.0%} less) for {extra:+.0%} FLOPs")
+        parts.append(
+            f"peak {_mb(before.peak)} -> {_mb(after.peak)} "
+            f"({saved / max(before.peak, 1):.0%} less) for {extra:+.0%} FLOPs"
+        )
     rec = details.get("recomputed") or []
     if rec:
-        parts.append("recomputes " + ", ".join(
-            f"{r['values']} value(s) {_mb(r['bytes'])} from {r['location']} ({'/'.join(r['primitives'])})"
-            for r in rec[:3]))
+        parts.append(
+            "recomputes "
+            + ", ".join(
+                f"{r['values']} value(s) {_mb(r['bytes'])} from {r['location']} ({'/'.join(r['primitives'])})"
+                for r in rec[:3]
+            )
+        )
     if details.get("kept_bytes"):
         parts.append(f"keeps {_mb(details['kept_bytes'])} for the backward")
     location = rec[0]["location"] if rec and rec[0]["location"] != "?" else ctx.fn_location
-    return Finding("remat", applied, "; ".join(parts) + f" [{where}]", location=location,
-                   bytes_saved=saved if applied else None, details=details)
+    return Finding(
+        "remat",
+        applied,
+        "; ".join(parts) + f" [{where}]",
+        location=location,
+        bytes_saved=saved if applied else None,
+        details=details,
+    )
 
 
 def _mb(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def _finish(closed: ClosedJaxpr, dec: Decision, where: str, ctx: PassContext,
-            mechanism: str) -> tuple[ClosedJaxpr, list[Finding]]:
+def _finish(
+    closed: ClosedJaxpr, dec: Decision, where: str, ctx: PassContext, mechanism: str
+) -> tuple[ClosedJaxpr, list[Finding]]:
     budget = ctx.options.memory_budget
     if dec.chosen is None:
         msg = f"not applied: {dec.reason}"
-        if dec.base is None and budget is None and not dec.tried and \
-                dec.reason.startswith("no plan is estimated"):
+        if (
+            dec.base is None
+            and budget is None
+            and not dec.tried
+            and dec.reason.startswith("no plan is estimated")
+        ):
             # Nothing compiled (the static estimate ruled every plan out): say so, and what a
             # budget would do, so that a user with a large backward is not left guessing.
-            msg += ("; memory_budget=... lets it recompute more (matmuls, loop bodies) to meet "
-                    "a budget")
-            return closed, [_finding(False, msg, where, ctx, None, None,
-                                     {"mechanism": mechanism}, "none", dec)]
+            msg += (
+                "; memory_budget=... lets it recompute more (matmuls, loop bodies) to meet a budget"
+            )
+            return closed, [
+                _finding(False, msg, where, ctx, None, None, {"mechanism": mechanism}, "none", dec)
+            ]
         if dec.base is None and budget is None:
             return closed, []  # no memory figures from this backend: nothing to report
         if budget is not None and dec.base is not None and dec.base.peak > budget:
-            msg = (f"memory budget {_mb(budget)} cannot be met: the original peak is "
-                   f"{_mb(dec.base.peak)} and no plan lowers it")
+            msg = (
+                f"memory budget {_mb(budget)} cannot be met: the original peak is "
+                f"{_mb(dec.base.peak)} and no plan lowers it"
+            )
         f = _finding(False, msg, where, ctx, dec.base, None, {"mechanism": mechanism}, "none", dec)
         return closed, [f]
     details = dec.chosen.describe() or {}
@@ -567,27 +731,35 @@ def _finish(closed: ClosedJaxpr, dec: Decision, where: str, ctx: PassContext,
     elif dec.reason == "budget":
         head = f"applied {dec.chosen.name} to meet the memory budget {_mb(budget)}"
     else:
-        head = (f"memory budget {_mb(budget)} cannot be met; applied the lowest-memory plan "
-                f"{dec.chosen.name}, floor {_mb(dec.floor)}")
-    return dec.chosen.program(), [_finding(True, head, where, ctx, dec.base, dec.after, details,
-                                           dec.chosen.name, dec)]
+        head = (
+            f"memory budget {_mb(budget)} cannot be met; applied the lowest-memory plan "
+            f"{dec.chosen.name}, floor {_mb(dec.floor)}"
+        )
+    return dec.chosen.program(), [
+        _finding(True, head, where, ctx, dec.base, dec.after, details, dec.chosen.name, dec)
+    ]
 
 
 # --- the pass ------------------------------------------------------------------------------------
 
+
 def forward_plannable(closed: ClosedJaxpr) -> bool:
     """Whether case 2 could plan ``closed`` (no backward of its own, a floating input, segments
     or loops to checkpoint): the call path then watches for eager ``jax.grad`` of it."""
-    return (not _has_backward(closed.jaxpr)
-            and any(_remat_forward._floating(a) for a in closed.in_avals)
-            and _remat_forward.has_loops_or_segments(closed))
+    return (
+        not _has_backward(closed.jaxpr)
+        and any(_remat_forward._floating(a) for a in closed.in_avals)
+        and _remat_forward.has_loops_or_segments(closed)
+    )
 
 
 def _has_backward(j: Jaxpr) -> bool:
     return any(_compat.in_transpose(site.eqn.source_info) for site in _jaxpr.iter_eqns(j))
 
 
-def _plan_level(closed: ClosedJaxpr, ctx: PassContext, where: str) -> tuple[ClosedJaxpr, list[Finding]]:
+def _plan_level(
+    closed: ClosedJaxpr, ctx: PassContext, where: str
+) -> tuple[ClosedJaxpr, list[Finding]]:
     """Plan this level if it holds a backward, else the sub-jaxprs (loop and branch bodies,
     inner jits) that do."""
     g = _remat_plan.joint_graph(closed.jaxpr)
@@ -597,6 +769,7 @@ def _plan_level(closed: ClosedJaxpr, ctx: PassContext, where: str) -> tuple[Clos
     new_eqns = []
     changed = False
     for eqn in closed.jaxpr.eqns:
+
         def plan(sub: ClosedJaxpr, eqn=eqn) -> ClosedJaxpr:
             if not _has_backward(sub.jaxpr):
                 return sub
@@ -629,8 +802,17 @@ def remat(closed: ClosedJaxpr, ctx: PassContext) -> PassResult:
         if ctx.options.fallback == "raise":
             raise
         log.warning("autoopt: remat skipped for %s: %s: %s", where, type(e).__name__, e)
-        return PassResult.unchanged(closed, [Finding(
-            "remat", False, f"remat skipped: {type(e).__name__}: {e}", location=ctx.fn_location)])
+        return PassResult.unchanged(
+            closed,
+            [
+                Finding(
+                    "remat",
+                    False,
+                    f"remat skipped: {type(e).__name__}: {e}",
+                    location=ctx.fn_location,
+                )
+            ],
+        )
     return PassResult(new, new is not closed, tuple(findings))
 
 
@@ -645,8 +827,11 @@ REMAT_CHOICES = ("auto", "off")
 
 
 def _policy_names() -> tuple[str, ...]:
-    return tuple(n for n in dir(jax.checkpoint_policies)
-                 if not n.startswith("_") and callable(getattr(jax.checkpoint_policies, n)))
+    return tuple(
+        n
+        for n in dir(jax.checkpoint_policies)
+        if not n.startswith("_") and callable(getattr(jax.checkpoint_policies, n))
+    )
 
 
 def _check_remat(remat):
@@ -656,8 +841,11 @@ def _check_remat(remat):
         hint = f" Did you mean {close[0]!r}?" if close else ""
         named = [n for n in policies if getattr(jax.checkpoint_policies, n, None) is remat]
         if named:  # the policy object itself: the option takes its name
-            hint = (" Pass the policy's name as a string: "
-                    + " or ".join(f"remat={n!r}" for n in named) + ".")
+            hint = (
+                " Pass the policy's name as a string: "
+                + " or ".join(f"remat={n!r}" for n in named)
+                + "."
+            )
         raise ValueError(
             f"remat={remat!r} is not a remat policy.{hint} Use 'auto', 'off', or one of "
             f"jax.checkpoint_policies: {', '.join(policies)}."
@@ -667,9 +855,11 @@ def _check_remat(remat):
 
 def _check_budget_needs_remat(values) -> None:
     if values["remat"] == "off" and values["memory_budget"] is not None:
-        raise ValueError("memory_budget is only met by rematerialization, which remat='off' turns "
-                         "off: drop one of the two (remat='auto' with the budget recomputes to "
-                         "meet it).")
+        raise ValueError(
+            "memory_budget is only met by rematerialization, which remat='off' turns "
+            "off: drop one of the two (remat='auto' with the budget recomputes to "
+            "meet it)."
+        )
 
 
 # A rewrite that must see the final forward/backward: after every other rewrite.
@@ -679,10 +869,18 @@ PASS = Pass(
     kinds=("remat",),
     after=("scatter_to_dus",),
     options=(
-        Option("remat", "auto", _check_remat,
-               "'auto', 'off', or a jax.checkpoint_policies name: what the backward recomputes"),
-        Option("memory_budget", None, parse_bytes,
-               "bytes or a string like '2GB': the compiled peak remat must reach"),
+        Option(
+            "remat",
+            "auto",
+            _check_remat,
+            "'auto', 'off', or a jax.checkpoint_policies name: what the backward recomputes",
+        ),
+        Option(
+            "memory_budget",
+            None,
+            parse_bytes,
+            "bytes or a string like '2GB': the compiled peak remat must reach",
+        ),
     ),
     check_options=_check_budget_needs_remat,
     enabled=lambda o: o.remat != "off",

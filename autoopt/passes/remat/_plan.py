@@ -54,26 +54,87 @@ from autoopt._memory import aval_bytes
 # Recomputed only by the knapsack (partial and segment plans), never by the min-cut: matmuls,
 # convolutions, reductions, sorts, scans of prefix sums, linear algebra. NB: AOTAutograd bans
 # the same set ("non-fusible" ops) from recomputation without a budget.
-HEAVY = frozenset({
-    "dot_general", "conv_general_dilated", "ragged_dot_general", "fft", "cholesky",
-    "triangular_solve", "lu", "qr", "svd", "eigh", "eig", "schur", "sort", "top_k", "cumsum",
-    "cumprod", "cummax", "cummin", "cumlogsumexp", "reduce_sum", "reduce_max", "reduce_min",
-    "reduce_prod", "reduce_and", "reduce_or", "reduce_xor", "argmax", "argmin", "reduce_window",
-    "reduce_window_sum", "reduce_window_max", "reduce_window_min", "select_and_scatter_add",
-    "select_and_gather_add",
-})
+HEAVY = frozenset(
+    {
+        "dot_general",
+        "conv_general_dilated",
+        "ragged_dot_general",
+        "fft",
+        "cholesky",
+        "triangular_solve",
+        "lu",
+        "qr",
+        "svd",
+        "eigh",
+        "eig",
+        "schur",
+        "sort",
+        "top_k",
+        "cumsum",
+        "cumprod",
+        "cummax",
+        "cummin",
+        "cumlogsumexp",
+        "reduce_sum",
+        "reduce_max",
+        "reduce_min",
+        "reduce_prod",
+        "reduce_and",
+        "reduce_or",
+        "reduce_xor",
+        "argmax",
+        "argmin",
+        "reduce_window",
+        "reduce_window_sum",
+        "reduce_window_max",
+        "reduce_window_min",
+        "select_and_scatter_add",
+        "select_and_gather_add",
+    }
+)
 # Recomputable, but not free: they read (and so keep alive) a whole operand.
-_NOT_CHEAP = frozenset({
-    "gather", "scatter", "scatter-add", "scatter_add", "scatter_mul", "scatter_min", "scatter_max",
-    "dynamic_slice", "dynamic_update_slice", "concatenate", "pad", "custom_jvp_call",
-    "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin",
-})
+_NOT_CHEAP = frozenset(
+    {
+        "gather",
+        "scatter",
+        "scatter-add",
+        "scatter_add",
+        "scatter_mul",
+        "scatter_min",
+        "scatter_max",
+        "dynamic_slice",
+        "dynamic_update_slice",
+        "concatenate",
+        "pad",
+        "custom_jvp_call",
+        "custom_vjp_call",
+        "custom_vjp_call_jaxpr",
+        "custom_lin",
+    }
+)
 # Never recomputed: not deterministic, or opaque, or their cost is unknown.
-_UNRECOMPUTABLE = frozenset({
-    "rng_uniform", "random_seed", "while", "shard_map", "pallas_call", "custom_partitioning",
-    "optimization_barrier", "name", "device_put", "psum", "all_gather", "all_to_all", "ppermute",
-    "reduce_scatter", "axis_index", "pure_callback", "io_callback", "debug_callback",
-})
+_UNRECOMPUTABLE = frozenset(
+    {
+        "rng_uniform",
+        "random_seed",
+        "while",
+        "shard_map",
+        "pallas_call",
+        "custom_partitioning",
+        "optimization_barrier",
+        "name",
+        "device_put",
+        "psum",
+        "all_gather",
+        "all_to_all",
+        "ppermute",
+        "reduce_scatter",
+        "axis_index",
+        "pure_callback",
+        "io_callback",
+        "debug_callback",
+    }
+)
 
 
 def _size(aval) -> int:
@@ -122,8 +183,12 @@ def recomputable(eqn: JaxprEqn) -> bool:
 def cheap(eqn: JaxprEqn) -> bool:
     """Elementwise and layout work that costs about as much as reading its inputs."""
     name = eqn.primitive.name
-    return (name not in HEAVY and name not in _NOT_CHEAP and not _jaxpr.subjaxprs(eqn)
-            and recomputable(eqn))
+    return (
+        name not in HEAVY
+        and name not in _NOT_CHEAP
+        and not _jaxpr.subjaxprs(eqn)
+        and recomputable(eqn)
+    )
 
 
 def heavy(eqn: JaxprEqn) -> bool:
@@ -147,20 +212,21 @@ def is_var(v) -> bool:
 
 # --- the joint graph -----------------------------------------------------------------------------
 
+
 @dataclasses.dataclass
 class JointGraph:
     """One jaxpr level, split into forward and backward equations."""
 
     jaxpr: Jaxpr
-    backward: frozenset[int]        # indices of equations emitted by JAX's transpose
-    producer: dict                  # Var -> index of the equation defining it
-    residuals: tuple                # forward-defined Vars read by a backward equation
-    forward: tuple[int, ...]        # indices of the other equations, in order
-    eligible: frozenset[int]        # forward equations a plan may recompute
-    ins: list                       # per equation: its Var inputs (literals dropped)
-    outs: list                      # per equation: its Var outputs (dropped outputs dropped)
-    nbytes: dict                    # Var -> bytes
-    flops: list                     # per equation: eqn_flops
+    backward: frozenset[int]  # indices of equations emitted by JAX's transpose
+    producer: dict  # Var -> index of the equation defining it
+    residuals: tuple  # forward-defined Vars read by a backward equation
+    forward: tuple[int, ...]  # indices of the other equations, in order
+    eligible: frozenset[int]  # forward equations a plan may recompute
+    ins: list  # per equation: its Var inputs (literals dropped)
+    outs: list  # per equation: its Var outputs (dropped outputs dropped)
+    nbytes: dict  # Var -> bytes
+    flops: list  # per equation: eqn_flops
 
     @property
     def backward_order(self) -> list[int]:
@@ -210,11 +276,22 @@ def joint_graph(jaxpr: Jaxpr) -> JointGraph | None:
     nbytes = {v: aval_bytes(v.aval) for vs in ins + outs for v in vs}
     nbytes.update((v, aval_bytes(v.aval)) for v in jaxpr.outvars if is_var(v))
     flops = [eqn_flops(e) if i not in backward else 0.0 for i, e in enumerate(eqns)]
-    return JointGraph(jaxpr, backward, producer, tuple(residuals), forward, frozenset(eligible),
-                      ins, outs, nbytes, flops)
+    return JointGraph(
+        jaxpr,
+        backward,
+        producer,
+        tuple(residuals),
+        forward,
+        frozenset(eligible),
+        ins,
+        outs,
+        nbytes,
+        flops,
+    )
 
 
 # --- schedules: where each equation (and each recomputation) runs --------------------------------
+
 
 @dataclasses.dataclass(frozen=True)
 class Block:
@@ -229,10 +306,10 @@ class Block:
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    recompute: frozenset[int]           # equations whose backward uses read recomputed values
-    blocks: dict                        # backward index -> Block
-    dead: frozenset[int]                # forward equations no longer needed
-    flops: float                        # added by the recomputation
+    recompute: frozenset[int]  # equations whose backward uses read recomputed values
+    blocks: dict  # backward index -> Block
+    dead: frozenset[int]  # forward equations no longer needed
+    flops: float  # added by the recomputation
 
 
 def schedule(g: JointGraph, recompute: Iterable[int]) -> Schedule:
@@ -298,8 +375,12 @@ def simulated_peak(g: JointGraph, s: Schedule) -> tuple[int, int]:
         if b is not None:
             ops.append((list(b.externals) + ([b.anchor] if b.anchor is not None else []), []))
             for p in b.eqns:
-                ops.append(([("re", u) if producer.get(u) in rec else u for u in g.ins[p]],
-                            [("re", v) for v in g.outs[p]]))
+                ops.append(
+                    (
+                        [("re", u) if producer.get(u) in rec else u for u in g.ins[p]],
+                        [("re", v) for v in g.outs[p]],
+                    )
+                )
         if t in g.backward:
             ops.append(([("re", u) if producer.get(u) in rec else u for u in g.ins[t]], g.outs[t]))
         else:
@@ -326,6 +407,7 @@ def simulated_peak(g: JointGraph, s: Schedule) -> tuple[int, int]:
 
 
 # --- plan families -------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
@@ -397,8 +479,9 @@ def cheap_plan(g: JointGraph) -> Plan:
             if is_var(u) and u in index:
                 edges.append((2 * index[u] + 1, 2 * k, inf))
     side = _max_flow_min_cut(n, edges, src, snk)
-    rec = frozenset(g.producer[v] for v, k in index.items()
-                    if 2 * k not in side and g.producer[v] in g.eligible)
+    rec = frozenset(
+        g.producer[v] for v, k in index.items() if 2 * k not in side and g.producer[v] in g.eligible
+    )
     return Plan("cheap", rec)
 
 
@@ -477,9 +560,13 @@ def _fine_cuts(g: JointGraph) -> list[tuple[int, int]]:
     return fine_cuts(eqns, max(res_pos) if res_pos else 0)
 
 
-def _segment_recompute(g: JointGraph, bounds: Sequence[int], chosen: Iterable[int],
-                       keep_boundaries: bool = True, base: frozenset[int] = frozenset()
-                       ) -> frozenset[int]:
+def _segment_recompute(
+    g: JointGraph,
+    bounds: Sequence[int],
+    chosen: Iterable[int],
+    keep_boundaries: bool = True,
+    base: frozenset[int] = frozenset(),
+) -> frozenset[int]:
     """Equations of the chosen segments (segment j runs over forward positions
     ``[bounds[j], bounds[j+1])``). With ``keep_boundaries`` the values that leave a segment
     (its checkpoint) are kept, so each segment is recomputed from its own start only."""
@@ -532,8 +619,15 @@ def segment_plans(g: JointGraph, base: Plan) -> list[Plan]:
     return plans
 
 
-def partial_plans(g: JointGraph, base: Plan, flop_limit: float, max_units: int = 24,
-                  lookahead: int = 6, allow_heavy: bool = True, label: str = "partial") -> list[Plan]:
+def partial_plans(
+    g: JointGraph,
+    base: Plan,
+    flop_limit: float,
+    max_units: int = 24,
+    lookahead: int = 6,
+    allow_heavy: bool = True,
+    label: str = "partial",
+) -> list[Plan]:
     """Recompute fine segments (merged to at most ``max_units``) one at a time, each step the
     one that lowers the simulated peak most per FLOP added (ties by the live-bytes integral),
     until ``flop_limit``. Returns the sequence of plans, cheapest first.
@@ -547,10 +641,13 @@ def partial_plans(g: JointGraph, base: Plan, flop_limit: float, max_units: int =
         return []
     if len(cuts) + 1 > max_units:
         step = (len(cuts) + 1) / max_units
-        cuts = sorted({cuts[min(len(cuts) - 1, round(step * (j + 1)) - 1)] for j in range(max_units - 1)})
+        cuts = sorted(
+            {cuts[min(len(cuts) - 1, round(step * (j + 1)) - 1)] for j in range(max_units - 1)}
+        )
     bounds = [0, *cuts, len(g.forward)]
-    units = [_segment_recompute(g, bounds, [j], keep_boundaries=False)
-             for j in range(len(bounds) - 2)]  # the last segment's recomputation would run at once
+    units = [
+        _segment_recompute(g, bounds, [j], keep_boundaries=False) for j in range(len(bounds) - 2)
+    ]  # the last segment's recomputation would run at once
     if not allow_heavy:
         eqns = g.jaxpr.eqns
         units = [frozenset(i for i in u if not heavy(eqns[i])) for u in units]
@@ -599,7 +696,9 @@ def policy_plan(g: JointGraph, policy) -> Plan:
             verdict = True
         # Offload policies answer with jax's RecomputeType / SaveableType / Offloadable (no
         # offload here: an offloadable value is kept).
-        saveable = verdict if isinstance(verdict, bool) else type(verdict).__name__ != "RecomputeType"
+        saveable = (
+            verdict if isinstance(verdict, bool) else type(verdict).__name__ != "RecomputeType"
+        )
         if not saveable:
             rec.add(i)
     return Plan("policy", frozenset(rec))
@@ -620,6 +719,7 @@ def pareto(plans: Sequence[Plan]) -> list[Plan]:
 
 # --- the rewrite ---------------------------------------------------------------------------------
 
+
 def run_eqn(eqn: JaxprEqn, invals: Sequence[Any], scope: str | None = None) -> list[Any]:
     """``_jaxpr.rebind``, inside ``jax.named_scope(scope)`` when a scope is given."""
     if scope is None:
@@ -628,8 +728,9 @@ def run_eqn(eqn: JaxprEqn, invals: Sequence[Any], scope: str | None = None) -> l
         return _jaxpr._bind(eqn, invals)
 
 
-def apply(closed: ClosedJaxpr, g: JointGraph, recompute: Iterable[int],
-          fence: str = "barrier") -> ClosedJaxpr:
+def apply(
+    closed: ClosedJaxpr, g: JointGraph, recompute: Iterable[int], fence: str = "barrier"
+) -> ClosedJaxpr:
     """``closed`` with the plan applied: the same values, the named forward equations run again
     in the backward instead of being kept. Type-checked when AUTOOPT_CHECK is set.
 
@@ -680,10 +781,12 @@ def apply(closed: ClosedJaxpr, g: JointGraph, recompute: Iterable[int],
                     # backward (a later joint_graph of this program must see it there).
                     name_stack = source_info_util.current_name_stack() + e.source_info.name_stack
                     region = regions.get(t, ())
-                    with source_info_util.user_context(e.source_info.traceback,
-                                                       name_stack=name_stack):
-                        outs, bouts = _cond_fenced(eqns, b, s, g, ext, anchor, renv, readers,
-                                                   region, env, escaping)
+                    with source_info_util.user_context(
+                        e.source_info.traceback, name_stack=name_stack
+                    ):
+                        outs, bouts = _cond_fenced(
+                            eqns, b, s, g, ext, anchor, renv, readers, region, env, escaping
+                        )
                     renv.update(outs)
                     env.update(bouts)
                     skip.update(region)
@@ -704,9 +807,14 @@ def apply(closed: ClosedJaxpr, g: JointGraph, recompute: Iterable[int],
                 local = dict(zip(b.externals, fenced))
                 for p in b.eqns:
                     pe = eqns[p]
-                    ins = [u.val if isinstance(u, Literal) else
-                           renv[u] if g.producer.get(u) in s.recompute else local[u]
-                           for u in pe.invars]
+                    ins = [
+                        u.val
+                        if isinstance(u, Literal)
+                        else renv[u]
+                        if g.producer.get(u) in s.recompute
+                        else local[u]
+                        for u in pe.invars
+                    ]
                     for v, val in zip(pe.outvars, run_eqn(pe, ins, "autoopt_remat")):
                         if is_var(v):
                             renv[v] = val
@@ -734,8 +842,13 @@ def _backward_regions(g: JointGraph, s: Schedule) -> dict[int, tuple[int, ...]]:
             if k != t and k in s.blocks:
                 break
             e = eqns[k]
-            if (k in s.dead or k not in g.backward or e.effects
-                    or e.primitive.name in _UNRECOMPUTABLE or _jaxpr.subjaxprs(e)):
+            if (
+                k in s.dead
+                or k not in g.backward
+                or e.effects
+                or e.primitive.name in _UNRECOMPUTABLE
+                or _jaxpr.subjaxprs(e)
+            ):
                 break
             run.append(k)
         out[t] = tuple(run)
@@ -746,17 +859,30 @@ def _predicate(vals: Sequence[Any]):
     """A boolean scalar XLA cannot fold: read from the first non-empty value."""
     for x in vals:
         dtype = getattr(x, "dtype", None)
-        if not getattr(x, "size", 0) or dtype is None or not (
-                jax.numpy.issubdtype(dtype, jax.numpy.number) or dtype == np.bool_):
+        if (
+            not getattr(x, "size", 0)
+            or dtype is None
+            or not (jax.numpy.issubdtype(dtype, jax.numpy.number) or dtype == np.bool_)
+        ):
             continue
         first = jax.lax.reshape(x, (x.size,))[0] if x.ndim else x
         return first if dtype == np.bool_ else first != jax.numpy.zeros((), dtype)
     return None
 
 
-def _cond_fenced(eqns, b: Block, s: Schedule, g: JointGraph, ext: list, anchor: list,
-                 earlier: dict, readers: dict, region: Sequence[int] = (), env: dict | None = None,
-                 escaping: frozenset | set = frozenset()) -> tuple[dict, dict]:
+def _cond_fenced(
+    eqns,
+    b: Block,
+    s: Schedule,
+    g: JointGraph,
+    ext: list,
+    anchor: list,
+    earlier: dict,
+    readers: dict,
+    region: Sequence[int] = (),
+    env: dict | None = None,
+    escaping: frozenset | set = frozenset(),
+) -> tuple[dict, dict]:
     """Run block ``b``'s recomputation, and the backward equations of ``region`` (see
     ``_backward_regions``), inside a ``lax.cond`` whose two branches are the same computation,
     on a predicate read from the backward anchor (or an input). Branches are separate HLO
@@ -785,9 +911,16 @@ def _cond_fenced(eqns, b: Block, s: Schedule, g: JointGraph, ext: list, anchor: 
 
     def outer(u):
         return earlier[u] if g.producer.get(u) in s.recompute else env[u]
+
     # Values recomputed by an earlier block that this one reads.
-    prior = list(dict.fromkeys(u for p in b.eqns for u in g.ins[p]
-                               if g.producer.get(u) in s.recompute and g.producer[u] not in mine))
+    prior = list(
+        dict.fromkeys(
+            u
+            for p in b.eqns
+            for u in g.ins[p]
+            if g.producer.get(u) in s.recompute and g.producer[u] not in mine
+        )
+    )
     ext = list(ext) + [earlier[u] for u in prior]
     names = list(b.externals) + prior
     n_ext = len(ext)
@@ -798,17 +931,20 @@ def _cond_fenced(eqns, b: Block, s: Schedule, g: JointGraph, ext: list, anchor: 
         renv: dict = {}
         for p in b.eqns:
             pe = eqns[p]
-            ins = [u.val if isinstance(u, Literal) else
-                   renv[u] if u in renv else local[u]
-                   for u in pe.invars]
+            ins = [
+                u.val if isinstance(u, Literal) else renv[u] if u in renv else local[u]
+                for u in pe.invars
+            ]
             for v, val in zip(pe.outvars, run_eqn(pe, ins, "autoopt_remat")):
                 if is_var(v):
                     renv[v] = val
         benv = dict(zip(rin, ext_vals[n_ext:]))
         for k in region:
             e = eqns[k]
-            ins = [u.val if isinstance(u, Literal) else
-                   benv[u] if u in benv else renv[u] for u in e.invars]
+            ins = [
+                u.val if isinstance(u, Literal) else benv[u] if u in benv else renv[u]
+                for u in e.invars
+            ]
             for v, val in zip(e.outvars, run_eqn(e, ins)):
                 if is_var(v):
                     benv[v] = val
@@ -822,6 +958,7 @@ def _cond_fenced(eqns, b: Block, s: Schedule, g: JointGraph, ext: list, anchor: 
         ext, anchor = jax.lax.optimization_barrier((ext, anchor))
         outs = branch(ext)
     else:
+
         def through(vals):
             e, a = vals
             return branch(e), a
@@ -860,9 +997,17 @@ def describe(g: JointGraph, recompute: Iterable[int], limit: int = 8) -> dict[st
             entry[2].add(eqns[p].primitive.name)
             entry[3] += g.flops[p]
         rows = sorted(out.items(), key=lambda kv: (-kv[1][1], -kv[1][3]))[:limit]
-        return [{"location": loc, "values": n, "bytes": b, "primitives": sorted(p), "what": what,
-                 **({"flops": f} if run else {})}
-                for loc, (n, b, p, f) in rows]
+        return [
+            {
+                "location": loc,
+                "values": n,
+                "bytes": b,
+                "primitives": sorted(p),
+                "what": what,
+                **({"flops": f} if run else {}),
+            }
+            for loc, (n, b, p, f) in rows
+        ]
 
     return {
         "recomputed": lines(rec_res, "recomputed", recomputed_eqns),
@@ -877,6 +1022,7 @@ def describe(g: JointGraph, recompute: Iterable[int], limit: int = 8) -> dict[st
 
 # --- loops in the joint graph: checkpoint a forward scan, recompute its body in the backward ---
 
+
 @dataclasses.dataclass(frozen=True)
 class ScanPair:
     """A forward ``scan`` (index ``fwd``) whose stacked residual outputs (``res_out`` positions in
@@ -887,9 +1033,9 @@ class ScanPair:
     bwd: int
     res_out: tuple[int, ...]
     res_in: tuple[int, ...]
-    saved_bytes: int      # residual stacks no longer kept
-    carry_bytes: int      # the stacked carries kept instead
-    flops: float          # the forward body, run again in the backward
+    saved_bytes: int  # residual stacks no longer kept
+    carry_bytes: int  # the stacked carries kept instead
+    flops: float  # the forward body, run again in the backward
 
 
 def scan_pairs(g: JointGraph) -> list[ScanPair]:
@@ -907,8 +1053,13 @@ def scan_pairs(g: JointGraph) -> list[ScanPair]:
         if e.primitive.name != "scan" or f not in g.eligible:
             continue
         nk = e.params["num_carry"]
-        res = [k for k in range(nk, len(e.outvars)) if is_var(e.outvars[k])
-               and readers.get(e.outvars[k]) and all(t in g.backward for t in readers[e.outvars[k]])]
+        res = [
+            k
+            for k in range(nk, len(e.outvars))
+            if is_var(e.outvars[k])
+            and readers.get(e.outvars[k])
+            and all(t in g.backward for t in readers[e.outvars[k]])
+        ]
         bwds = {t for k in res for t in readers[e.outvars[k]]}
         if not res or len(bwds) != 1:
             continue
@@ -925,12 +1076,23 @@ def scan_pairs(g: JointGraph) -> list[ScanPair]:
         n = e.params["length"]
         carry_bytes = n * sum(aval_bytes(v.aval) for v in e.outvars[:nk])
         saved = sum(aval_bytes(e.outvars[k].aval) for k in res)
-        pairs.append(ScanPair(f, b, tuple(res), tuple(pos[e.outvars[k]] for k in res), saved,
-                              carry_bytes, n * jaxpr_flops(e.params["jaxpr"])))
+        pairs.append(
+            ScanPair(
+                f,
+                b,
+                tuple(res),
+                tuple(pos[e.outvars[k]] for k in res),
+                saved,
+                carry_bytes,
+                n * jaxpr_flops(e.params["jaxpr"]),
+            )
+        )
     return [p for p in pairs if p.carry_bytes < p.saved_bytes]
 
 
-def apply_scan_checkpoints(closed: ClosedJaxpr, g: JointGraph, pairs: Sequence[ScanPair]) -> ClosedJaxpr:
+def apply_scan_checkpoints(
+    closed: ClosedJaxpr, g: JointGraph, pairs: Sequence[ScanPair]
+) -> ClosedJaxpr:
     """``closed`` with each pair's forward scan emitting its per-iteration carries instead of the
     residual stacks, and the backward scan recomputing the residuals from them in its own body
     (as ``scan(jax.checkpoint(body))`` would). No barrier is needed: the recomputation runs in
@@ -952,11 +1114,13 @@ def apply_scan_checkpoints(closed: ClosedJaxpr, g: JointGraph, pairs: Sequence[S
                 p = by_bwd[t]
                 fe = eqns[p.fwd]
                 ins = [None if k in p.res_in else read(v) for k, v in enumerate(e.invars)]
-                outs = _recomputing_backward_scan(e, ins, fe, [read(v) for v in fe.invars], p,
-                                                  carries[p.fwd])
+                outs = _recomputing_backward_scan(
+                    e, ins, fe, [read(v) for v in fe.invars], p, carries[p.fwd]
+                )
             elif t in by_fwd:
-                outs = _checkpointed_forward_scan(e, [read(v) for v in e.invars], by_fwd[t],
-                                                  carries, t)
+                outs = _checkpointed_forward_scan(
+                    e, [read(v) for v in e.invars], by_fwd[t], carries, t
+                )
             else:
                 outs = run_eqn(e, [read(v) for v in e.invars])
             for v, val in zip(e.outvars, outs):
@@ -974,32 +1138,37 @@ def _checkpointed_forward_scan(e: JaxprEqn, ins: list, p: ScanPair, carries: dic
 
     def new_body(*a):
         outs = _jaxpr.eval_closed(body, *a)
-        return [*outs[:nk], *[outs[k] for k in keep], *a[nc:nc + nk]]
+        return [*outs[:nk], *[outs[k] for k in keep], *a[nc : nc + nk]]
 
     nb = _compat.trace_closed_jaxpr(new_body, body.in_avals, name="autoopt.remat.fwd_scan")
     res = run_eqn(e.replace(params=dict(e.params, jaxpr=nb)), ins)
-    carries[t] = res[nk + len(keep):]
+    carries[t] = res[nk + len(keep) :]
     out: list = list(res[:nk]) + [None] * (len(e.outvars) - nk)
     for i, k in enumerate(keep):
         out[k] = res[nk + i]
     return out
 
 
-def _recomputing_backward_scan(e: JaxprEqn, ins: list, fe: JaxprEqn, f_ins: list, p: ScanPair,
-                               carry_stack: list) -> list:
+def _recomputing_backward_scan(
+    e: JaxprEqn, ins: list, fe: JaxprEqn, f_ins: list, p: ScanPair, carry_stack: list
+) -> list:
     body: ClosedJaxpr = e.params["jaxpr"]
     nc, nk = e.params["num_consts"], e.params["num_carry"]
     f_body: ClosedJaxpr = fe.params["jaxpr"]
     fnc, fnk = fe.params["num_consts"], fe.params["num_carry"]
-    f_consts, f_xs = f_ins[:fnc], f_ins[fnc + fnk:]
+    f_consts, f_xs = f_ins[:fnc], f_ins[fnc + fnk :]
     xs_idx = [k for k in range(nc + nk, len(e.invars)) if k not in p.res_in]
     n_fc, n_cs = len(f_consts), len(carry_stack)
 
     def new_body(*a):
-        consts, f_c = a[:nc], a[nc:nc + n_fc]
-        carry = a[nc + n_fc:nc + n_fc + nk]
-        rest = a[nc + n_fc + nk:]
-        xs, cs, fx = rest[:len(xs_idx)], rest[len(xs_idx):len(xs_idx) + n_cs], rest[len(xs_idx) + n_cs:]
+        consts, f_c = a[:nc], a[nc : nc + n_fc]
+        carry = a[nc + n_fc : nc + n_fc + nk]
+        rest = a[nc + n_fc + nk :]
+        xs, cs, fx = (
+            rest[: len(xs_idx)],
+            rest[len(xs_idx) : len(xs_idx) + n_cs],
+            rest[len(xs_idx) + n_cs :],
+        )
         f_out = _jaxpr.eval_closed(f_body, *f_c, *cs, *fx)
         full = list(consts) + list(carry) + [None] * (len(e.invars) - nc - nk)
         for k, x in zip(xs_idx, xs):
@@ -1010,10 +1179,22 @@ def _recomputing_backward_scan(e: JaxprEqn, ins: list, fe: JaxprEqn, f_ins: list
 
     # Per-iteration avals: the bodies' own (weak types included).
     tb, fb = list(body.in_avals), list(f_body.in_avals)
-    avals = (tb[:nc] + fb[:fnc] + tb[nc:nc + nk] + [tb[k] for k in xs_idx]
-             + fb[fnc:fnc + fnk] + fb[fnc + fnk:])
+    avals = (
+        tb[:nc]
+        + fb[:fnc]
+        + tb[nc : nc + nk]
+        + [tb[k] for k in xs_idx]
+        + fb[fnc : fnc + fnk]
+        + fb[fnc + fnk :]
+    )
     nb = _compat.trace_closed_jaxpr(new_body, avals, name="autoopt.remat.bwd_scan")
-    new_ins = (list(ins[:nc]) + list(f_consts) + list(ins[nc:nc + nk]) + [ins[k] for k in xs_idx]
-               + list(carry_stack) + list(f_xs))
+    new_ins = (
+        list(ins[:nc])
+        + list(f_consts)
+        + list(ins[nc : nc + nk])
+        + [ins[k] for k in xs_idx]
+        + list(carry_stack)
+        + list(f_xs)
+    )
     params = dict(e.params, jaxpr=nb, num_consts=nc + n_fc)
     return run_eqn(e.replace(params=params), new_ins)

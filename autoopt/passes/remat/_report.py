@@ -20,17 +20,29 @@ def plans_section(report, console: Any) -> None:
             continue
         console.print()
         console.print(Text("remat: what the backward recomputes and keeps", style="bold"))
-        console.print(Text(f"plan {f.details.get('plan', '?')}; "
-                           f"{f.details.get('mechanism', '?')}", style="dim"))
+        console.print(
+            Text(
+                f"plan {f.details.get('plan', '?')}; {f.details.get('mechanism', '?')}", style="dim"
+            )
+        )
         table = Table(box=None, pad_edge=False, expand=False, show_edge=False)
-        for col, right in (("", False), ("source line", False), ("values", True),
-                           ("bytes", True), ("added FLOPs", True)):
+        for col, right in (
+            ("", False),
+            ("source line", False),
+            ("values", True),
+            ("bytes", True),
+            ("added FLOPs", True),
+        ):
             table.add_column(col, justify="right" if right else "left", no_wrap=True)
         table.add_column("operations", overflow="fold", ratio=1)
         for r in rows:
             flops = r.get("flops")
-            table.add_row(r.get("what", ""), short_location(r.get("location")),
-                          str(r.get("values", "")), format_bytes(r.get("bytes") or 0),
-                          "-" if flops is None else format_count(flops),
-                          "/".join(r.get("primitives", ())))
+            table.add_row(
+                r.get("what", ""),
+                short_location(r.get("location")),
+                str(r.get("values", "")),
+                format_bytes(r.get("bytes") or 0),
+                "-" if flops is None else format_count(flops),
+                "/".join(r.get("primitives", ())),
+            )
         console.print(table)

@@ -33,8 +33,10 @@ _MATMULS = ("dot_general", "conv_general_dilated")
 
 
 class RematCommand(FindingCommand):
-    DESCRIPTION = ("Wrap what the remat pass rematerialized in `jax.checkpoint`: a loop body, a "
-                   "call of a user function, or its def.")
+    DESCRIPTION = (
+        "Wrap what the remat pass rematerialized in `jax.checkpoint`: a loop body, a "
+        "call of a user function, or its def."
+    )
     KIND = "remat"
     HINT = "wrap the layer function at that line in jax.checkpoint (or use @autoopt.optimize)"
 
@@ -53,23 +55,31 @@ class RematCommand(FindingCommand):
             details = self.targets[i].details
             policy = details.get("policy")
             recomputed = details.get("recomputed") or ()
-            if policy is None and recomputed and not any(
-                    p in _MATMULS for r in recomputed for p in r.get("primitives", ())):
+            if (
+                policy is None
+                and recomputed
+                and not any(p in _MATMULS for r in recomputed for p in r.get("primitives", ()))
+            ):
                 # Only cheap values are recomputed: keep the matmuls, as the pass did.
                 policy = "dots_saveable"
             if isinstance(policy, str) and policy.isidentifier():
-                return [cst.Arg(keyword=cst.Name("policy"),
-                                value=self.ref(f"jax.checkpoint_policies.{policy}"),
-                                equal=cst.AssignEqual(cst.SimpleWhitespace(""),
-                                                      cst.SimpleWhitespace("")))]
+                return [
+                    cst.Arg(
+                        keyword=cst.Name("policy"),
+                        value=self.ref(f"jax.checkpoint_policies.{policy}"),
+                        equal=cst.AssignEqual(cst.SimpleWhitespace(""), cst.SimpleWhitespace("")),
+                    )
+                ]
         return []
 
     def _checkpoint(self, fn: cst.BaseExpression, idxs: list[int]) -> cst.Call:
         args = [cst.Arg(fn)]
         extra = self._policy_args(idxs)
         if extra:
-            args = [args[0].with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))),
-                    *extra]
+            args = [
+                args[0].with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))),
+                *extra,
+            ]
         return cst.Call(func=self.ref("jax.checkpoint"), args=args)
 
     def _is_checkpoint(self, node: cst.BaseExpression) -> bool:
@@ -86,9 +96,12 @@ class RematCommand(FindingCommand):
 
     # --- a named def gets the decorator --------------------------------------------------------
 
-    def leave_FunctionDef(self, original_node: cst.FunctionDef,
-                          updated_node: cst.FunctionDef) -> cst.FunctionDef:
-        idxs = [i for i in self._named().get(original_node.name.value, []) if i not in self.outcomes]
+    def leave_FunctionDef(
+        self, original_node: cst.FunctionDef, updated_node: cst.FunctionDef
+    ) -> cst.FunctionDef:
+        idxs = [
+            i for i in self._named().get(original_node.name.value, []) if i not in self.outcomes
+        ]
         if not idxs:
             return updated_node
         if any(self._is_checkpoint(d.decorator) for d in original_node.decorators):
@@ -98,18 +111,27 @@ class RematCommand(FindingCommand):
         dec = self.ref("jax.checkpoint")
         extra = self._policy_args(idxs)
         if extra:
-            dec = cst.Call(func=self.ref("functools.partial"), args=[
-                cst.Arg(dec, comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))), *extra])
+            dec = cst.Call(
+                func=self.ref("functools.partial"),
+                args=[
+                    cst.Arg(dec, comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))),
+                    *extra,
+                ],
+            )
         for i in idxs:
             self.outcomes[i] = None
         return updated_node.with_changes(
-            decorators=[cst.Decorator(decorator=dec), *updated_node.decorators])
+            decorators=[cst.Decorator(decorator=dec), *updated_node.decorators]
+        )
 
     # --- a line: a loop body, or a call of a user function -------------------------------------
 
     def visit_SimpleStatementLine(self, node: cst.SimpleStatementLine) -> bool:
-        self._line_targets = [i for i in self.targets_within(node)
-                              if not isinstance(self.targets[i].details.get("function"), str)]
+        self._line_targets = [
+            i
+            for i in self.targets_within(node)
+            if not isinstance(self.targets[i].details.get("function"), str)
+        ]
         self._wrapped_one = False
         return True
 
@@ -134,8 +156,9 @@ class RematCommand(FindingCommand):
             return updated_node.with_changes(args=args)
         return updated_node
 
-    def leave_SimpleStatementLine(self, original_node: cst.SimpleStatementLine,
-                                  updated_node: cst.SimpleStatementLine) -> cst.SimpleStatementLine:
+    def leave_SimpleStatementLine(
+        self, original_node: cst.SimpleStatementLine, updated_node: cst.SimpleStatementLine
+    ) -> cst.SimpleStatementLine:
         idxs = getattr(self, "_line_targets", [])
         self._line_targets = []
         if not idxs or self._wrapped_one:
@@ -150,9 +173,14 @@ class RematCommand(FindingCommand):
                 return wrapped
         if call is None:
             for i in idxs:
-                self.outcomes.setdefault(i, finder.reason or (
-                    "the line is not an assignment of an expression; move it into a function "
-                    "and wrap that in jax.checkpoint"))
+                self.outcomes.setdefault(
+                    i,
+                    finder.reason
+                    or (
+                        "the line is not an assignment of an expression; move it into a function "
+                        "and wrap that in jax.checkpoint"
+                    ),
+                )
             return updated_node
         new_call = call.with_changes(func=self._checkpoint(call.func, idxs))
         self._finish(idxs)
@@ -168,15 +196,22 @@ class RematCommand(FindingCommand):
         value.visit(free)
         if free.has_lambda or not free.has_call:
             return None
-        params = [n for n in free.names
-                  if n not in self._module_names and n not in self.imports.bound
-                  and n not in dir(builtins)]
+        params = [
+            n
+            for n in free.names
+            if n not in self._module_names
+            and n not in self.imports.bound
+            and n not in dir(builtins)
+        ]
         lam = cst.Lambda(
             params=cst.Parameters(params=[cst.Param(cst.Name(n)) for n in params]),
             body=value.with_changes(lpar=[], rpar=[]),
-            colon=cst.Colon(whitespace_after=cst.SimpleWhitespace(" ")))
-        call = cst.Call(func=self._checkpoint(lam, idxs),
-                        args=comma_separated([cst.Arg(cst.Name(n)) for n in params]))
+            colon=cst.Colon(whitespace_after=cst.SimpleWhitespace(" ")),
+        )
+        call = cst.Call(
+            func=self._checkpoint(lam, idxs),
+            args=comma_separated([cst.Arg(cst.Name(n)) for n in params]),
+        )
         self._finish(idxs)
         new = stmt.with_changes(body=[stmt.body[0].with_changes(value=call)])
         return new
