@@ -1,4 +1,4 @@
-"""Warnings and errors autoopt raises: the bottom of the import graph, importing nothing of autoopt."""
+"""Warnings and errors autoopt raises: the bottom of the import graph (no autoopt imports)."""
 
 from __future__ import annotations
 

@@ -492,7 +492,10 @@ def test_module_level_jit_call_gets_donate_argnums():
     ],
 )
 def test_functions_already_donating_or_not_jitted_are_left_alone(decorator, reason):
-    before = f"import autoopt, jax, other\nfrom functools import partial\n\n{decorator}\ndef step(a):\n    return a\n"
+    before = (
+        "import autoopt, jax, other\nfrom functools import partial\n\n"
+        f"{decorator}\ndef step(a):\n    return a\n"
+    )
     cmd = assert_unchanged(DonateCommand, before, [donate(0)], function="step")
     assert reason in cmd.outcomes[0]
 
@@ -539,7 +542,10 @@ def test_jit_donation_needs_every_call_in_the_file_to_rebind_the_argument(calls,
     # donate_argnums is a promise for every caller: a call that keeps using its argument (or
     # callers the file does not show) would find their array deleted. The report's own example:
     # `new_w = f(w, x)` followed by `w.sum()` raised "Array has been deleted" after the edit.
-    before = f"import jax\nimport jax.numpy as jnp\n\n@jax.jit\ndef step(w, x):\n    return w\n\n{calls}\n"
+    before = (
+        "import jax\nimport jax.numpy as jnp\n\n@jax.jit\ndef step(w, x):\n    return w\n\n"
+        f"{calls}\n"
+    )
     cmd = assert_unchanged(DonateCommand, before, [donate(0, 3)], function="step")
     assert why in cmd.outcomes[0] and "--style autoopt" in cmd.outcomes[0], cmd.outcomes[0]
     # The autoopt style is always safe: it proves donation at each call.

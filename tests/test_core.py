@@ -1,4 +1,4 @@
-"""The core contract: optimize is a drop-in jax.jit (same numbers, composes, one trace per signature)."""
+"""The core contract: optimize is a drop-in jax.jit (same numbers, composes, one trace each)."""
 
 from __future__ import annotations
 
@@ -144,7 +144,7 @@ def test_methods_can_be_decorated():
     np.testing.assert_allclose(Model().apply(jnp.ones(2)), [3.0, 3.0])
 
 
-# --- composition -----------------------------------------------------------------------------------
+# --- composition ----------------------------------------------------------------------------------
 
 
 def test_composes_under_grad_vmap_and_outer_jit():
@@ -187,7 +187,7 @@ def test_closure_over_outer_tracer():
     assert_trees_equivalent(jax.grad(outer)(2.0), jax.grad(lambda w: (jnp.ones(3) * w).sum())(2.0))
 
 
-# --- signature cache -------------------------------------------------------------------------------
+# --- signature cache ------------------------------------------------------------------------------
 
 
 def test_one_trace_per_signature():
@@ -251,7 +251,7 @@ def test_concurrent_first_calls_trace_each_signature_once():
     assert len(traces) == len(set(shapes))
 
 
-# --- the engine ------------------------------------------------------------------------------------
+# --- the engine -----------------------------------------------------------------------------------
 
 
 def test_rewrite_recurses_into_every_sub_jaxpr_and_keeps_source_lines():
@@ -305,7 +305,7 @@ def test_unknown_primitives_pass_through_untouched():
     )
 
 
-# --- fallback --------------------------------------------------------------------------------------
+# --- fallback -------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", list(registered_passes()))

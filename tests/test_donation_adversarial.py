@@ -142,8 +142,8 @@ def test_device_put_to_the_same_device_shares_the_buffer_and_is_not_donated():
 
 def test_user_error_on_a_donating_call_raises_without_an_autoopt_warning():
     """When the user's function raises while tracing (a new signature at a rebinding site),
-    ``_dispatch.plan_donating`` catches it as a donation failure: it warns "autoopt fell back to plain
-    jax.jit ... Results are unaffected" (which uses up the one-time warning), then calls the
+    ``_dispatch.plan_donating`` catches it as a donation failure: it warns "autoopt fell back to
+    plain jax.jit ... Results are unaffected" (which uses up the one-time warning), then calls the
     plain jit, which traces the function a second time and raises. jax.jit raises once, with no
     warning. The donation path should let exceptions from tracing the user's function through
     (e.g. re-raise when the plain program would fail too)."""
@@ -200,8 +200,8 @@ def test_fast_path_keeps_passing_hoisted_constants():
     """With placement="auto" (default) a closed-over constant of >= 1 MiB is passed to the jit
     as a device argument (``_autoopt_hoisted``) by the placer. Found in review: the fast entry
     cached ``placer=None``, so calls 2..n called the jit without the hoisted argument (a second
-    compile, the constant embedded in the HLO). Fixed in ``_dispatch.remember_fast`` (``hoists``) while
-    this review ran; this guards it: one executable for the donating jit."""
+    compile, the constant embedded in the HLO). ``_dispatch.remember_fast`` keeps the placer for
+    such programs (``hoists``); this guards it: one executable for the donating jit."""
     f = autoopt.optimize(lambda v: v + jnp.asarray(_BIG)[0, :3])
     x = _fresh()
     for _ in range(4):

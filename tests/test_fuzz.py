@@ -1,4 +1,4 @@
-"""Differential fuzzing: random JAX programs compute the same numbers under autoopt as under jax.jit.
+"""Differential fuzzing: random JAX programs compute the same numbers under autoopt as jax.jit.
 
 The programs come from ``autoopt.testing.fuzz_cases`` (see ``autoopt/_fuzz.py``): random
 statements over random pytrees of f32/bf16/i32/bool arrays, with in- and out-of-bounds

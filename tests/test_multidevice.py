@@ -19,7 +19,7 @@ import pytest
 _MARK = "MULTIDEVICE-RESULTS "
 
 
-# --- the checks (run in the subprocess) ----------------------------------------------------------------
+# --- the checks (run in the subprocess) -----------------------------------------------------------
 
 
 def _checks() -> dict[str, str | None]:
@@ -160,7 +160,7 @@ def _checks() -> dict[str, str | None]:
     return results
 
 
-# --- the tests (run in pytest's process) ----------------------------------------------------------------
+# --- the tests (run in pytest's process) ----------------------------------------------------------
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
-"""Host inputs, host constants, scalar canonicalization and the transfer guard (autoopt.passes.placement._placer,
-_packing, _host_constants, _hoist).
+"""Host inputs, host constants, scalar canonicalization and the transfer guard
+(autoopt.passes.placement: _placer, _packing, _host_constants, _hoist).
 
 Reference is always the original function under ``jax.jit``. Transfer counts are read from JAX's
 own transfer-guard log (``jax.transfer_guard_host_to_device("log")`` writes one line a transfer
@@ -49,7 +49,7 @@ def _line_of(marker: str) -> int:
     return next(i for i, line in enumerate(src, 1) if marker in line and "_line_of" not in line)
 
 
-# --- host inputs --------------------------------------------------------------------------------------
+# --- host inputs ----------------------------------------------------------------------------------
 
 
 def test_numpy_leaves_give_the_same_values_as_jax_jit():
@@ -333,7 +333,7 @@ def test_packing_preserves_every_leaf_of_any_numpy_pytree(specs):
     )
 
 
-# --- host constants -----------------------------------------------------------------------------------
+# --- host constants -------------------------------------------------------------------------------
 
 
 def _table(n=256, seed=1):
@@ -480,7 +480,7 @@ def test_constant_is_never_donated_even_under_donate_auto():
     np.testing.assert_allclose(np.asarray(opt(c, jnp.ones((4, 4)))), 2.0)
 
 
-# --- scalars and recompile triggers --------------------------------------------------------------------
+# --- scalars and recompile triggers ---------------------------------------------------------------
 
 
 def _scaled(traces):
@@ -607,7 +607,7 @@ def test_hoisted_constants_compose_with_grad_vmap_disable_jit_and_donation(caplo
     )
 
 
-# --- the transfer guard --------------------------------------------------------------------------------
+# --- the transfer guard ---------------------------------------------------------------------------
 
 
 def test_guard_disallow_raises_naming_the_argument_and_the_callers_line():

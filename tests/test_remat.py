@@ -295,7 +295,7 @@ def test_recomputation_keeps_the_users_source_line():
     assert any(loc and "test_remat.py" in loc for loc in lines)
 
 
-# --- nothing to gain -------------------------------------------------------------------------------
+# --- nothing to gain ------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -342,7 +342,7 @@ def test_remat_off_leaves_the_program_alone():
     assert _remat_findings(train_step, ws, x, remat="off") == []
 
 
-# --- a forward the user differentiates -------------------------------------------------------------
+# --- a forward the user differentiates ------------------------------------------------------------
 
 
 def test_grad_of_optimized_forward_matches_and_forward_is_unchanged():

@@ -318,8 +318,10 @@ class OptimizedFunction:
         if not self._caches.warned:
             self._caches.warned = True
             warnings.warn(
-                f"autoopt fell back to plain jax.jit for {getattr(self.__wrapped__, '__name__', 'fn')} "
-                f"({where}): {str(error).rstrip('.')}. Results are unaffected; pass fallback='raise' to debug.",
+                f"autoopt fell back to plain jax.jit for "
+                f"{getattr(self.__wrapped__, '__name__', 'fn')} ({where}): "
+                f"{str(error).rstrip('.')}. Results are unaffected; pass fallback='raise' to "
+                "debug.",
                 AutooptWarning,
                 stacklevel=4,
             )

@@ -194,7 +194,8 @@ def _ordered() -> list[Pass]:
                 heapq.heappush(ready, t)
     if len(order) < len(reg):
         raise ValueError(
-            f"the order constraints of passes form a cycle: {_cycle(edges, set(reg) - set(order))}. "
+            "the order constraints of passes form a cycle: "
+            f"{_cycle(edges, set(reg) - set(order))}. "
             "Drop one of the after=/before= constraints."
         )
     return [reg[n] for n in order]
@@ -238,7 +239,7 @@ def jit_options_for(options, backend: str | None) -> dict:
 
 
 def report_sections() -> list[Callable[..., None]]:
-    """The report's sections that passes declare, in pipeline order: ``section(report, console)``."""
+    """The report sections passes declare, in pipeline order: ``section(report, console)``."""
     return [resolve(p.report_section) for p in _ordered() if p.report_section is not None]
 
 

@@ -21,7 +21,8 @@ from autoopt._options import Option, Options
 class PassContext:
     """What a pass may know besides the program.
 
-    ``in_leaf_names`` names each flat input as the user sees it (``"state['w']"``); ``in_arg_of_leaf``
+    ``in_leaf_names`` names each flat input as the user sees it (``"state['w']"``);
+    ``in_arg_of_leaf``
     maps each flat input to its top-level argument (an int position or a keyword name);
     ``out_leaf_names`` likewise for outputs. ``backend`` is the platform the program compiles for.
     ``fn_location`` is the user's ``def`` line.

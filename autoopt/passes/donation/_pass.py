@@ -95,10 +95,12 @@ def donation(closed, ctx: PassContext) -> PassResult:
                     location=ctx.fn_location,
                     bytes_saved=total,
                     message=(
-                        f"`{root}` ({len(leaves)} leaves, {total:,} bytes) can be donated: every leaf "
+                        f"`{root}` ({len(leaves)} leaves, {total:,} bytes) can be donated: "
+                        "every leaf "
                         f"has an output of the same shape and dtype ({', '.join(out_names[:4])}"
-                        f"{', ...' if len(out_names) > 4 else ''}). Donated when the caller rebinds it "
-                        f"(`{root} = f({root}, ...)`) under donate='safe', always under donate='auto'."
+                        f"{', ...' if len(out_names) > 4 else ''}). Donated when the caller "
+                        f"rebinds it (`{root} = f({root}, ...)`) under donate='safe', always "
+                        "under donate='auto'."
                     ),
                     details={"arg": arg, "name": root, "leaves": leaves, "aliasable": True},
                 )

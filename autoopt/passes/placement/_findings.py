@@ -130,8 +130,8 @@ def findings_for(inspection, args: tuple, kwargs: dict) -> list:
                     + (
                         ": canonicalize_scalars=True keeps the first call's type."
                         if o.canonicalize_scalars
-                        else "; pass canonicalize_scalars=True (each keeps its first call's type) or "
-                        "pass jax arrays."
+                        else "; pass canonicalize_scalars=True (each keeps its first call's "
+                        "type) or pass jax arrays."
                     )
                 ),
                 details={"leaves": [names[i] for i in scalars], "strategy": "scalar"},
@@ -230,9 +230,9 @@ def _closed_constant_findings(program, hoist: bool = False) -> list:
                     "device argument, placed once, instead of being embedded into it (calls "
                     "that reach jit without autoopt's placer still embed it)."
                     if hoisted
-                    else f"{what} ({format_bytes(nbytes)}) is embedded into the compiled program: it "
-                    "slows compilation and is copied into every executable. Pass it as an "
-                    "argument (wrapped in autoopt.constant(...) so it is placed once)."
+                    else f"{what} ({format_bytes(nbytes)}) is embedded into the compiled "
+                    "program: it slows compilation and is copied into every executable. Pass "
+                    "it as an argument (wrapped in autoopt.constant(...) so it is placed once)."
                 ),
                 details={"bytes": nbytes, "strategy": "closed_constant"},
             )

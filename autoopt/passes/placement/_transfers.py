@@ -1,6 +1,7 @@
 """Device-to-host stalls inside the program: host callbacks, found anywhere in the jaxpr.
 
-An analysis (it never changes the program): ``jax.pure_callback``, ``io_callback``, ``jax.debug.callback``
+An analysis (it never changes the program): ``jax.pure_callback``, ``io_callback``,
+``jax.debug.callback``
 and ``jax.debug.print`` copy their operands to the host, run Python while the device waits for
 the result (or, for the debug ones, for the ordered effect), and copy results back. Inside a
 ``scan`` or ``while`` they do so every iteration. They are reported, with the user's line and

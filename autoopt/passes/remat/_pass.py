@@ -79,7 +79,8 @@ FLOOR_EXTRA_COMPILES = 2  # more, when the lowest-memory plan misses the budget 
 # instead (fence_for). Disabling that one pass keeps barriers, but it is NOT applied by
 # default: with it, XLA:CPU aborts the process (a C++ CHECK in
 # IrEmitter::HandleOptimizationBarrier) on a barrier inside a scan body, e.g. the gradient of a
-# user's own checkpointed scan (tests/regressions/test_remat_cpu_flag_aborts_on_checkpointed_scan.py).
+# user's own checkpointed scan
+# (tests/regressions/test_remat_cpu_flag_aborts_on_checkpointed_scan.py).
 # A user may opt in with optimize(..., compiler_options=CPU_FLAGS); candidates are always
 # compiled with the options the final program gets, so plans that need the flag are rejected
 # by measurement when it is absent.
@@ -674,7 +675,8 @@ def _finding(
         parts.append(
             "recomputes "
             + ", ".join(
-                f"{r['values']} value(s) {_mb(r['bytes'])} from {r['location']} ({'/'.join(r['primitives'])})"
+                f"{r['values']} value(s) {_mb(r['bytes'])} from {r['location']} "
+                f"({'/'.join(r['primitives'])})"
                 for r in rec[:3]
             )
         )

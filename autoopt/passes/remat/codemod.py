@@ -1,4 +1,5 @@
-"""Checkpoint wrappers where the remat pass applied: ``block(h, p)`` -> ``jax.checkpoint(block)(h, p)``.
+"""Checkpoint wrappers where the remat pass applied:
+``block(h, p)`` -> ``jax.checkpoint(block)(h, p)``.
 
 The lines come from the finding: its location and every line its recomputed values come from
 (``details["recomputed"][*]["location"]``). What an expert wraps on such a line, first match:
