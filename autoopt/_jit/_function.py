@@ -581,6 +581,9 @@ class OptimizedFunction:
             program=program,
             traced=program.traced.closed,
             optimized=program.final,
+            changed_by=tuple(name for name, result in program.pipeline.results if result.changed)
+            if program.pipeline is not None
+            else (),
             findings=tuple(program.pipeline.findings) if program.pipeline is not None else (),
             fallback=program.fallback_reason,
             jit=jit,

@@ -22,8 +22,9 @@ class Inspection:
 
     - ``program``: the per-signature record (``autoopt._jit._program.Program``); ``traced`` is
       the user's function as traced, ``optimized`` the program after the passes (the same
-      object when nothing changed or the passes fell back); ``findings`` the pipeline's;
-      ``fallback`` why the passes fell back, or None.
+      object when nothing changed or the passes fell back); ``changed_by`` the passes whose
+      result changed the program, in order; ``findings`` the pipeline's; ``fallback`` why the
+      passes fell back, or None.
     - ``jit``, ``donated``: the jax.jit object a call with these arguments uses and the
       ``(positions, names)`` it donates. Under ``donate="auto"``: every argument an output can
       alias. Under ``"safe"``: what a call site that rebinds every argument it passes
@@ -53,6 +54,7 @@ class Inspection:
     program: Any
     traced: ClosedJaxpr
     optimized: ClosedJaxpr
+    changed_by: tuple[str, ...]
     findings: tuple
     fallback: str | None
     jit: Any

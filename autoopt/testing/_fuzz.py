@@ -1002,14 +1002,7 @@ def check_program(
     got = through(fast, case.args)
     assert_trees_equivalent(expected, got, what="optimize(program)")
     RUNS["equal"] += 1
-    _count_rewrites(fast)
+    # Which passes changed the program, so a run says whether the passes had work to do.
+    for name in fast.inspect(*case.args).changed_by:
+        RUNS[f"rewritten by {name}"] += 1
     return got
-
-
-def _count_rewrites(fast) -> None:
-    """Which passes changed the program (so a run says whether the passes had work to do)."""
-    for program in list(getattr(fast, "_programs", {}).values()):
-        pipeline = getattr(program, "pipeline", None)
-        for name, result in getattr(pipeline, "results", ()):
-            if result.changed:
-                RUNS[f"rewritten by {name}"] += 1
