@@ -19,6 +19,7 @@ from autoopt.testing._fuzz import (
     Program,
     check_program,
     fuzz_cases,
+    hypothesis_modules,
     program_args,
     programs,
 )
@@ -66,23 +67,12 @@ def assert_equivalent(fn, *args: Any, exact: bool = False, **kwargs: Any) -> Any
 # --- hypothesis strategies ----------------------------------------------------------------------
 
 
-def _hyp():
-    try:
-        import hypothesis.extra.numpy as hnp
-        import hypothesis.strategies as st
-    except ImportError as e:  # pragma: no cover - hypothesis is in the `test` extra
-        raise ImportError(
-            "autoopt.testing strategies need hypothesis: pip install 'autoopt[test]'"
-        ) from e
-    return st, hnp
-
-
 DTYPES = ("float32", "int32", "bool", "bfloat16")
 
 
 def arrays(dtype: str | None = None, shape=None, max_dims: int = 3, max_side: int = 5):
     """Strategy for jax arrays of small shapes and finite values (bfloat16 via float32)."""
-    st, hnp = _hyp()
+    st, hnp = hypothesis_modules()
     dtypes = st.sampled_from(DTYPES) if dtype is None else st.just(dtype)
     shapes = (
         hnp.array_shapes(min_dims=0, max_dims=max_dims, min_side=1, max_side=max_side)
@@ -107,7 +97,7 @@ def arrays(dtype: str | None = None, shape=None, max_dims: int = 3, max_side: in
 
 def pytrees(leaves=None, max_leaves: int = 6):
     """Strategy for nested dict/list/tuple pytrees of arrays."""
-    st, _ = _hyp()
+    st, _ = hypothesis_modules()
     leaves = leaves if leaves is not None else arrays()
     return st.recursive(
         leaves,

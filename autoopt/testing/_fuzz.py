@@ -172,7 +172,9 @@ def _args_repr(args) -> str:
 # --- the builder --------------------------------------------------------------------------------
 
 
-def _st():
+def hypothesis_modules():
+    """``(hypothesis.strategies, hypothesis.extra.numpy)``, or an ImportError saying what to
+    install (hypothesis is in the ``test`` extra, not a dependency of autoopt)."""
     try:
         import hypothesis.extra.numpy as hnp
         import hypothesis.strategies as st
@@ -243,7 +245,7 @@ class _Builder:
         cands = [n for n in order if ok(self.env[n])]
         if not cands:
             return None
-        st, _ = _st()
+        st, _ = hypothesis_modules()
         return self.draw(st.sampled_from(cands))
 
     def pick_result(self) -> str:
@@ -254,15 +256,15 @@ class _Builder:
         return self.pick()
 
     def integers(self, lo: int, hi: int) -> int:
-        st, _ = _st()
+        st, _ = hypothesis_modules()
         return self.draw(st.integers(lo, hi))
 
     def choice(self, options):
-        st, _ = _st()
+        st, _ = hypothesis_modules()
         return self.draw(st.sampled_from(list(options)))
 
     def boolean(self) -> bool:
-        st, _ = _st()
+        st, _ = hypothesis_modules()
         return self.draw(st.booleans())
 
     def fit_expr(self, name: str, dst: Aval) -> str:
@@ -559,7 +561,7 @@ class _Builder:
         if x is None:
             return self.op_unary()
         a = self.env[x]
-        st, _ = _st()
+        st, _ = hypothesis_modules()
         form = self.choice(["transpose", "flip", "roll"] if a.ndim >= 2 else ["flip", "roll"])
         if form == "transpose":
             perm = tuple(self.draw(st.permutations(range(a.ndim))))
@@ -619,7 +621,7 @@ class _Builder:
         if form == "dynamic":
             return self.dyn_scalar(n)
         if form == "array":
-            st, _ = _st()
+            st, _ = hypothesis_modules()
             vals = self.draw(st.lists(st.integers(-n - 1, n), min_size=1, max_size=3))
             return f"jnp.array({vals!r})"
         if form == "block":  # a window of k rows at a traced start: x.at[i + jnp.arange(k)]
@@ -681,7 +683,7 @@ class _Builder:
         a = self.env[x]
         form = self.choice(["dynamic", "array", "take"])
         if form == "take":
-            st, _ = _st()
+            st, _ = hypothesis_modules()
             vals = self.draw(
                 st.lists(st.integers(-a.shape[0] - 1, a.shape[0]), min_size=1, max_size=3)
             )
@@ -863,7 +865,7 @@ class _Builder:
 
 
 def _in_aval(draw) -> Aval:
-    st, hnp = _st()
+    st, hnp = hypothesis_modules()
     dtype = draw(st.sampled_from(FUZZ_DTYPES))
     shape = draw(hnp.array_shapes(min_dims=0, max_dims=_MAX_NDIM, min_side=1, max_side=_MAX_SIDE))
     return Aval(tuple(shape), dtype)
@@ -873,7 +875,7 @@ def programs(max_ops: int = 6, max_params: int = 3):
     """Strategy for random ``Program``s of up to ``max_ops`` top-level statements (nested
     blocks get fewer) over up to ``max_params`` parameters, each an array or a dict/tuple of
     arrays."""
-    st, _ = _st()
+    st, _ = hypothesis_modules()
 
     @st.composite
     def build(draw):
@@ -922,7 +924,7 @@ def programs(max_ops: int = 6, max_params: int = 3):
 
 
 def _leaf_values(aval: Aval):
-    st, hnp = _st()
+    st, hnp = hypothesis_modules()
     if aval.dtype == "bool":
         strat = hnp.arrays(np.bool_, aval.shape)
     elif aval.dtype == "int32":
@@ -937,7 +939,7 @@ def _leaf_values(aval: Aval):
 
 def program_args(program: Program):
     """Strategy for arguments matching ``program.in_avals``."""
-    st, _ = _st()
+    st, _ = hypothesis_modules()
     leaves, tree = jax.tree_util.tree_flatten(
         program.in_avals, is_leaf=lambda x: isinstance(x, Aval)
     )
@@ -948,7 +950,7 @@ def program_args(program: Program):
 
 def fuzz_cases(max_ops: int = 6, max_params: int = 3):
     """Strategy for ``FuzzCase``: a random program and arguments for it."""
-    st, _ = _st()
+    st, _ = hypothesis_modules()
     return programs(max_ops, max_params).flatmap(
         lambda p: program_args(p).map(lambda args: FuzzCase(p, args))
     )
