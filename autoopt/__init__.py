@@ -5,9 +5,14 @@ what an expert would do by hand (buffer donation, in-place updates, rematerializ
 placement), and returns a jitted callable that computes the same numbers.
 """
 
+from typing import TYPE_CHECKING
+
 from autoopt._errors import AutooptWarning
 from autoopt._jit import OptimizedFunction, explain, optimize
 from autoopt.report import Finding, Report
+
+if TYPE_CHECKING:  # for type checkers: at run time __getattr__ below imports it when asked
+    from autoopt import testing
 
 __all__ = [
     "optimize",

@@ -145,8 +145,8 @@ class Caches:
         # remat off, stops paying for the check after its first call.
         self.watch_autodiff = policy.remat_auto
         self.any_plannable = False
-        self.eager_ad_jit = None
-        self.nested = None
+        self.eager_ad_jit: Any = None  # the jax.jit object for eager autodiff, once made
+        self.nested: Any = None  # the jax.jit object for calls inside another trace, once made
 
 
 class CallPlan(NamedTuple):
@@ -297,6 +297,7 @@ def plan_donating(
         return of._plain_plan
     if not (pos or nms):
         return of._plain_plan
+    assert program is not None  # pos and nms are set only when a program was traced
     return CallPlan(
         of._jit_for(pos, nms),
         pos,

@@ -232,7 +232,9 @@ class OptimizedFunction:
         """The jit object of a call inside another trace (see ``Policy.nested_kwargs``)."""
         caches = self._caches
         if caches.nested is None:
-            caches.nested = jax.jit(self._wrapper, **self._policy.nested_kwargs)
+            kw = self._policy.nested_kwargs
+            assert kw is not None  # dispatch calls this only when the policy has nested keywords
+            caches.nested = jax.jit(self._wrapper, **kw)
         return caches.nested
 
     # --- tracing and passes (runs inside jax.jit's trace) -------------------------------------

@@ -134,6 +134,7 @@ def with_static_leaves(
     tracers inside the trace and the concrete arguments after the call), for
     ``outputs_put_back``."""
     by_arg = {part[0]: part for part in key}
+    output_parts: dict = {}
 
     @functools.wraps(fn)  # jax.jit reads the signature (static_argnames) through __wrapped__
     def with_static_leaves(*args, **kwargs):
@@ -141,10 +142,11 @@ def with_static_leaves(
         args = tuple(put_back(by_arg.get(i), a) for i, a in enumerate(args))
         out = fn(*args, **{k: put_back(by_arg.get(k), v) for k, v in kwargs.items()})
         out, part = split_tree("output", out)
-        with_static_leaves.output_parts[sig] = part
+        output_parts[sig] = part
         return out
 
-    with_static_leaves.output_parts = {}
+    # functools.wraps' _Wrapped type declares no attributes of its own
+    with_static_leaves.output_parts = output_parts  # pyright: ignore[reportAttributeAccessIssue]
     return with_static_leaves
 
 

@@ -29,6 +29,7 @@ import sys
 import sysconfig
 import tokenize
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import libcst as cst
 from libcst.codemod import (
@@ -84,6 +85,10 @@ def _by_kind() -> dict[str, type[FindingCommand]]:
     return {c.KIND: c for c in commands()}
 
 
+if TYPE_CHECKING:  # for type checkers: COMMANDS itself comes from __getattr__ below
+    COMMANDS: tuple[type[FindingCommand], ...]
+
+
 def __getattr__(name: str):
     # COMMANDS is derived on every read, so a pass registered later has its command in it.
     if name == "COMMANDS":
@@ -113,6 +118,7 @@ def _moved(f: Finding, lines: dict[int, int]) -> Finding:
     line = finding_line(f)
     if line is None or lines.get(line, line) == line:
         return f
+    assert f.location is not None  # finding_line read a line number from it
     path = f.location.rpartition(":")[0]
     return f.replace(location=f"{path}:{lines[line]}")
 
@@ -302,6 +308,7 @@ def plan_source_edits(
             for i in idxs:
                 notes[i] = f"{why}; {by_kind[findings[i].kind].HINT}"
             continue
+        assert path is not None  # no_source_reason gives a reason for a missing path
         try:
             original = read_source(path)
         except (OSError, SyntaxError, UnicodeDecodeError) as e:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import builtins
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Any, ClassVar, cast
 
 import libcst as cst
 from libcst.codemod import Codemod, CodemodContext, SkipFile, VisitorBasedCodemodCommand
 from libcst.codemod.visitors import AddImportsVisitor, ImportItem
 from libcst.helpers import parse_template_expression
-from libcst.metadata import ParentNodeProvider, PositionProvider
+from libcst.metadata import CodeRange, ParentNodeProvider, PositionProvider
 
 from autoopt._finding import Finding
 
@@ -68,7 +68,9 @@ _PREFERRED_IMPORTS: dict[str, ImportItem] = {
 def template(text: str, **nodes: cst.CSTNode) -> cst.BaseExpression:
     """``parse_template_expression`` with each node copied, so a node used twice (the array in
     a guard and in the update) is two nodes, as libcst's metadata expects."""
-    return parse_template_expression(text, **{k: v.deep_clone() for k, v in nodes.items()})
+    # Any: the stub types the replacements' mapping as if it could also fill ``config``
+    copies: dict[str, Any] = {k: v.deep_clone() for k, v in nodes.items()}
+    return parse_template_expression(text, **copies)
 
 
 def comma_separated(args: list[cst.Arg]) -> list[cst.Arg]:
@@ -120,7 +122,8 @@ class ModuleImports:
                     for alias in small.names:
                         full = dotted_name(alias.name) or ""
                         if alias.asname is not None:
-                            self.bound[alias.asname.name.value] = full
+                            # an import's ``as`` target is always a Name
+                            self.bound[cast(cst.Name, alias.asname.name).value] = full
                         else:
                             root = full.split(".")[0]
                             self.bound.setdefault(root, root)
@@ -130,7 +133,11 @@ class ModuleImports:
                     mod = dotted_name(small.module) or ""
                     for alias in small.names:
                         name = dotted_name(alias.name) or ""
-                        local = alias.asname.name.value if alias.asname is not None else name
+                        local = (
+                            cast(cst.Name, alias.asname.name).value  # ``as`` binds a Name
+                            if alias.asname is not None
+                            else name
+                        )
                         self.bound[local] = f"{mod}.{name}"
 
     def qualified(self, node: cst.CSTNode) -> str | None:
@@ -247,7 +254,8 @@ class FindingCommand(VisitorBasedCodemodCommand):
     # --- helpers for subclasses ---------------------------------------------------------------
 
     def span(self, node: cst.CSTNode) -> tuple[int, int]:
-        pos = self.get_metadata(PositionProvider, node)
+        # no default given: the stub's _UNDEFINED_DEFAULT is never what comes back
+        pos = cast(CodeRange, self.get_metadata(PositionProvider, node))
         return pos.start.line, pos.end.line
 
     def lines_of(self, finding: Finding) -> list[int]:
@@ -282,7 +290,7 @@ class FindingCommand(VisitorBasedCodemodCommand):
         would pass 100 columns (as a formatter would lay it out)."""
         if not isinstance(new, cst.Call) or not new.args:
             return new
-        pos = self.get_metadata(PositionProvider, original)
+        pos = cast(CodeRange, self.get_metadata(PositionProvider, original))
         line = self.module.code.splitlines()[pos.start.line - 1]
         rest = line[pos.end.column :] if pos.start.line == pos.end.line else ""
         if pos.start.column + len(self.code(new)) + len(rest) <= 100:

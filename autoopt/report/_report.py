@@ -366,7 +366,7 @@ def _render(report: Report, console: Any) -> None:
                 if mark == "+"
                 else "cyan"
                 if mark == "~"
-                else None
+                else ""  # rich's "no style"
             )
             console.print(Text(line, style=style), no_wrap=True, overflow="ignore", crop=False)
     elif report.before is not None and report.after is not None:
@@ -392,7 +392,7 @@ def _render(report: Report, console: Any) -> None:
                 if line.startswith("+")
                 else "cyan"
                 if line.startswith("@@")
-                else None
+                else ""  # rich's "no style"
             )
             console.print(Text(line, style=style), no_wrap=True, overflow="ignore", crop=False)
 

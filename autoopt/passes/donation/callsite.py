@@ -70,11 +70,11 @@ def _target_names(target: ast.AST) -> set[str]:
 
 def _later_uses(stmt: ast.stmt, name: str) -> list[int]:
     """Lines after ``stmt`` in its enclosing scope where ``name`` is read (for the report)."""
-    scope = stmt
-    while getattr(scope, "parent", None) is not None and not isinstance(
+    scope: ast.AST = stmt
+    while (parent := getattr(scope, "parent", None)) is not None and not isinstance(
         scope, ast.FunctionDef | ast.AsyncFunctionDef | ast.Module | ast.Lambda
     ):
-        scope = scope.parent
+        scope = parent
     end = getattr(stmt, "end_lineno", stmt.lineno)
     lines = sorted(
         {
@@ -238,7 +238,12 @@ def prove_call_site(frame, callee: Any = None) -> CallSiteProof:
         loc,
         text,
         n_positional=None if starred else len(node.args),
-        keywords=None if double_starred else frozenset(kw.arg for kw in node.keywords),
+        # without ``**`` every keyword has a name: the filter only tells the type checker so
+        keywords=(
+            None
+            if double_starred
+            else frozenset(kw.arg for kw in node.keywords if kw.arg is not None)
+        ),
         unpack=unpack,
     )
 

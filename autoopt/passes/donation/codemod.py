@@ -146,6 +146,7 @@ class DonateCommand(FindingCommand):
     def _decorator(self, expr: cst.BaseExpression):
         """``(new decorator, None)``, ``(None, reason)``, or ``(None, None)`` if not a jit."""
         imp = self.imports
+        assert imp is not None  # set by visit_Module, which runs before any node inside it
         q = imp.qualified(expr.func if isinstance(expr, cst.Call) else expr)
         if q in ("autoopt.optimize", "autoopt._jit._function.optimize"):
             return None, "already under @autoopt.optimize, which donates per call site"
@@ -190,6 +191,7 @@ class DonateCommand(FindingCommand):
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
         if not self._args or not original_node.args:
             return updated_node
+        assert self.imports is not None  # set by visit_Module, which runs first
         if self.imports.qualified(original_node.func) != "jax.jit":
             return updated_node
         first = original_node.args[0].value

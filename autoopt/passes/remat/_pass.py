@@ -54,7 +54,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.extend.core import ClosedJaxpr, Jaxpr
+from jax.extend.core import ClosedJaxpr, Jaxpr, jaxpr_as_fun
 
 from autoopt import _compat, _jaxpr
 from autoopt._finding import Finding
@@ -165,7 +165,7 @@ def _flops(compiled) -> float:
 
 
 def _measure_closed(closed: ClosedJaxpr, compiler_options) -> Measured | None:
-    return _compile(jax.extend.core.jaxpr_as_fun(closed), closed.in_avals, compiler_options)
+    return _compile(jaxpr_as_fun(closed), closed.in_avals, compiler_options)
 
 
 def _measure_split_vjp(closed: ClosedJaxpr, compiler_options) -> Measured | None:
@@ -182,11 +182,13 @@ def _measure_split_vjp(closed: ClosedJaxpr, compiler_options) -> Measured | None
     f = jax.jit(fwd, compiler_options=compiler_options or None).lower(*structs).compile()
     res = jax.eval_shape(fwd, *structs)
     b = jax.jit(bwd, compiler_options=compiler_options or None).lower(res).compile()
-    mems = [compiled_memory(f), compiled_memory(b)]
-    if any(m is None for m in mems):
+    f_mem, b_mem = compiled_memory(f), compiled_memory(b)
+    if f_mem is None or b_mem is None:
         return None
     return Measured(
-        max(mems, key=lambda m: m.peak_bytes), _flops(f) + _flops(b), time.perf_counter() - t0
+        max([f_mem, b_mem], key=lambda m: m.peak_bytes),
+        _flops(f) + _flops(b),
+        time.perf_counter() - t0,
     )
 
 
@@ -279,9 +281,11 @@ def _choose(
     base = measure(base_program)
     if base is None:
         return Decision(None, None, None, "the backend reports no memory figures", tried)
-    rule = None  # the first of auto_order that passes the rule, with its figures
+    # the first of auto_order that passes the rule, with its figures
+    rule: tuple[Candidate, Measured] | None = None
     for c in auto_order[:AUTO_COMPILES]:
-        if acceptable(base, got := m(c)):
+        got = m(c)
+        if got is not None and acceptable(base, got):
             rule = (c, got)
             break
     if budget is None or base.peak <= budget:
@@ -327,14 +331,13 @@ def _choose(
                 break
     if found is not None:
         return Decision(found, base, cache[found.name], "budget", tried)
-    best = min(
-        (c for c in [*front, *(floor_extra or [])] if cache.get(c.name) is not None),
-        key=lambda c: cache[c.name].peak,
-        default=None,
-    )
-    if best is None or cache[best.name].peak >= base.peak:
+    compiled = [
+        (c, got) for c in [*front, *(floor_extra or [])] if (got := cache.get(c.name)) is not None
+    ]
+    best = min(compiled, key=lambda pair: pair[1].peak, default=None)
+    if best is None or best[1].peak >= base.peak:
         return Decision(None, base, None, "no plan lowers the peak", tried, floor=base.peak)
-    return Decision(best, base, cache[best.name], "floor", tried, floor=cache[best.name].peak)
+    return Decision(best[0], base, best[1], "floor", tried, floor=best[1].peak)
 
 
 def _pareto(cands: list[Candidate]) -> list[Candidate]:
@@ -733,6 +736,7 @@ def _finish(
     elif dec.reason == "budget":
         head = f"applied {dec.chosen.name} to meet the memory budget {_mb(budget)}"
     else:
+        assert dec.floor is not None  # a "floor" decision, the only other kind, carries its floor
         head = (
             f"memory budget {_mb(budget)} cannot be met; applied the lowest-memory plan "
             f"{dec.chosen.name}, floor {_mb(dec.floor)}"
@@ -819,7 +823,7 @@ def remat(closed: ClosedJaxpr, ctx: PassContext) -> PassResult:
 
 
 def _is_tracer(x: Any) -> bool:
-    return isinstance(x, jax.core.Tracer)
+    return _compat.is_tracer(x)  # isinstance(x, jax.core.Tracer)
 
 
 # --- the declaration -----------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import builtins
 import os
+from typing import cast
 
 import libcst as cst
 
@@ -85,6 +86,7 @@ class RematCommand(FindingCommand):
 
     def _is_checkpoint(self, node: cst.BaseExpression) -> bool:
         target = node.func if isinstance(node, cst.Call) else node
+        assert self.imports is not None  # set by visit_Module, which runs first
         return self.imports.qualified(target) in _CHECKPOINTS
 
     def _named(self) -> dict[str, list[int]]:
@@ -140,6 +142,7 @@ class RematCommand(FindingCommand):
         idxs = getattr(self, "_line_targets", [])
         if not idxs or self._wrapped_one:
             return updated_node
+        assert self.imports is not None  # set by visit_Module, which runs first
         q = self.imports.qualified(original_node.func)
         if q in _BODY_ARG:
             k = _BODY_ARG[q]
@@ -185,7 +188,8 @@ class RematCommand(FindingCommand):
             return updated_node
         new_call = call.with_changes(func=self._checkpoint(call.func, idxs))
         self._finish(idxs)
-        return updated_node.deep_replace(call, new_call)
+        # ``call`` is inside the statement, so the statement itself comes back
+        return cast(cst.SimpleStatementLine, updated_node.deep_replace(call, new_call))
 
     def _wrap_expression(self, stmt: cst.SimpleStatementLine, idxs: list[int]):
         """``h = jnp.tanh(h @ w + b)`` -> ``h = jax.checkpoint(lambda h, w, b: ...)(h, w, b)``:
@@ -197,6 +201,7 @@ class RematCommand(FindingCommand):
         value.visit(free)
         if free.has_lambda or not free.has_call:
             return None
+        assert self.imports is not None  # set by visit_Module, which runs first
         params = [
             n
             for n in free.names
@@ -315,7 +320,7 @@ class _FreeNames(cst.CSTVisitor):
         self.has_lambda = True
         return False
 
-    def visit_GeneratorExp(self, node) -> bool:
+    def visit_GeneratorExp(self, node: cst.BaseComp) -> bool:
         self.has_lambda = True  # comprehension variables are not free names
         return False
 
