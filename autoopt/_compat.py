@@ -26,6 +26,7 @@ __all__ = [
     "user_frame",
     "trace_closed_jaxpr",
     "is_tracer",
+    "jit_accepts_leaf",
     "debug_nans_enabled",
     "jaxpr_effects",
 ]
@@ -64,6 +65,19 @@ def trace_closed_jaxpr(fn: Callable, in_avals: Sequence[Any], name: str = "autoo
 
 def is_tracer(x: Any) -> bool:
     return isinstance(x, Tracer)
+
+
+def jit_accepts_leaf(x: Any) -> bool:
+    """jax.jit takes ``x`` as an argument leaf: it has an abstract value (arrays, scalars, typed
+    PRNG keys, ``jax.Ref``, tokens, and whatever else registers one). Only a TypeError means
+    no; any other error (a Python int too large for int64) is jit's to raise at the call."""
+    try:
+        _core.shaped_abstractify(x)
+    except TypeError:
+        return False
+    except Exception:  # noqa: BLE001
+        return True
+    return True
 
 
 # The states behind ``jax.config.jax_debug_nans`` etc.: ``.value`` is a C++ property, where

@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -191,3 +194,55 @@ def test_inspect_of_a_method_under_safe_never_counts_the_instance_as_donated():
     x = jnp.ones(3) + 0
     inspection = s.apply.inspect(x)
     assert inspection.donated == ((1,), ())  # x; never the instance (position 0)
+
+
+# --- leaves jax.jit traces that are not arrays ----------------------------------------------------
+
+
+def test_a_jax_ref_argument_is_traced_and_mutated_as_under_jax_jit():
+    """A ``jax.Ref`` is a leaf jax.jit traces. Taken for a static leaf, it was baked into the
+    program as a constant and the in-place pass looped reading it (no return, memory growing):
+    run in a subprocess with a time limit, so a regression fails instead of hanging."""
+    script = textwrap.dedent(
+        """
+        import jax, jax.numpy as jnp, autoopt
+
+        def inc(r):
+            r[...] += 1
+
+        traces = []
+        def counted(r):
+            traces.append(1)
+            inc(r)
+
+        f = autoopt.optimize(counted, fallback="raise")
+        refs = [jax.new_ref(jnp.zeros(3)) for _ in range(3)]
+        for r in refs:
+            f(r)
+            f(r)
+        expected = jax.new_ref(jnp.zeros(3))
+        jax.jit(inc)(expected)
+        jax.jit(inc)(expected)
+        assert all((r[...] == expected[...]).all() for r in refs), [r[...] for r in refs]
+        assert len(traces) == 1, len(traces)  # one signature: traced once, as by jax.jit
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_a_fresh_token_each_call_is_one_signature():
+    traces = []
+
+    def body(t, x):
+        traces.append(1)
+        return t, x + 1
+
+    f = autoopt.optimize(body, fallback="raise")
+    x = jnp.ones(2)
+    for _ in range(4):
+        t, x = f(jax.lax.create_token(), x)
+    assert len(traces) == 1  # jax.jit traces once; a token taken as static compiled each call
+    assert (x == 5).all()

@@ -41,7 +41,16 @@ PLAIN_TYPES = frozenset({_compat.ARRAY_IMPL, int, float, bool, complex, np.ndarr
 
 
 def is_array_leaf(x: Any) -> bool:
-    return type(x) in PLAIN_TYPES or isinstance(x, _ARRAY_LEAF_TYPES) or hasattr(x, "__jax_array__")
+    """A leaf jax.jit traces (everything else becomes static). The cheap tests first; the last
+    asks jax itself, so a ``jax.Ref``, a token or a new extended type is never made static
+    (a static leaf is a constant of its own program: a Ref baked in would be read at trace
+    time, and a fresh token each call would compile a program each call)."""
+    return (
+        type(x) in PLAIN_TYPES
+        or isinstance(x, _ARRAY_LEAF_TYPES)
+        or hasattr(x, "__jax_array__")
+        or _compat.jit_accepts_leaf(x)
+    )
 
 
 class StaticSplit(NamedTuple):
