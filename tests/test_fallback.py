@@ -55,16 +55,25 @@ class Boom(RuntimeError):
     pass
 
 
-def _break(monkeypatch, name, run=None):
-    """Make pass ``name`` run (whatever the options) and fail."""
+@pytest.fixture
+def break_pass():
+    """``break_pass(name, run=None)`` makes pass ``name`` run (whatever the options) and fail,
+    through the public registry; returns the call that puts the working pass back (also done
+    when the test ends)."""
+    registrations = []
 
-    def boom(closed, ctx):
-        raise Boom(f"injected failure in {name}")
+    def _break(name, run=None):
+        def boom(closed, ctx):
+            raise Boom(f"injected failure in {name}")
 
-    broken = dataclasses.replace(registered_passes()[name], run=run or boom, enabled=lambda o: True)
-    # The registry itself (the pipeline order is derived from it on every run), so that
-    # monkeypatch.undo() in the middle of a test puts the working pass back.
-    monkeypatch.setitem(passes._REGISTRY, name, broken)
+        working = registered_passes()[name]
+        broken = dataclasses.replace(working, run=run or boom, enabled=lambda o: True)
+        registrations.append(passes.register(broken, replace=True))
+        return registrations[-1]
+
+    yield _break
+    for undo in reversed(registrations):
+        undo()
 
 
 def _autoopt_warnings(record):
@@ -76,8 +85,8 @@ def test_every_pass_is_covered():
 
 
 @pytest.mark.parametrize("name", PASSES)
-def test_a_failing_pass_falls_back_to_jax_jit_with_exactly_one_warning_naming_it(monkeypatch, name):
-    _break(monkeypatch, name)
+def test_a_failing_pass_falls_back_to_jax_jit_with_exactly_one_warning_naming_it(break_pass, name):
+    break_pass(name)
     fast = autoopt.optimize(step, donate="off")
     expected = jax.jit(step)(*_args())
     with warnings.catch_warnings(record=True) as record:
@@ -95,8 +104,8 @@ def test_a_failing_pass_falls_back_to_jax_jit_with_exactly_one_warning_naming_it
 
 
 @pytest.mark.parametrize("name", PASSES)
-def test_a_failing_pass_under_fallback_raise_names_the_pass_and_the_users_line(monkeypatch, name):
-    _break(monkeypatch, name)
+def test_a_failing_pass_under_fallback_raise_names_the_pass_and_the_users_line(break_pass, name):
+    restore = break_pass(name)
     fast = autoopt.optimize(step, donate="off", fallback="raise")
     with pytest.raises(PassError) as info:
         fast(*_args())
@@ -106,16 +115,16 @@ def test_a_failing_pass_under_fallback_raise_names_the_pass_and_the_users_line(m
     assert f"{name!r}" in str(err) and STEP_LINE in str(err)
     assert isinstance(err.__cause__, Boom)
     # Nothing half-built was kept: once the pass works again, the same function optimizes.
-    monkeypatch.undo()
+    restore()
     assert_trees_equivalent(jax.jit(step)(*_args()), fast(*_args()))
 
 
-def test_a_pass_that_changes_the_program_types_is_caught_and_falls_back(monkeypatch):
+def test_a_pass_that_changes_the_program_types_is_caught_and_falls_back(break_pass):
     def wrong_types(closed, ctx):
         bad = jax.make_jaxpr(lambda *a: [jnp.zeros((1,), jnp.int32)])(*closed.in_avals)
         return PassResult(jaxpr=bad, changed=True)
 
-    _break(monkeypatch, PASSES[0], run=wrong_types)
+    break_pass(PASSES[0], run=wrong_types)
     with pytest.raises(PassError, match="input or output types"):
         autoopt.optimize(step, donate="off", fallback="raise")(*_args())
     with pytest.warns(autoopt.AutooptWarning, match=PASSES[0]):
@@ -123,8 +132,8 @@ def test_a_pass_that_changes_the_program_types_is_caught_and_falls_back(monkeypa
     assert_trees_equivalent(jax.jit(step)(*_args()), got)
 
 
-def test_a_pass_that_returns_the_wrong_type_is_caught_and_falls_back(monkeypatch):
-    _break(monkeypatch, PASSES[-1], run=lambda closed, ctx: closed)
+def test_a_pass_that_returns_the_wrong_type_is_caught_and_falls_back(break_pass):
+    break_pass(PASSES[-1], run=lambda closed, ctx: closed)
     with pytest.raises(PassError, match="not PassResult"):
         autoopt.optimize(step, donate="off", fallback="raise")(*_args())
 
