@@ -294,11 +294,8 @@ def plan_source_edits(
         groups.setdefault(path, []).append(i)
     # Donate findings no command edits are evidence for the donate command (a call site that
     # reuses an argument must stop it from suggesting donate_argnums for that argument).
-    evidence = [
-        f
-        for f in findings
-        if f.kind in by_kind and not by_kind[f.kind].wants(f) and f.kind == "donate"
-    ]
+    donate = by_kind.get("donate")
+    evidence = [f for f in findings if f.kind == "donate" and donate and not donate.wants(f)]
     notes: dict[int, str] = {}
     edited: set[int] = set()
     edits: list[FileEdit] = []
