@@ -37,7 +37,7 @@ from autoopt._jit._program import FAST_ENTRIES, Program
 from autoopt._jit._static_leaves import PLAIN_TYPES
 from autoopt._options import Options
 from autoopt.passes import jit_options_for
-from autoopt.passes.donation import callsite
+from autoopt.passes.donation import callsite, host_callbacks
 
 if TYPE_CHECKING:
     from autoopt._jit._function import OptimizedFunction
@@ -130,7 +130,7 @@ class Caches:
         self.programs: dict[tuple, Program] = {}  # trace-side signature -> program
         self.eager_ad_programs: dict[tuple, Program] = {}  # the same, for the eager-autodiff jit
         self.by_call: dict[tuple, Program] = {}  # call-side signature -> program
-        self.sites: dict[tuple, Any] = {}  # (code, instruction offset) -> _program.Site
+        self.sites: dict[tuple, Any] = {}  # (id(code), instruction offset) -> _program.Site
         self.site_proofs: dict[str, callsite.CallSiteProof] = {}  # "file:line" -> proof
         self.jits: dict[tuple, Any] = {}  # (donated positions, names) -> jax.jit object
         self.auto_fast: dict | None = {} if policy.fast_ok else None  # "auto"'s fast plans
@@ -279,7 +279,13 @@ def plan_donating(
     program = of._program_for_call(args, kwargs) if positions or names else None
     pos = nms = ()
     try:
-        if program is not None and program.unpacks_to(unpack):
+        # Under "safe", nothing is donated into a program that calls back into Python
+        # (``host_callbacks`` says why).
+        if (
+            program is not None
+            and program.unpacks_to(unpack)
+            and not (check_refs and host_callbacks(program.final))
+        ):
             pos, nms, _reasons = callsite.donation_checks(
                 args,
                 kwargs,
@@ -291,7 +297,7 @@ def plan_donating(
             )
             pos, nms = program.donatable(pos, nms) if pos or nms else ((), ())
         if fast is not None and not kwargs and len(fast) < FAST_ENTRIES:
-            remember_fast(of, fast, program, positions, args, unpack)
+            remember_fast(of, fast, program, positions, args, unpack, check_refs)
     except Exception as e:  # noqa: BLE001 - donation is an optimization; never break the call
         of._fall_back(e, "donation")
         return of._plain_plan
@@ -316,6 +322,7 @@ def remember_fast(
     positions: tuple,
     args: tuple,
     unpack: int | None,
+    check_refs: bool = False,
 ) -> None:
     """Record, for a call of positional arguments whose leaves are all jax arrays, Python
     scalars or NumPy arrays, the plan for its signature.
@@ -338,7 +345,8 @@ def remember_fast(
     if program is None:
         return  # the program captured an outer tracer: never cached
     arrays = tuple(p for p in positions if p < len(args) and is_donatable(args[p]))
-    pos = program.donatable(arrays, ())[0] if arrays and program.unpacks_to(unpack) else ()
+    ok = program.unpacks_to(unpack) and not (check_refs and host_callbacks(program.final))
+    pos = program.donatable(arrays, ())[0] if arrays and ok else ()
     jitted = of._jit_for(pos, ()) if pos else of._plain
     # The placer stays in the call for NumPy leaves, for large constants it passes as
     # arguments, and when an option makes it act on every call. Otherwise it has nothing to

@@ -36,7 +36,7 @@ from autoopt._jit._program import Program, Site, call_signature, trace_signature
 from autoopt._jit._static_leaves import PLAIN_TYPES
 from autoopt._options import Options
 from autoopt.passes import PassContext, make_options, option_names, run_pipeline
-from autoopt.passes.donation import callsite
+from autoopt.passes.donation import callsite, host_callbacks
 
 log = logging.getLogger("autoopt")
 
@@ -341,11 +341,14 @@ class OptimizedFunction:
             sites = self._sites
             if sites is not None:  # "safe"
                 frame = sys._getframe(1)
-                site = sites.get((frame.f_code, frame.f_lasti))
+                # The code object's identity: equal code objects in two modules compare equal.
+                site = sites.get((id(frame.f_code), frame.f_lasti))
                 if site is None:
                     site = self._prove(frame)
+                if site.donates and not site.proof.check(frame, self):
+                    site = None  # another callee, or another thread could read a donated name
                 del frame
-                if site.donates:
+                if site is not None and site.donates:
                     fast = site.fast
                     if fast and not kwargs:
                         plan = callsite.fast_hit(fast, args, True)
@@ -432,7 +435,8 @@ class OptimizedFunction:
             )
         # A method's fast path would need its own baselines (callsite.BOUND_BASES): none.
         site = Site(proof, {} if policy.fast_ok and not shift else None)
-        caches.sites[key or (frame.f_code, frame.f_lasti)] = site
+        # Keyed by the code object's identity, which ``proof.code`` keeps from being reused.
+        caches.sites[key or (id(frame.f_code), frame.f_lasti)] = site
         # A call from inside jax (jax.grad, vmap calling the function) is not the user's call
         # site: nothing is donated there (the arguments are traced), and the report should not
         # name a line of jax's own source.
@@ -517,6 +521,8 @@ class OptimizedFunction:
             )
         if policy.donate not in ("auto", "safe") or program is None:
             return self._plain, ((), ())
+        if policy.donate == "safe" and host_callbacks(program.final):
+            return self._plain, ((), ())  # see passes.donation.host_callbacks
         static = _trace.normalize_static(policy.static_argnums, len(args))
         first = shift if policy.donate == "safe" else 0
         donated = program.donatable(
@@ -630,10 +636,12 @@ class _BoundOptimized:
         full = (self._instance, *args)
         if owner._policy.donate == "safe":
             frame = sys._getframe(1)
-            key = ("bound", frame.f_code, frame.f_lasti)
+            key = ("bound", id(frame.f_code), frame.f_lasti)
             site = owner._caches.sites.get(key)
             if site is None:
                 site = owner._prove(frame, shift=1, key=key)
+            if site.donates and not site.proof.check(frame, owner):
+                site = None
             del frame
         else:
             site = None

@@ -5,6 +5,12 @@ per call whether the caller's statement makes the argument dead; ``codemod`` sug
 ``donate_argnums`` in the user's source.
 """
 
-from autoopt.passes.donation._pass import PASS, donatable_args, donation, match_donations
+from autoopt.passes.donation._pass import (
+    PASS,
+    donatable_args,
+    donation,
+    host_callbacks,
+    match_donations,
+)
 
-__all__ = ["PASS", "donatable_args", "donation", "match_donations"]
+__all__ = ["PASS", "donatable_args", "donation", "host_callbacks", "match_donations"]

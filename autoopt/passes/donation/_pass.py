@@ -15,10 +15,12 @@ are never counted as savings here.
 from __future__ import annotations
 
 import collections
+import weakref
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from autoopt import _jaxpr
 from autoopt._finding import Finding
 from autoopt._options import Option
 from autoopt.passes._base import Pass, PassContext, PassResult
@@ -68,6 +70,32 @@ def donatable_args(
         chosen -= bad
 
 
+# Primitives that run Python on the host while the program executes, besides every primitive
+# named ``*callback*`` (``io_callback``, ``pure_callback``, ``debug_callback``).
+_HOST_PRIMITIVES = frozenset({"debug_print", "outside_call"})
+_host_callbacks_memo: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def host_callbacks(closed) -> tuple[str, ...]:
+    """The primitives of ``closed`` (sub-programs included) that call back into Python.
+
+    ``donate="safe"`` donates nothing in such a program. A callback that raises fails the call
+    after its arguments were donated, leaving the caller's name bound to a deleted array where
+    plain ``jax.jit`` leaves it intact (``jax.debug.print`` too: a format that does not fit the
+    value raises when it runs); and a callback that reads the donated variable (a global) sees
+    a deleted array, or blocks waiting for the very computation that calls it. Memoized per
+    program."""
+    hit = _host_callbacks_memo.get(closed)
+    if hit is None:
+        names = {
+            site.eqn.primitive.name
+            for site in _jaxpr.iter_eqns(closed, into_opaque=True)
+            if "callback" in site.eqn.primitive.name or site.eqn.primitive.name in _HOST_PRIMITIVES
+        }
+        hit = _host_callbacks_memo[closed] = tuple(sorted(names))
+    return hit
+
+
 def _arg_label(arg) -> str:
     return f"argument {arg}" if isinstance(arg, int) else f"keyword argument {arg!r}"
 
@@ -79,6 +107,13 @@ def donation(closed, ctx: PassContext) -> PassResult:
     chosen, pairs = donatable_args(in_avals, out_avals, ctx.in_arg_of_leaf, args)
     findings = []
     names = ctx.in_leaf_names or tuple(f"in[{i}]" for i in range(len(in_avals)))
+    options = ctx.options
+    callbacks = (
+        host_callbacks(closed)
+        if getattr(options, "donate", None) == "safe"
+        and not getattr(options, "explicit_donation", False)
+        else ()
+    )
     for arg in args:
         leaves = [i for i, a in enumerate(ctx.in_arg_of_leaf) if a == arg]
         root = names[leaves[0]].split("[")[0].split(".")[0] if leaves else str(arg)
@@ -88,6 +123,31 @@ def donation(closed, ctx: PassContext) -> PassResult:
             out_names = [
                 ctx.out_leaf_names[o] if o < len(ctx.out_leaf_names) else f"out[{o}]" for o in outs
             ]
+            if callbacks:
+                findings.append(
+                    Finding(
+                        kind="donate",
+                        applied=False,
+                        location=ctx.fn_location,
+                        bytes_saved=None,
+                        message=(
+                            f"`{root}` ({len(leaves)} leaves, {total:,} bytes) has an output to "
+                            "reuse its buffer but is not donated under donate='safe': the "
+                            f"program calls back into Python ({', '.join(callbacks)}), and a "
+                            "callback that raises would leave the caller's variable bound to a "
+                            "deleted array (jax.jit keeps it). Pass donate='auto' or "
+                            f"donate_argnums to donate it anyway."
+                        ),
+                        details={
+                            "arg": arg,
+                            "name": root,
+                            "leaves": leaves,
+                            "aliasable": True,
+                            "host_callbacks": callbacks,
+                        },
+                    )
+                )
+                continue
             findings.append(
                 Finding(
                     kind="donate",

@@ -2,10 +2,19 @@
 
 ``state = step(state, batch)`` proves ``state`` dead after the call (the name is rebound before
 any other statement runs); ``new = step(state, batch)`` proves nothing. The proof is syntactic
-and per call site, so it is computed once per ``(code object, instruction offset)`` and the
-cached call path pays one dict lookup. Object-level aliasing (``old = state`` earlier, or the
-same array inside two arguments) is not visible in the syntax; ``donation_checks`` rules it out
-at run time with reference counts and identities.
+and per call site, so it is computed once per ``(code object, instruction offset)`` (keyed by
+the code object's identity: code objects compare equal by value, and two modules may hold equal
+ones) and the cached call path pays one dict lookup plus ``CallSiteProof.check``. Object-level
+aliasing (``old = state`` earlier, or the same array inside two arguments) is not visible in the
+syntax; ``donation_checks`` rules it out at run time with reference counts and identities.
+
+The proof is an allow-list: it accepts only the call shapes whose reference counts are
+calibrated below (positional arguments and named keywords, no ``*``/``**``), a callee written
+as a name or a chain of attributes of one (re-read on every call: ``check``), and targets that
+are plain names (nothing evaluated after the call can read a donated argument). Everything else
+is refused with a reason. What the syntax cannot see is refused at run time: a donated name that
+other code can reach (a module global, a closure cell) while another thread runs, and (in the
+jit wrapper) a program that calls back into Python (``host_callbacks``).
 
 NB: ``executing`` (the package behind ``icecream`` and ``stack_data``) maps a frame's current
 instruction to the AST node being evaluated.
@@ -17,6 +26,9 @@ import ast
 import dataclasses
 import inspect
 import sys
+import threading
+import types
+from collections.abc import Callable
 from typing import Any
 
 import executing
@@ -38,12 +50,23 @@ class CallSiteProof:
     statement: str | None = None
     # The call's shape as written, which every call must match for the positions to mean the
     # arguments the function receives (a ``functools.partial`` in between shifts them): the
-    # number of positional arguments (None after ``*``), the keyword names (None after ``**``).
+    # number of positional arguments, the keyword names.
     n_positional: int | None = None
     keywords: frozenset[str] | None = None
     # ``a, b = f(x)``: the number of targets, so the result's tree can be checked before
     # donating (a failed unpacking would leave ``x`` bound to the donated array).
     unpack: int | None = None
+    # The code object the proof is about: the site cache keys on its identity, and this
+    # reference keeps that identity from being reused by another code object.
+    code: Any = dataclasses.field(default=None, repr=False, compare=False)
+    # ``check(frame, callee) -> bool``, run on every call of a site that donates, before
+    # anything is donated: this call is the call the proof is about. The statement's callee
+    # expression still evaluates to ``callee`` (a name rebound to ``functools.partial(sorted,
+    # key=f)``, or to a builtin calling back, reaches ``f`` from the same instruction), and no
+    # donated name is reachable by another running thread. Never raises.
+    check: Callable[[Any, Any], bool] = dataclasses.field(
+        default=lambda frame, callee: False, repr=False, compare=False
+    )
 
     @property
     def any(self) -> bool:
@@ -57,15 +80,21 @@ class CallSiteProof:
         return self.keywords is None or self.keywords == kwargs.keys()
 
 
-def _target_names(target: ast.AST) -> set[str]:
+def _plain_targets(target: ast.AST) -> set[str] | None:
+    """The names a target binds when it is plain names (``x``, ``a, (b, c)``), else None: an
+    attribute, a subscript or a starred target runs code after the call, which could read a
+    donated argument (``d[key(x)], x = g(x)`` calls ``key(x)`` once ``x`` is donated)."""
     if isinstance(target, ast.Name):
         return {target.id}
     if isinstance(target, ast.Tuple | ast.List):
         out: set[str] = set()
         for elt in target.elts:
-            out |= _target_names(elt.value if isinstance(elt, ast.Starred) else elt)
+            names = _plain_targets(elt)
+            if names is None:
+                return None
+            out |= names
         return out
-    return set()  # attribute, subscript: not a plain rebinding
+    return None
 
 
 def _later_uses(stmt: ast.stmt, name: str) -> list[int]:
@@ -89,41 +118,95 @@ def _later_uses(stmt: ast.stmt, name: str) -> list[int]:
     return lines
 
 
-def _refuse(loc: str, why: str) -> CallSiteProof:
-    return CallSiteProof(location=loc, reasons=(("*", why),))
+def _refuse(loc: str, why: str, code: Any = None) -> CallSiteProof:
+    return CallSiteProof(location=loc, reasons=(("*", why),), code=code)
 
 
-def _resolve_callee(expr: ast.AST, frame) -> tuple[bool, Any]:
-    """``(resolved, value)`` of the called expression, read without running any code.
+_MISSING = object()
 
-    Only a global or builtin name, or attributes of one (``module.step``, ``Trainer.step``), are
-    resolved; a local or closure variable is not (reading a function's locals from its frame
-    takes a snapshot that holds a reference to each of them, which would defeat every later
-    reference count in that call of the function)."""
-    chain = []
+
+def _name_scope(name: str, code) -> str:
+    """Where ``name`` lives in a frame running ``code``: ``"local"`` (a function's own variable,
+    reachable from no other frame), ``"cell"`` (shared with nested functions) or ``"global"``."""
+    if not code.co_flags & inspect.CO_OPTIMIZED:
+        return "global"  # module level (class bodies and exec with separate locals are refused)
+    if name in code.co_cellvars or name in code.co_freevars:
+        return "cell"
+    if name in code.co_varnames:
+        return "local"
+    return "global"
+
+
+def _read_local(frame, name: str) -> Any:
+    """A function's local or cell variable. ``f_locals`` is a snapshot the frame keeps, holding a
+    reference to every local: emptied right after, or every later reference count taken in
+    this call of the function would be one too high (the next access fills it again)."""
+    ns = frame.f_locals
+    try:
+        return ns.get(name, _MISSING)
+    finally:
+        ns.clear()
+
+
+def _static_attr(value: Any, attr: str) -> Any:
+    """``value.attr`` without running code (no property, no ``__getattr__``), or ``_MISSING``."""
+    if type(value) is types.ModuleType:
+        return value.__dict__.get(attr, _MISSING)
+    try:
+        return inspect.getattr_static(value, attr)
+    except AttributeError:
+        return _MISSING
+
+
+def _callee_path(expr: ast.AST) -> tuple[str, tuple[str, ...]] | None:
+    """``(root name, attributes)`` of a callee written ``name`` or ``name.a.b``, else None."""
+    chain: list[str] = []
     while isinstance(expr, ast.Attribute):
         chain.append(expr.attr)
         expr = expr.value
     if not isinstance(expr, ast.Name):
-        return False, None
-    code = frame.f_code
-    if expr.id in code.co_varnames or expr.id in code.co_cellvars or expr.id in code.co_freevars:
-        return False, None
-    namespaces = [frame.f_globals, frame.f_builtins]
-    if not code.co_flags & inspect.CO_OPTIMIZED:
-        namespaces.insert(0, frame.f_locals)  # module level: the namespace itself, no snapshot
-    for ns in namespaces:
-        if expr.id in ns:
-            value = ns[expr.id]
-            break
+        return None
+    return expr.id, tuple(reversed(chain))
+
+
+def _make_check(root: str, scope: str, chain: tuple[str, ...], shared: bool) -> Callable:
+    """The per-call half of the proof (``CallSiteProof.check``): re-read the callee expression
+    (a global costs one dict lookup; a local or cell, a snapshot of the frame's variables), and
+    with ``shared`` (a donated name is a global or a cell) require that no other thread runs,
+    since another thread could read the name while the call runs, after its array is donated."""
+    if scope == "global" and not chain and not shared:
+
+        def check_global(frame, callee) -> bool:
+            value = frame.f_globals.get(root, _MISSING)
+            if value is _MISSING:
+                value = frame.f_builtins.get(root, _MISSING)
+            return value is callee
+
+        return check_global
+
+    def check(frame, callee) -> bool:
+        if shared and threading.active_count() > 1:
+            return False
+        try:
+            return _resolve(frame, root, scope, chain) is callee
+        except Exception:  # noqa: BLE001 - an unreadable callee proves nothing
+            return False
+
+    return check
+
+
+def _resolve(frame, root: str, scope: str, chain: tuple[str, ...]) -> Any:
+    if scope == "global":
+        value = frame.f_globals.get(root, _MISSING)
+        if value is _MISSING:
+            value = frame.f_builtins.get(root, _MISSING)
     else:
-        return False, None
-    try:
-        for attr in reversed(chain):
-            value = inspect.getattr_static(value, attr)
-    except AttributeError:
-        return False, None
-    return True, value
+        value = _read_local(frame, root)
+    for attr in chain:
+        if value is _MISSING:
+            break
+        value = _static_attr(value, attr)
+    return value
 
 
 def prove_call_site(frame, callee: Any = None) -> CallSiteProof:
@@ -131,62 +214,95 @@ def prove_call_site(frame, callee: Any = None) -> CallSiteProof:
 
     Besides the names the statement rebinds, the proof must be about the function being called
     with the arguments as written: a ``functools.partial`` or a builtin calling back (``sorted(
-    xs, key=f)``) in between would shift or replace them. So the call expression must resolve to
-    ``callee`` when it can be read without running code, and every call must have the written
-    shape (``CallSiteProof.matches``)."""
+    xs, key=f)``) in between would shift or replace them. So the callee must be written as a
+    name or attributes of one that evaluate to ``callee`` (now, and on every later call:
+    ``CallSiteProof.check``), and every call must have the written shape
+    (``CallSiteProof.matches``). Each accepted form is positively checked; anything else is
+    refused with its reason."""
+    code = frame.f_code
     try:
         ex = executing.Source.executing(frame)
         node = ex.node
     except Exception:  # noqa: BLE001 - no source (REPL, exec), or executing cannot tell
         node = None
-    loc = f"{frame.f_code.co_filename}:{frame.f_lineno}"
+    loc = f"{code.co_filename}:{frame.f_lineno}"
     if not isinstance(node, ast.Call):
         return _refuse(
             loc,
             "the call site could not be read (no source, or the call is not a "
             "plain call expression)",
+            code,
         )
-    code = frame.f_code
     if not code.co_flags & inspect.CO_OPTIMIZED and frame.f_locals is not frame.f_globals:
         # A class body (or exec with separate locals) reads names from one namespace and binds
         # them in another: ``x = f(x)`` there leaves the module's ``x`` bound to the argument.
         return _refuse(
-            loc, "a class body or exec namespace: the name it rebinds is not the one it reads"
+            loc, "a class body or exec namespace: the name it rebinds is not the one it reads", code
         )
     if isinstance(node.func, ast.Attribute) and node.func.attr == "__call__":
         return _refuse(
             loc,
             "the function is called through `__call__`, a call shape whose "
             "references autoopt does not measure",
+            code,
         )
-    starred = any(isinstance(a, ast.Starred) for a in node.args)
-    double_starred = any(kw.arg is None for kw in node.keywords)
-    resolved, value = _resolve_callee(node.func, frame)
-    if resolved and value is not callee:
+    if any(isinstance(a, ast.Starred) for a in node.args) or any(
+        kw.arg is None for kw in node.keywords
+    ):
+        # ``x = f(x, *rest)``: the arguments travel in a tuple built for the call, one more
+        # reference than the calibrated shapes hold, so an alias (``alias = x``) is not seen.
         return _refuse(
             loc,
-            f"the statement calls `{ast.unparse(node.func)}`, which calls this "
-            "function with other arguments (a functools.partial, or a builtin "
-            "calling back)",
+            "arguments from `*` or `**` unpacking: autoopt measures the references of plain "
+            "positional and keyword arguments only (write them out to donate)",
+            code,
         )
-    if starred and not resolved:
+    path = _callee_path(node.func)
+    if path is None:
         return _refuse(
             loc,
-            "arguments from `*` unpacking, and the called name is local, so "
-            "positions cannot be matched to what the function receives",
+            f"the called expression `{ast.unparse(node.func)}` is not a name or an attribute "
+            "of one, so autoopt cannot check on each call that it is this function",
+            code,
+        )
+    root, chain = path
+    scope = _name_scope(root, code)
+    try:
+        value = _resolve(frame, root, scope, chain)
+    except Exception:  # noqa: BLE001
+        value = _MISSING
+    if value is not callee:
+        return _refuse(
+            loc,
+            f"the statement calls `{ast.unparse(node.func)}`, which is not this function "
+            "itself (a functools.partial, a builtin calling back, or another wrapper)",
+            code,
         )
     parent = getattr(node, "parent", None)
     targets: set[str] = set()
     unpack = None
     if isinstance(parent, ast.Assign) and parent.value is node:
         for t in parent.targets:
-            targets |= _target_names(t)
+            names = _plain_targets(t)
+            if names is None:
+                return _refuse(
+                    loc,
+                    f"the statement assigns to `{ast.unparse(t)}`, which is evaluated after "
+                    "the call and could read a donated argument",
+                    code,
+                )
+            targets |= names
             if isinstance(t, ast.Tuple | ast.List):
-                if any(isinstance(e, ast.Starred) for e in t.elts):
-                    return _refuse(loc, "the result is unpacked with `*`")
                 unpack = len(t.elts)
     elif isinstance(parent, ast.AnnAssign) and parent.value is node:
-        targets = _target_names(parent.target)
+        if not isinstance(parent.target, ast.Name):
+            return _refuse(
+                loc,
+                f"the statement assigns to `{ast.unparse(parent.target)}`, which is evaluated "
+                "after the call and could read a donated argument",
+                code,
+            )
+        targets = {parent.target.id}
     stmt = parent if isinstance(parent, ast.stmt) else None
     try:
         text = ast.unparse(stmt if stmt is not None else node)
@@ -195,7 +311,7 @@ def prove_call_site(frame, callee: Any = None) -> CallSiteProof:
 
     positions, names, reasons = [], [], []
 
-    def judge(key, expr: ast.AST):
+    def judge(expr: ast.AST):
         if not isinstance(expr, ast.Name):
             return f"it is passed as an expression (`{ast.unparse(expr)}`), not a plain name"
         if expr.id in targets:
@@ -213,38 +329,33 @@ def prove_call_site(frame, callee: Any = None) -> CallSiteProof:
                 msg = f"`{expr.id}` is used again on line {uses[0]} ({msg})"
         return msg
 
+    donated: list[str] = []
     for i, a in enumerate(node.args):
-        if isinstance(a, ast.Starred):
-            reasons.append((i, "arguments from `*` unpacking cannot be proven dead"))
-            break
-        why = judge(i, a)
+        why = judge(a)
         if why is None:
             positions.append(i)
+            donated.append(a.id)  # type: ignore[attr-defined]  # judge accepts names only
         else:
             reasons.append((i, why))
     for kw in node.keywords:
-        if kw.arg is None:
-            reasons.append(("**", "arguments from `**` unpacking cannot be proven dead"))
-            continue
-        why = judge(kw.arg, kw.value)
+        why = judge(kw.value)
         if why is None:
             names.append(kw.arg)
+            donated.append(kw.value.id)  # type: ignore[attr-defined]
         else:
             reasons.append((kw.arg, why))
+    shared = any(_name_scope(n, code) != "local" for n in donated)
     return CallSiteProof(
         tuple(positions),
         tuple(names),
         tuple(reasons),
         loc,
         text,
-        n_positional=None if starred else len(node.args),
-        # without ``**`` every keyword has a name: the filter only tells the type checker so
-        keywords=(
-            None
-            if double_starred
-            else frozenset(kw.arg for kw in node.keywords if kw.arg is not None)
-        ),
+        n_positional=len(node.args),
+        keywords=frozenset(kw.arg for kw in node.keywords if kw.arg is not None),
         unpack=unpack,
+        code=code,
+        check=_make_check(root, scope, chain, shared),
     )
 
 
