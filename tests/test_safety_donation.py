@@ -124,6 +124,37 @@ def test_a_direct_call_through_a_local_name_is_still_donated():
     np.testing.assert_array_equal(x, 16 * np.ones(3))
 
 
+def test_a_closure_callee_and_a_method_through_self_are_still_donated():
+    double = autoopt.optimize(lambda x: x * 2)
+
+    def loop():
+        x = _fresh()
+        same = []
+        for _ in range(3):
+            before = x.unsafe_buffer_pointer()
+            x = double(x)  # ``double`` is a free variable of ``loop``
+            same.append(x.unsafe_buffer_pointer() == before)
+        return same
+
+    assert loop() == [True, True, True]
+
+    class Trainer:
+        @autoopt.optimize(static_argnums=0)
+        def step(self, state):
+            return state + 1
+
+        def fit(self, state):
+            same = []
+            for _ in range(3):
+                before = state.unsafe_buffer_pointer()
+                state = self.step(state)
+                same.append(state.unsafe_buffer_pointer() == before)
+            return same
+
+    same = Trainer().fit(_fresh())  # (not inside ``assert``: pytest keeps its operands)
+    assert same == [True, True, True]
+
+
 def test_a_callee_that_is_not_a_name_is_refused_with_the_reason():
     fns = [autoopt.optimize(lambda x: x * 2)]
     x = _fresh()
