@@ -365,3 +365,25 @@ def test_a_global_rebound_after_the_proof_is_checked_on_every_call(tmp_path):
     ys = [jnp.asarray(1.0) + 0, jnp.asarray(3.0) + 0]
     out = a.run(ys)
     assert not any(y.is_deleted() for y in ys + out)
+
+
+@pytest.mark.parametrize("same_code_object", [False, True], ids=["equal code", "same code"])
+def test_module_code_run_again_with_separate_locals_does_not_reuse_the_module_proof(
+    same_code_object,
+):
+    """fuzz_findings 6: ``x = step(x, b)`` run as a module (proven: ``x`` donated), then with
+    separate locals (``exec(code, g, {})``: reads the global ``x``, binds a local). Equal code
+    objects shared the cached proof; the very same code object shares the site by identity
+    too, so the per-call check re-tests the namespace."""
+    import linecache
+
+    step = autoopt.optimize(lambda s, b: s * 2.0 + b)
+    src = "x = step(x, b)\n"
+    filename = f"<safety-twin-{same_code_object}>"
+    linecache.cache[filename] = (len(src), None, [src], filename)
+    code = compile(src, filename, "exec")
+    module = {"step": step, "x": jnp.arange(3.0) + 1, "b": jnp.ones(3)}
+    exec(code, module)  # noqa: S102 - a module: x rebound, donated
+    other = {"step": step, "x": jnp.arange(3.0) + 1, "b": jnp.ones(3)}
+    exec(code if same_code_object else compile(src, filename, "exec"), other, {})  # noqa: S102
+    np.testing.assert_array_equal(other["x"], np.arange(3.0) + 1)

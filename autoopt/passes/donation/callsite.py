@@ -138,14 +138,16 @@ def _name_scope(name: str, code) -> str:
 
 
 def _read_local(frame, name: str) -> Any:
-    """A function's local or cell variable. ``f_locals`` is a snapshot the frame keeps, holding a
-    reference to every local: emptied right after, or every later reference count taken in
-    this call of the function would be one too high (the next access fills it again)."""
+    """A function's local or cell variable. Before Python 3.13 ``f_locals`` is a snapshot dict
+    the frame keeps, holding a reference to every local: emptied right after, or every later
+    reference count taken in this call of the function would be one too high (the next access,
+    ``locals()`` included, fills it again). From 3.13 it is a view that holds nothing."""
     ns = frame.f_locals
     try:
         return ns.get(name, _MISSING)
     finally:
-        ns.clear()
+        if type(ns) is dict:
+            ns.clear()
 
 
 def _static_attr(value: Any, attr: str) -> Any:
@@ -169,11 +171,15 @@ def _callee_path(expr: ast.AST) -> tuple[str, tuple[str, ...]] | None:
     return expr.id, tuple(reversed(chain))
 
 
-def _make_check(root: str, scope: str, chain: tuple[str, ...], shared: bool) -> Callable:
+def _make_check(
+    root: str, scope: str, chain: tuple[str, ...], shared: bool, module_level: bool
+) -> Callable:
     """The per-call half of the proof (``CallSiteProof.check``): re-read the callee expression
     (a global costs one dict lookup; a local or cell, a snapshot of the frame's variables), and
     with ``shared`` (a donated name is a global or a cell) require that no other thread runs,
-    since another thread could read the name while the call runs, after its array is donated."""
+    since another thread could read the name while the call runs, after its array is donated.
+    ``module_level``: the same code object may run again with separate locals (``exec(code,
+    globals, {})``), where the name it reads is not the one it binds: checked on each call."""
     if scope == "global" and not chain and not shared:
 
         def check_global(frame, callee) -> bool:
@@ -186,6 +192,8 @@ def _make_check(root: str, scope: str, chain: tuple[str, ...], shared: bool) -> 
 
     def check(frame, callee) -> bool:
         if shared and threading.active_count() > 1:
+            return False
+        if module_level and frame.f_locals is not frame.f_globals:
             return False
         try:
             return _resolve(frame, root, scope, chain) is callee
@@ -332,16 +340,16 @@ def prove_call_site(frame, callee: Any = None) -> CallSiteProof:
     donated: list[str] = []
     for i, a in enumerate(node.args):
         why = judge(a)
-        if why is None:
+        if why is None and isinstance(a, ast.Name):  # judge accepts plain names only
             positions.append(i)
-            donated.append(a.id)  # type: ignore[attr-defined]  # judge accepts names only
+            donated.append(a.id)
         else:
             reasons.append((i, why))
     for kw in node.keywords:
         why = judge(kw.value)
-        if why is None:
+        if why is None and isinstance(kw.value, ast.Name):
             names.append(kw.arg)
-            donated.append(kw.value.id)  # type: ignore[attr-defined]
+            donated.append(kw.value.id)
         else:
             reasons.append((kw.arg, why))
     shared = any(_name_scope(n, code) != "local" for n in donated)
@@ -355,7 +363,9 @@ def prove_call_site(frame, callee: Any = None) -> CallSiteProof:
         keywords=frozenset(kw.arg for kw in node.keywords if kw.arg is not None),
         unpack=unpack,
         code=code,
-        check=_make_check(root, scope, chain, shared),
+        check=_make_check(
+            root, scope, chain, shared, module_level=not code.co_flags & inspect.CO_OPTIMIZED
+        ),
     )
 
 
