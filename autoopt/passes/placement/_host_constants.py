@@ -11,7 +11,7 @@ nothing but the cache refers to the host array (checked with reference counts). 
 aligned host array is copied before placing: XLA:CPU would alias it, and the "copy" would see
 later writes and keep it alive. The device copy is shared by every ``Constant`` of that host
 array, so it is never donated: the placer hands a fresh copy to an explicit ``donate_argnums``
-(``is_shared_device_copy``).
+(``SHARED_DEVICE_IDS``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ __all__ = [
     "constant",
     "Constant",
     "constant_cache_size",
-    "is_shared_device_copy",
     "sweep_constants",
 ]
 
@@ -45,7 +44,8 @@ class _Entry:
 
 
 CONSTANTS: dict[tuple, _Entry] = {}  # (id(host), device) -> entry
-# id(device copy) of every entry: the entries hold the copies, so an id here is one of them.
+# id(device copy) of every entry, for the placer's identity test: the entries hold the copies,
+# so no other object can have one of these ids.
 SHARED_DEVICE_IDS: set[int] = set()
 _CONSTANTS_LOCK = threading.Lock()
 
@@ -77,12 +77,6 @@ def sweep_constants() -> int:
 def constant_cache_size() -> int:
     """How many host constants have a cached device copy."""
     return len(CONSTANTS)
-
-
-def is_shared_device_copy(x) -> bool:
-    """Whether ``x`` is the device copy the constant cache shares between ``Constant`` s (an
-    identity test: the cache holds every such copy, so no other object can have its ``id``)."""
-    return id(x) in SHARED_DEVICE_IDS
 
 
 def cached_constant(host: np.ndarray, device) -> tuple[Any, bool]:
