@@ -233,5 +233,5 @@ def test_prefetch_keeps_a_bounded_number_of_compiled_unpackers():
         assert float(batch[-1][0]) == k
         sizes = it.cache_sizes()
         assert sizes["unpackers"] <= sizes["unpackers_max"] <= 32
-        assert sizes["pools"] <= sizes["pools_max"] <= 32
+        assert sizes["pools"] <= sizes["pools_max"] <= 64
     assert it.cache_sizes()["unpackers"] == it.cache_sizes()["unpackers_max"]

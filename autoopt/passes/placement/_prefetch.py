@@ -75,7 +75,7 @@ _UNPACKERS: OrderedDict[tuple, Any] = OrderedDict()
 # A small ring of host buffers a layout (packed, or one leaf's private copy), reused once jax has
 # let go of them (Pool): a fresh buffer a batch costs page faults on every batch.
 _PREFETCH_POOLS: dict[tuple, Pool] = {}
-_PREFETCH_POOLS_MAX = 16
+_PREFETCH_POOLS_MAX = 64  # one a packed layout or a leaf shape: a batch of many shapes fits
 _PREFETCH_POOL_SIZE = 4
 _CACHE_LOCK = threading.Lock()  # several prefetch threads may place at once
 
