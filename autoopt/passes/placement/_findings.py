@@ -52,24 +52,24 @@ def findings_for(inspection, args: tuple, kwargs: dict) -> list:
     arrays = [i for i, x in enumerate(leaves) if isinstance(x, np.ndarray)]
     scalars = [i for i, x in enumerate(leaves) if type(x) in SCALAR_TYPES]
     read_only = [i for i in arrays if is_read_only(leaves[i])]
-    writeable = [i for i in arrays if i not in read_only]
+    # Every NumPy leaf is transferred on every call, read-only or not (a read-only flag proves
+    # nothing: see _host_constants); packing may merge the transfers.
+    writeable = arrays
     for i in read_only:
         x = leaves[i]
         out.append(
             Finding(
                 kind="placement",
-                applied=on,
+                applied=False,
                 location=site,
                 bytes_saved=None,
-                transfers_avoided=1 if on else 0,
+                transfers_avoided=0,
                 message=(
-                    f"`{names[i]}` ({_describe(x)}, {format_bytes(x.nbytes)}) is read-only: "
-                    + (
-                        "placed on the device once and reused by every call (the copy is dropped "
-                        "when the host array is freed)."
-                        if on
-                        else "it would be placed once and reused with placement='auto'."
-                    )
+                    f"`{names[i]}` ({_describe(x)}, {format_bytes(x.nbytes)}) is read-only, but "
+                    "it is still transferred on every call: the flag can be switched back on "
+                    "and a base or file under it written, so autoopt cannot prove its bytes "
+                    "unchanged. If it never changes, pass autoopt.constant(x) (made once, "
+                    "outside the loop) to place it once."
                 ),
                 details={"leaf": names[i], "strategy": "constant", "bytes": int(x.nbytes)},
             )
@@ -104,8 +104,8 @@ def findings_for(inspection, args: tuple, kwargs: dict) -> list:
         big = [i for i in writeable if leaves[i].nbytes >= _LARGE_CONSTANT_BYTES]
         if big:
             msg += (
-                f" `{names[big[0]]}` is large: if it never changes, mark it read-only "
-                "(`x.flags.writeable = False`) or wrap it in autoopt.constant(x) to place it once."
+                f" `{names[big[0]]}` is large: if it never changes, wrap it in "
+                "autoopt.constant(x) (made once, outside the loop) to place it once."
             )
         out.append(
             Finding(
@@ -150,8 +150,7 @@ def findings_for(inspection, args: tuple, kwargs: dict) -> list:
                 message=(
                     f"host-to-device transfers in the last scanned call: {last.before} host "
                     f"values passed, {last.implicit} transferred implicitly by jit, "
-                    f"{last.explicit} placed explicitly, {last.cached} served from the constant "
-                    f"cache ({stats.calls_scanned} calls scanned)."
+                    f"{last.explicit} placed explicitly ({stats.calls_scanned} calls scanned)."
                 ),
                 details=dataclasses.asdict(last),
             )

@@ -5,17 +5,30 @@ instead of being embedded into the HLO, whose text, size and first compile grow 
 embedded byte. The wrapper's trace stops at them (``HoistConstants``), the placer
 (``_placement``) places them and calls again with them under a hidden keyword (``HOISTED``);
 calls that reach jit without the placer (AOT ``.lower``) embed them as jax.jit does.
+
+Same numbers as ``jax.jit``, which bakes a closed-over NumPy array's bytes into each signature's
+executable when that signature is first traced, while the host array may change later. So each
+program (one a signature) is bound once, at its first trace under the placer, to what it reads:
+the placed copy when its bytes equal the host's then (compared once a program, not a call), else
+a private snapshot of the host bytes, embedded. Later traces of the same program (another
+strategy, a new hoisted constant) reuse the binding, so every call of a signature sees the bytes
+of its first trace, as under ``jax.jit``; a placed copy is never written again.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 
+import jax
+import numpy as np
 from jax import tree_util
 from jax.core import Tracer
 
-__all__ = ["HOISTED", "HoistConstants", "retrying", "with_hoisted_consts"]
+from autoopt.passes.placement._host_arrays import is_aligned
+
+__all__ = ["HOISTED", "HoistConstants", "HoistedConst", "retrying", "with_hoisted_consts"]
 
 # The keyword under which hoisted constants travel to the jitted wrapper (never a user's name).
 HOISTED = "_autoopt_hoisted"
@@ -48,10 +61,49 @@ class HoistConstants(Exception):
         self.consts = consts
 
 
+class HoistedConst:
+    """One placed large constant: the program's host constant (held, so its ``id`` stays its
+    own) and its device copy, made from the host bytes at placing time and never written again.
+    Compared and hashed by identity (it is static aux data of ``Hoisted``)."""
+
+    __slots__ = ("host", "device", "__weakref__")
+
+    def __init__(self, host, device):
+        self.host = host
+        self.device = device
+
+    @classmethod
+    def place(cls, host, device) -> HoistedConst:
+        src = host
+        if isinstance(host, np.ndarray):
+            src = np.asarray(host)  # a jax TypedNdArray: a view of the user's array
+            # XLA:CPU aliases an aligned host buffer instead of copying it: the "copy" would
+            # then see the user's later writes. Place a private copy instead.
+            if is_aligned(src):
+                src = np.array(src, copy=True)
+        with jax.ensure_compile_time_eval():
+            dev = jax.device_put(src, device)
+        dev.block_until_ready()  # the transfer reads the host bytes: complete it now
+        return cls(host, dev)
+
+    def holds_bytes_of(self, c) -> bool:
+        """Whether the device copy holds ``c``'s current bytes (a jax array never changes)."""
+        if c is not self.host:
+            return False
+        if isinstance(c, jax.Array):
+            return True
+        host = np.ascontiguousarray(np.asarray(c))
+        dev = np.asarray(self.device)
+        if host.dtype != dev.dtype:
+            host = host.astype(dev.dtype)  # as jax canonicalizes it (float64 -> float32)
+        if host.shape != dev.shape:
+            return False
+        return bool(np.array_equal(host.reshape(-1).view(np.uint8), dev.reshape(-1).view(np.uint8)))
+
+
 class Hoisted:
-    """Pytree node: the device copies of a function's large constants (children), keyed by the
-    ``id`` of the program's host constant (static aux data, so a new constant is a new signature).
-    """
+    """Pytree node: the device copies of a function's large constants (children), keyed by their
+    ``HoistedConst`` s (static aux data, so a new constant is a new signature)."""
 
     __slots__ = ("keys", "devs")
 
@@ -75,8 +127,31 @@ def large_consts(closed) -> list:
     ]
 
 
+# closed jaxpr (a program, one a signature) -> {const index: HoistedConst to pass, or a private
+# snapshot of the host bytes to embed}: what its first trace under the placer read.
+_BINDINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_BINDINGS_LOCK = threading.Lock()
+
+
+def _bind(closed, large_idx: list, passed: dict) -> dict:
+    """The binding of ``closed``'s large constants, made on its first trace with all of them
+    passed: the placed copy where it holds the host's current bytes, else a snapshot."""
+    with _BINDINGS_LOCK:
+        binding = _BINDINGS.get(closed)
+        if binding is None:
+            binding = {}
+            for i in large_idx:
+                c = closed.consts[i]
+                entry = passed[id(c)]
+                # Once a program: the proof that passing the copy gives jax.jit's numbers.
+                binding[i] = entry if entry.holds_bytes_of(c) else np.array(c, copy=True)
+            _BINDINGS[closed] = binding
+    return binding
+
+
 def with_hoisted_consts(closed, hoisted: Hoisted | None):
-    """``closed`` with each large constant replaced by the argument ``hoisted`` carries for it.
+    """``closed`` with each large constant replaced by the argument ``hoisted`` carries for it,
+    or by the snapshot its binding holds (see the module docstring).
 
     Runs inside jit's trace of the wrapper. When a large constant was not passed: raises
     ``HoistConstants`` if the placer is waiting to retry this call, else embeds it as before.
@@ -84,12 +159,31 @@ def with_hoisted_consts(closed, hoisted: Hoisted | None):
     large = large_consts(closed)
     if not large:
         return closed
-    passed = {} if hoisted is None else dict(zip(hoisted.keys, hoisted.devs))
-    missing = [c for c in large if id(c) not in passed]
-    if missing:
-        if getattr(_TLS, "retry", False):
-            raise HoistConstants(missing)
-        if not passed:
-            return closed
-    consts = [passed.get(id(c), c) for c in closed.consts]
+    large_ids = {id(c) for c in large}
+    large_idx = [i for i, c in enumerate(closed.consts) if id(c) in large_ids]
+    passed = {} if hoisted is None else {id(e.host): e for e in hoisted.keys}
+    devs = {} if hoisted is None else {id(e): d for e, d in zip(hoisted.keys, hoisted.devs)}
+    binding = _BINDINGS.get(closed)
+    if binding is None:
+        missing = [c for c in large if id(c) not in passed]
+        if missing:
+            if getattr(_TLS, "retry", False):
+                raise HoistConstants(missing)
+            if not passed:
+                return closed
+        else:
+            binding = _bind(closed, large_idx, passed)
+    consts = list(closed.consts)
+    if binding is None:  # some passed, not all, and no retry (AOT): embed the rest
+        for i in large_idx:
+            e = passed.get(id(consts[i]))
+            if e is not None:
+                consts[i] = devs[id(e)]
+        return closed.replace(consts=consts)
+    for i, b in binding.items():
+        if isinstance(b, HoistedConst):
+            # Passed: its argument; not passed (AOT): its bytes, embedded.
+            consts[i] = devs.get(id(b), b.device)
+        else:
+            consts[i] = b
     return closed.replace(consts=consts)

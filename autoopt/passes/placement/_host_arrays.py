@@ -4,8 +4,9 @@
   copying it, for as long as a computation reads it: the packer allocates such buffers on purpose
   (``aligned_empty``, ``_packing.Pool``), the constant cache copies them before placing
   (``_host_constants``), and the placer leaves a large one to jit's zero-copy path.
-* **Read-only.** A NumPy array that nothing can write through NumPy (``is_read_only``) is a host
-  constant: placed once and reused.
+* **Read-only.** A NumPy array that nothing can write through NumPy now (``is_read_only``): the
+  findings point such an argument at ``autoopt.constant``. It is not proof that the array never
+  changes (the flag can be switched back on), so nothing is cached on its account.
 * **Leaf types.** Which leaf types are host arrays and host scalars, for one set test a leaf.
 """
 

@@ -1,12 +1,17 @@
-"""Host constants: host arrays placed on the device once and reused by every call.
+"""Host constants: ``autoopt.constant(x)``, a host array placed on the device once and reused.
 
-A read-only NumPy argument (``flags.writeable == False`` on it and on every array it views, see
-``_host_arrays.is_read_only``) or an ``autoopt.constant`` is placed once and reused; the cache
-holds the host array, so its ``id`` cannot be reused, and drops the device copy once nothing but
-the cache refers to the host array (checked with reference counts). A 64-byte aligned host array
-is copied before placing: XLA:CPU would alias it, and the "copy" would see later writes and keep
-it alive. Writeable arrays are never cached. The placer (``_placement``) serves read-only
-arguments from this cache.
+Only the caller's explicit promise makes a host array a constant. A read-only NumPy argument is
+not one: ``flags.writeable`` can be switched back on (an array that owns its data), a base can be
+written through another view, and the file under ``np.memmap(mode="r")`` can change, so nothing
+cheap proves its bytes are those a cached copy holds; such arguments are transferred on every
+call, as ``jax.jit`` does (the placement finding suggests ``autoopt.constant``).
+
+The cache holds the host array, so its ``id`` cannot be reused, and drops the device copy once
+nothing but the cache refers to the host array (checked with reference counts). A 64-byte
+aligned host array is copied before placing: XLA:CPU would alias it, and the "copy" would see
+later writes and keep it alive. The device copy is shared by every ``Constant`` of that host
+array, so it is never donated: the placer hands a fresh copy to an explicit ``donate_argnums``
+(``SHARED_DEVICE_IDS``).
 """
 
 from __future__ import annotations
@@ -22,7 +27,12 @@ from jax.core import Tracer
 
 from autoopt.passes.placement._host_arrays import is_aligned
 
-__all__ = ["constant", "Constant", "constant_cache_size", "sweep_constants"]
+__all__ = [
+    "constant",
+    "Constant",
+    "constant_cache_size",
+    "sweep_constants",
+]
 
 
 class _Entry:
@@ -34,7 +44,9 @@ class _Entry:
 
 
 CONSTANTS: dict[tuple, _Entry] = {}  # (id(host), device) -> entry
-CONSTANT_IDS: set[int] = set()  # id(host) of every entry: one set test a writeable leaf
+# id(device copy) of every entry, for the placer's identity test: the entries hold the copies,
+# so no other object can have one of these ids.
+SHARED_DEVICE_IDS: set[int] = set()
 _CONSTANTS_LOCK = threading.Lock()
 
 
@@ -58,7 +70,7 @@ def sweep_constants() -> int:
                 del CONSTANTS[key]
                 dropped += 1
         if dropped:
-            CONSTANT_IDS.intersection_update(k[0] for k in CONSTANTS)
+            SHARED_DEVICE_IDS.intersection_update(id(e.device) for e in CONSTANTS.values())
     return dropped
 
 
@@ -67,18 +79,11 @@ def constant_cache_size() -> int:
     return len(CONSTANTS)
 
 
-def evict(host: np.ndarray) -> None:
-    with _CONSTANTS_LOCK:
-        for key in [k for k, e in CONSTANTS.items() if e.host is host]:
-            del CONSTANTS[key]
-        CONSTANT_IDS.discard(id(host))
-
-
 def cached_constant(host: np.ndarray, device) -> tuple[Any, bool]:
-    """``(device copy, placed_now)`` of a read-only host array, placing it once."""
+    """``(device copy, placed_now)`` of a host array the caller promised never changes."""
     key = (id(host), device)
     e = CONSTANTS.get(key)
-    # Deleted: an explicit donate_argnums handed the cached copy to XLA. Place it again.
+    # Deleted: someone donated it outside autoopt (jax.jit with donate_argnums). Place it again.
     if e is not None and e.host is host and not e.device.is_deleted():
         return e.device, False
     sweep_constants()
@@ -89,10 +94,16 @@ def cached_constant(host: np.ndarray, device) -> tuple[Any, bool]:
     # Concrete even when called under a transformation's trace (a cached tracer would leak).
     with jax.ensure_compile_time_eval():
         dev = jax.device_put(src, device)
+    # The transfer may still read ``src`` after device_put returns: complete it before the
+    # caller can write the host array again.
+    dev.block_until_ready()
     del src
     with _CONSTANTS_LOCK:
+        old = CONSTANTS.get(key)
+        if old is not None:
+            SHARED_DEVICE_IDS.discard(id(old.device))
         CONSTANTS[key] = _Entry(host, dev)
-        CONSTANT_IDS.add(id(host))
+        SHARED_DEVICE_IDS.add(id(dev))
     return dev, True
 
 
@@ -147,8 +158,10 @@ def constant(host_array, *, sharding=None) -> Constant:
     ``jax.sharding.Sharding``; default device otherwise) and reuse the device copy on every call.
 
     Calling it twice on the same array returns wrappers that share one device copy. The promise
-    is the caller's: a later change to the host array is not seen. (A read-only NumPy array,
-    ``x.flags.writeable = False``, passed to an optimized function is cached the same way.)
+    is the caller's: a later change to the host array is not seen. The shared copy is never
+    donated by an optimized function (an explicit ``donate_argnums`` gets a fresh copy). A
+    read-only NumPy array is not a constant (its flag can be switched back on, or its base
+    written): it is transferred on every call, as ``jax.jit`` does.
     """
     if isinstance(host_array, Constant):
         return host_array

@@ -10,8 +10,11 @@ leaf; the mechanisms it uses live in their own modules:
   costs, the pools and the tuning). A call structure seen before takes a fast path: the last
   full scan's decision, checked with a few list comparisons (types of every leaf; shapes, dtypes
   and writeable flags of the host arrays) instead of a Python loop a leaf.
-* **Host constants.** A read-only NumPy argument or an ``autoopt.constant`` is placed once and
-  reused (``_host_constants``). On the fast path a constant costs an identity lookup.
+* **Host constants.** Only ``autoopt.constant`` (the caller's promise) is placed once and reused
+  (``_host_constants``); it reaches the placer as its device copy. A read-only NumPy argument is
+  transferred on every call like any other: its flag proves nothing (see ``_host_constants``).
+  The shared device copy is never donated: under an explicit ``donate_argnums`` the placer
+  passes a fresh copy in its place (``_unshared``).
 * **Large closed-over constants** (1 MiB and up) are passed to the program as device arguments,
   placed once, instead of being embedded into the HLO (``_hoist``): the placer places them and
   calls again with them under a hidden keyword.
@@ -34,6 +37,7 @@ What the placer counted (``TransferStats``) and saw becomes report findings in
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import os
 import sys
@@ -48,18 +52,18 @@ from jax import tree_util
 
 from autoopt import _trace
 from autoopt._errors import AutooptWarning, HostTransferError
-from autoopt.passes.placement._hoist import HOISTED, HoistConstants, Hoisted, large_consts, retrying
-from autoopt.passes.placement._host_arrays import (
-    NDARRAY_TYPES,
-    SCALAR_TYPES,
-    is_aligned,
-    is_read_only,
+from autoopt.passes.placement._hoist import (
+    HOISTED,
+    HoistConstants,
+    Hoisted,
+    HoistedConst,
+    large_consts,
+    retrying,
 )
+from autoopt.passes.placement._host_arrays import NDARRAY_TYPES, SCALAR_TYPES, is_aligned
 from autoopt.passes.placement._host_constants import (
-    CONSTANT_IDS,
     CONSTANTS,
-    cached_constant,
-    evict,
+    SHARED_DEVICE_IDS,
     sweep_constants,
 )
 from autoopt.passes.placement._packing import PACKED, Layout, Packed, time_trial
@@ -115,13 +119,12 @@ class CallTransfers:
     ``before``: host leaves the caller passed (what plain ``jax.jit`` transfers implicitly).
     ``implicit``: host values jit still transfers implicitly after autoopt's placement (packed
     buffers count here unless a transfer guard made them explicit). ``explicit``: transfers autoopt
-    made itself with ``device_put``. ``cached``: leaves served from the constant cache.
+    made itself with ``device_put``.
     """
 
     before: int = 0
     implicit: int = 0
     explicit: int = 0
-    cached: int = 0
     packed_leaves: int = 0
     packed_bytes: int = 0
     implicit_names: tuple[str, ...] = ()
@@ -131,19 +134,16 @@ class CallTransfers:
 class TransferStats:
     """Totals over the calls the placer scanned (every call once host arrays were seen).
 
-    ``total`` sums their ``CallTransfers`` (``implicit_names`` stays empty there);
-    ``stats.cached`` is ``stats.total.cached``, the one count read on its own.
+    ``total`` sums their ``CallTransfers`` (``implicit_names`` stays empty there).
+    ``unshared``: shared ``autoopt.constant`` copies replaced by a fresh copy because an explicit
+    ``donate_argnums`` would have donated them.
     """
 
     calls_scanned: int = 0
     total: CallTransfers = dataclasses.field(default_factory=CallTransfers)
-    constants_placed: int = 0
     last: CallTransfers | None = None
     first_host_site: str | None = None
-
-    @property
-    def cached(self) -> int:
-        return self.total.cached
+    unshared: int = 0
 
     def add(self, call: CallTransfers) -> None:
         """Count one scanned call into ``total`` and keep it as ``last``."""
@@ -151,7 +151,6 @@ class TransferStats:
         t.before += call.before
         t.implicit += call.implicit
         t.explicit += call.explicit
-        t.cached += call.cached
         t.packed_leaves += call.packed_leaves
         t.packed_bytes += call.packed_bytes
         self.last = call
@@ -163,15 +162,13 @@ class TransferStats:
 @dataclasses.dataclass(eq=False)
 class _Feed:
     """What a full scan decided for one argument structure: the type of every leaf, which leaves
-    were host arrays (and their shapes, dtypes and writeable flags), all to check the next call
-    against; which were served from the constant cache; which are packed into which buffer."""
+    were host arrays (and their shapes and dtypes), all to check the next call against; which are
+    packed into which buffer."""
 
     arrays: tuple
     types: list
     shapes: list
     dtypes: list
-    writeable: list
-    consts: tuple
     layout: Any
     pack: tuple
     group_leaves: tuple
@@ -243,8 +240,10 @@ class Placer:
     """Per-``OptimizedFunction`` placement of host inputs, run just before the jitted call.
 
     ``placer(jitted, args, kwargs)`` returns ``jitted(*args, **kwargs)`` with host arrays packed
-    or served from the constant cache, scalars canonicalized when asked, and the call guarded when
-    asked. Any failure inside placement falls back to the unmodified call (one warning).
+    where that pays, large closed-over constants passed as device arguments, the shared copies of
+    ``autoopt.constant`` s replaced by fresh ones where an explicit ``donate_argnums`` donates
+    them, scalars canonicalized when asked, and the call guarded when asked. Any failure inside
+    placement falls back to the unmodified call (one warning).
     """
 
     def __init__(self, fn, options, platform: Callable[[], str]):
@@ -260,10 +259,12 @@ class Placer:
         # becomes its own kernel (leaves concatenated into a matmul). See benchmarks/RESULTS.md
         # and benchmarks/pack_threshold.py.
         # jit refuses keyword arguments when in_shardings is given, and in_shardings names the
-        # user's leaves: packing would break both, so only constants are cached then.
+        # user's leaves: packing would break both.
         self._pack = on and options.jit_kwargs.get("in_shardings") is None
         self._tune = options.placement == "auto"
-        self._cache = on
+        # (positions, names) an explicit donate_argnums/argnames donates (None: every argument
+        # may be), or False without explicit donation.
+        self._donated = explicit_donations(fn, options)
         guard = options.transfer_guard
         self._guard = guard if guard in ("log", "disallow") else None
         self._canon = options.canonicalize_scalars
@@ -277,9 +278,10 @@ class Placer:
         self._idle = 0  # scanned calls in a row with no host array, while active
         self._layouts: dict[tuple, tuple] = {}
         # Large closed-over constants passed as device arguments (see _hoist.with_hoisted_consts):
-        # id(host const) -> (host const, device copy); the node every call passes, or None.
+        # id(host const) -> HoistedConst (it holds the host const: the id stays its own); the node
+        # every call passes, or None.
         self._hoist_on = on
-        self._hoist_consts: dict[int, tuple] = {}
+        self._hoist_consts: dict[int, HoistedConst] = {}
         self._hoisted: Hoisted | None = None
         # treedef -> _Feed: what the last full scan of that argument structure decided
         self._feeds: dict[Any, _Feed] = {}
@@ -295,6 +297,8 @@ class Placer:
         return self._cpu_known
 
     def __call__(self, jitted, args: tuple, kwargs: dict):
+        if self._donated is not False and SHARED_DEVICE_IDS:
+            args, kwargs = self._unshared(args, kwargs)
         if not self._active:
             n = self._calls = self._calls + 1
             if n > _WATCH_FIRST and n & _SAMPLE_MASK:
@@ -322,6 +326,36 @@ class Placer:
         if trial is not None:
             time_trial(trial, out, t0)
         return out
+
+    def _unshared(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """``args, kwargs`` with every shared ``autoopt.constant`` device copy in an argument the
+        explicit donation donates replaced by a fresh copy: donating the shared copy would delete
+        it under every other holder of the constant."""
+        donated = self._donated
+        nums, names = donated if isinstance(donated, tuple) else (None, None)
+        n = len(args)
+        out_args = list(args)
+        for i, a in enumerate(args):
+            if nums is None or i in nums or i - n in nums:
+                out_args[i] = self._fresh_copies(a)
+        out_kwargs = kwargs
+        for k, v in kwargs.items():
+            if names is None or k in names:
+                w = self._fresh_copies(v)
+                if w is not v:
+                    out_kwargs = dict(out_kwargs) if out_kwargs is kwargs else out_kwargs
+                    out_kwargs[k] = w
+        return tuple(out_args), out_kwargs
+
+    def _fresh_copies(self, tree):
+        leaves, treedef = tree_util.tree_flatten(tree)
+        shared = [i for i, x in enumerate(leaves) if id(x) in SHARED_DEVICE_IDS]
+        if not shared:
+            return tree
+        for i in shared:
+            leaves[i] = jax.numpy.array(leaves[i], copy=True)
+        self.stats.unshared += len(shared)
+        return tree_util.tree_unflatten(treedef, leaves)
 
     def _call_hoisting(self, jitted, args: tuple, kwargs: dict):
         """Call with the hoisted constants passed; when the trace finds new large constants
@@ -371,12 +405,11 @@ class Placer:
         return self._hoist_on and program is not None and bool(large_consts(program.final))
 
     def _hoist(self, consts: list) -> None:
-        with jax.ensure_compile_time_eval():
-            for c in consts:
-                if id(c) not in self._hoist_consts:
-                    self._hoist_consts[id(c)] = (c, jax.device_put(np.asarray(c), self._device))
-        keys = tuple(self._hoist_consts)
-        self._hoisted = Hoisted(keys, tuple(self._hoist_consts[k][1] for k in keys))
+        for c in consts:
+            if id(c) not in self._hoist_consts:
+                self._hoist_consts[id(c)] = HoistedConst.place(c, self._device)
+        entries = tuple(self._hoist_consts.values())
+        self._hoisted = Hoisted(entries, tuple(e.device for e in entries))
         # Every call must now pass them (the same jit signature): stay off the lean path.
         self._stay = self._active = True
 
@@ -417,19 +450,8 @@ class Placer:
         if [type(x) for x in leaves] != feed.types:  # every leaf: a new NumPy leaf is seen
             return _MISS
         xs = [leaves[i] for i in feed.arrays]
-        if (
-            [x.shape for x in xs] != feed.shapes
-            or [x.dtype for x in xs] != feed.dtypes
-            or [x.flags.writeable for x in xs] != feed.writeable
-        ):
+        if [x.shape for x in xs] != feed.shapes or [x.dtype for x in xs] != feed.dtypes:
             return _MISS
-        device, constants = self._device, CONSTANTS
-        for i in feed.consts:  # an identity lookup a constant: the array the cache holds
-            x = leaves[i]
-            e = constants.get((id(x), device))
-            if e is None or e.host is not x or e.device.is_deleted():
-                return _MISS
-            leaves[i] = e.device
         layout = feed.layout
         trial = None
         strategy = "jit"
@@ -451,12 +473,11 @@ class Placer:
                 leaves[i] = None
         else:
             self.stats.add(feed.call_jit)
-            if not feed.consts:
-                if trial is None and not self._stay:
-                    self._active = False  # nothing to place here: back to the lean path
-                    self._calls = _WATCH_FIRST
-                    return None
-                return None if trial is None else (None, None, trial)
+            if trial is None and not self._stay:
+                self._active = False  # nothing to place here: back to the lean path
+                self._calls = _WATCH_FIRST
+                return None
+            return None if trial is None else (None, None, trial)
         new_args, new_kwargs = _rebuild(
             feed.args_pack if strategy == "pack" else feed.args_jit,
             args,
@@ -472,8 +493,8 @@ class Placer:
         return new_args, new_kwargs, trial
 
     def _plan_full(self, args, kwargs, dyn, statics, leaves: list, treedef, nargs: int):
-        """Scan every leaf: place constants, pack or leave host arrays, canonicalize scalars,
-        count; remember the decision for ``_plan_fast``."""
+        """Scan every leaf: pack or leave host arrays, canonicalize scalars, count; remember the
+        decision for ``_plan_fast``."""
         arrays: list[int] = []
         scalars: list[int] = []
         ndarray_types, scalar_types = NDARRAY_TYPES, SCALAR_TYPES
@@ -496,10 +517,9 @@ class Placer:
         trial = None
         strategy = "jit"
         bufs: list = []
-        consts: list[int] = []
         pack: list[int] = []
         xs = [leaves[i] for i in arrays]
-        types = [type(x) for x in leaves]  # before constants and packing replace leaves
+        types = [type(x) for x in leaves]  # before packing replaces leaves
         if not arrays and self._active and not self._stay:
             self._idle += 1
             if self._idle >= _IDLE_CALLS:  # host arrays stopped coming: back to the lean path
@@ -507,21 +527,10 @@ class Placer:
         if arrays:
             if stats.first_host_site is None:
                 stats.first_host_site = _user_location()
-            pack_on, cache_on, ids = self._pack, self._cache, CONSTANT_IDS
+            pack_on = self._pack
             zero_copy_min = ZERO_COPY_MIN_BYTES if self._on_cpu() and not self._guard else None
             for i in arrays:
                 x = leaves[i]
-                if x.flags.writeable:
-                    if id(x) in ids:
-                        evict(x)  # cached while read-only, writeable again: drop the stale copy
-                elif cache_on and is_read_only(x):
-                    dev, placed = cached_constant(x, self._device)
-                    leaves[i] = dev
-                    consts.append(i)
-                    call.cached += 1
-                    stats.constants_placed += placed
-                    changed = True
-                    continue
                 # XLA:CPU aliases a large aligned contiguous array for free: leave it to jit.
                 if pack_on and (
                     zero_copy_min is None or x.nbytes < zero_copy_min or not is_aligned(x)
@@ -551,7 +560,7 @@ class Placer:
                 call.packed_leaves = packing.leaves_packed
                 call.packed_bytes = packing.bytes_packed
                 changed = True
-            if consts or trial is not None or strategy == "pack":
+            if trial is not None or strategy == "pack":
                 self._active, self._idle = True, 0
             elif not self._stay:  # nothing to place: leave this feed to the lean path
                 self._active, self._calls = False, max(self._calls, _WATCH_FIRST)
@@ -568,7 +577,7 @@ class Placer:
         self.stats.add(call)
         if arrays and not self._always:
             feed = self._remember(
-                args, treedef, types, arrays, xs, consts, layout, pack, call, len(scalars)
+                args, treedef, types, arrays, xs, layout, pack, call, len(scalars)
             )
         else:
             feed = None
@@ -584,39 +593,32 @@ class Placer:
             new_kwargs[PACKED] = Packed(packing, bufs)
         return tuple(new_args), new_kwargs, trial
 
-    def _remember(
-        self, args, treedef, types, arrays, xs, consts, layout, pack, call, n_scalars
-    ) -> _Feed:
+    def _remember(self, args, treedef, types, arrays, xs, layout, pack, call, n_scalars) -> _Feed:
         """Store this scan's decision for the next calls with the same structure (_plan_fast)."""
         if len(self._feeds) >= 64:  # a function called with ever new structures: start over
             self._feeds.clear()
         n_arrays = len(arrays)
-        jit_call = CallTransfers(
-            before=call.before, cached=len(consts), implicit=n_scalars + n_arrays - len(consts)
-        )
+        jit_call = CallTransfers(before=call.before, implicit=n_scalars + n_arrays)
         pack_call = jit_call
         group_leaves: tuple = ()
         if layout is not None:
             group_leaves = tuple(tuple(m[0] for m in members) for _d, _t, members in layout.groups)
             pack_call = CallTransfers(
                 before=call.before,
-                cached=len(consts),
                 packed_leaves=layout.leaves_packed,
                 packed_bytes=layout.bytes_packed,
-                implicit=n_scalars + n_arrays - len(consts) - len(pack) + len(layout.groups),
+                implicit=n_scalars + n_arrays - len(pack) + len(layout.groups),
             )
         args_jit = args_pack = None
         if not self._has_statics:
             n = len(types)
-            args_jit = _arg_plan(args, set(consts), set(), n)
-            args_pack = _arg_plan(args, set(consts) | set(pack), set(pack), n)
+            args_jit = _arg_plan(args, set(), set(), n)
+            args_pack = _arg_plan(args, set(pack), set(pack), n)
         feed = self._feeds[treedef] = _Feed(
             arrays=tuple(arrays),
             types=types,
             shapes=[x.shape for x in xs],
             dtypes=[x.dtype for x in xs],
-            writeable=[x.flags.writeable for x in xs],
-            consts=tuple(consts),
             layout=layout,
             pack=tuple(pack),
             group_leaves=group_leaves,
@@ -754,9 +756,41 @@ class PlacementFigures:
     packed_layouts: tuple
 
 
+def explicit_donations(fn, options):
+    """``(positions, names)`` an explicit ``donate_argnums``/``donate_argnames`` donates, each
+    completed from the other through ``fn``'s signature as ``jax.jit`` does; None when the
+    signature cannot be read (any argument may be donated); False without explicit donation."""
+    if not options.explicit_donation:
+        return False
+    given_nums = options.jit_kwargs.get("donate_argnums")
+    given_names = options.jit_kwargs.get("donate_argnames")
+    nums: set[int] = {given_nums} if isinstance(given_nums, int) else set(given_nums or ())
+    names: set[str] = {given_names} if isinstance(given_names, str) else set(given_names or ())
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    for i, p in enumerate(params):
+        if p.kind in positional:
+            if i in nums:
+                names.add(p.name)
+            if p.name in names:
+                nums.add(i)
+        elif p.kind is inspect.Parameter.VAR_POSITIONAL:
+            return None  # positions past *args are not in the signature
+    return frozenset(nums), frozenset(names)
+
+
 def placer_for(fn, options, platform: Callable[[], str]) -> Placer | None:
-    """The placer an ``OptimizedFunction`` of ``fn`` needs, or None when no option asks for one."""
+    """The placer an ``OptimizedFunction`` of ``fn`` needs, or None when no option asks for one
+    (an explicit donation always needs one: it must never donate a shared constant copy)."""
     o = options
-    if o.placement == "off" and not o.canonicalize_scalars and o.transfer_guard in (None, "allow"):
+    if (
+        o.placement == "off"
+        and not o.canonicalize_scalars
+        and o.transfer_guard in (None, "allow")
+        and not o.explicit_donation
+    ):
         return None
     return Placer(fn, o, platform)

@@ -8,6 +8,18 @@ small NumPy leaves of one dtype are packed into one pooled host buffer first (on
 sliced apart on the device); a buffer goes back to its pool only when nothing else refers to it,
 so a device array that may alias it (XLA:CPU aliases aligned host buffers) is never overwritten.
 
+A batch never shares memory with a host buffer that can still change. Loaders often refill one
+buffer a batch (``buf[:] = data; yield buf``): placing it directly would hand out device arrays
+that alias it (XLA:CPU zero-copies an aligned buffer) or whose copy completes after the loader
+wrote the next batch into it. So the worker copies every NumPy leaf into a private pooled buffer
+(or the packed buffer) before it asks the source for the next batch, and places that: one host
+memcpy a leaf, on the worker thread, while the consumer's step runs. Blocking until each
+transfer completes instead would not stop XLA:CPU's aliasing; copying on the consumer's side
+would put the copy on the step's critical path.
+
+The jitted unpackers (one a packed layout) are kept in a small LRU (``_UNPACKERS_MAX``), the
+host pools in a bounded dict: a loader of ever new layouts does not grow memory without bound.
+
 NB: the analogues are flax's ``jax_utils.prefetch_to_device`` and the JAX training cookbook's
 double-buffered input pipeline.
 """
@@ -16,6 +28,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -35,35 +48,68 @@ _identity = jax.jit(lambda *xs: xs)
 
 
 def _unpacker(members: tuple):
-    """A jitted function slicing one packed buffer back into its leaves (cached per layout)."""
-    fn = _UNPACKERS.get(members)
-    if fn is None:
+    """A jitted function slicing one packed buffer back into its leaves (an LRU of layouts)."""
+    with _CACHE_LOCK:
+        fn = _UNPACKERS.get(members)
+        if fn is not None:
+            _UNPACKERS.move_to_end(members)
+            return fn
 
-        def split(buf):
-            return tuple(
-                jax.lax.slice(buf, (off,), (off + size,)).reshape(shape)
-                for _i, off, size, shape in members
-            )
+    def split(buf):
+        return tuple(
+            jax.lax.slice(buf, (off,), (off + size,)).reshape(shape)
+            for _i, off, size, shape in members
+        )
 
-        fn = _UNPACKERS[members] = jax.jit(split)
+    fn = jax.jit(split)
+    with _CACHE_LOCK:
+        _UNPACKERS[members] = fn
+        while len(_UNPACKERS) > _UNPACKERS_MAX:
+            _UNPACKERS.popitem(last=False)  # its compiled executable goes with the jit object
     return fn
 
 
-_UNPACKERS: dict[tuple, Any] = {}
-# A small ring of host buffers a layout, reused once jax has let go of them (Pool): a fresh
-# buffer a batch costs page faults on every batch.
+# Each unpacker holds a compiled executable: bounded, least recently used dropped first.
+_UNPACKERS_MAX = 16
+_UNPACKERS: OrderedDict[tuple, Any] = OrderedDict()
+# A small ring of host buffers a layout (packed, or one leaf's private copy), reused once jax has
+# let go of them (Pool): a fresh buffer a batch costs page faults on every batch.
 _PREFETCH_POOLS: dict[tuple, Pool] = {}
+_PREFETCH_POOLS_MAX = 64  # one a packed layout or a leaf shape: a batch of many shapes fits
 _PREFETCH_POOL_SIZE = 4
+_CACHE_LOCK = threading.Lock()  # several prefetch threads may place at once
 
 
 def _prefetch_pool(members: tuple, dtype, total: int) -> Pool:
     key = (members, np.dtype(dtype))
-    pool = _PREFETCH_POOLS.get(key)
-    if pool is None:
-        if len(_PREFETCH_POOLS) >= 16:  # ever new layouts: keep memory bounded
-            _PREFETCH_POOLS.clear()
-        pool = _PREFETCH_POOLS[key] = Pool(dtype, total, _PREFETCH_POOL_SIZE)
+    with _CACHE_LOCK:
+        pool = _PREFETCH_POOLS.get(key)
+        if pool is None:
+            if len(_PREFETCH_POOLS) >= _PREFETCH_POOLS_MAX:  # ever new layouts: stay bounded
+                _PREFETCH_POOLS.clear()
+            pool = _PREFETCH_POOLS[key] = Pool(dtype, total, _PREFETCH_POOL_SIZE)
     return pool
+
+
+def _private_copy(x: np.ndarray) -> np.ndarray:
+    """``x`` copied into a pooled buffer nothing else writes (aligned, so XLA:CPU aliases the
+    copy instead of copying again; the pool hands it out again only once jax let go of it)."""
+    buf = _prefetch_pool(("copy", x.shape), x.dtype, int(x.size)).get()
+    out = buf.reshape(x.shape)
+    del buf  # the pool's free test counts references
+    np.copyto(out, x, casting="no")
+    return out
+
+
+def cache_sizes() -> dict[str, int]:
+    """How many jitted unpackers and host buffer pools prefetch keeps, and their bounds."""
+    with _CACHE_LOCK:
+        return {
+            "unpackers": len(_UNPACKERS),
+            "unpackers_max": _UNPACKERS_MAX,
+            "pools": len(_PREFETCH_POOLS),
+            "pools_max": _PREFETCH_POOLS_MAX,
+        }
 
 
 # Many tiny leaves: one packed buffer and a jitted split beat one jit argument a leaf.
@@ -73,23 +119,29 @@ _PREFETCH_PACK_MAX_MEAN_BYTES = 8 * 1024
 
 def place_batch(batch, sharding=None):
     """``batch`` with every NumPy leaf on the device (or split over ``sharding``), in one batched
-    placement. jax arrays and Python scalars are returned as they are."""
+    placement, from host copies private to it (the caller may overwrite its arrays as soon as
+    this returns). jax arrays and Python scalars are returned as they are."""
     leaves, treedef = tree_util.tree_flatten(batch)
     host = [
         i for i, x in enumerate(leaves) if type(x) in NDARRAY_TYPES or isinstance(x, np.generic)
     ]
     if not host:
         return batch
+    # NumPy scalars are immutable; every array is copied, unless packed (the packing copies it).
     xs = [leaves[i] for i in host]
+    packed = (
+        sharding is None
+        and len(xs) >= _PREFETCH_PACK_MIN_LEAVES
+        and sum(x.nbytes for x in xs) / len(xs) <= _PREFETCH_PACK_MAX_MEAN_BYTES
+        and len({x.dtype for x in xs}) == 1
+    )
+    if not packed:
+        xs = [x if isinstance(x, np.generic) else _private_copy(x) for x in xs]
     if sharding is not None:
         placed = jax.device_put(xs, sharding)
     elif len(xs) == 1:
         placed = [jax.device_put(xs[0])]
-    elif (
-        len(xs) >= _PREFETCH_PACK_MIN_LEAVES
-        and sum(x.nbytes for x in xs) / len(xs) <= _PREFETCH_PACK_MAX_MEAN_BYTES
-        and len({x.dtype for x in xs}) == 1
-    ):
+    elif packed:
         members, off = [], 0
         for i, x in enumerate(xs):
             members.append((i, off, int(x.size), tuple(x.shape)))
@@ -101,6 +153,7 @@ def place_batch(batch, sharding=None):
         del buf  # the pool's free test counts references
     else:
         placed = _identity(*xs)
+    del xs  # the private copies now belong to the placed arrays (the pools count references)
     for i, p in zip(host, placed):
         leaves[i] = p
     return tree_util.tree_unflatten(treedef, leaves)
@@ -184,6 +237,13 @@ class Prefetch(Iterator):
             self.close()
             raise item.error
         return item
+
+    @staticmethod
+    def cache_sizes() -> dict[str, int]:
+        """What every prefetch keeps compiled and pooled, shared by all of them: ``unpackers``
+        (one jitted unpacker a packed batch layout, least recently used dropped beyond
+        ``unpackers_max``) and ``pools`` (host buffer pools, at most ``pools_max``)."""
+        return cache_sizes()
 
     def close(self) -> None:
         """Stop the background thread; pending placed batches are dropped."""

@@ -111,9 +111,9 @@ PLACEMENTS = ("auto", "pack", "off")
 def _check_placement(placement):
     if placement not in PLACEMENTS:
         raise ValueError(
-            f"placement={placement!r}: use 'auto' (cache read-only host constants, "
-            "pass large constants as arguments, pack many small NumPy leaves into "
-            "one transfer where measured faster), 'pack' (always pack) or 'off'."
+            f"placement={placement!r}: use 'auto' (pass large constants as arguments, "
+            "pack many small NumPy leaves into one transfer where measured faster), "
+            "'pack' (always pack) or 'off'."
         )
     return placement
 
