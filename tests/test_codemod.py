@@ -20,7 +20,7 @@ from libcst.codemod import (
 )
 
 import autoopt
-from autoopt.codemod import COMMANDS, plan_source_edits, rewrite_code
+from autoopt.codemod import COMMANDS, CheckCall, plan_source_edits, rewrite_code
 from autoopt.passes import registered_passes
 from autoopt.passes._base import resolve
 from autoopt.passes.donation.codemod import DonateCommand
@@ -873,12 +873,13 @@ def test_rewritten_example_imports_runs_and_gives_the_same_numbers(name, provabl
     # jax style: donate_argnums only where the file shows the loop owns a fresh array; the
     # train_step example binds its parameters from make_args(), which it cannot show, so the
     # note says what to use instead.
-    jax_plan = plan_source_edits(fn, findings)
+    call = CheckCall(mod.make_args())
+    jax_plan = plan_source_edits(fn, findings, call=call)
     promised = any("donate_argnums=(0,)" in e.new for e in jax_plan.edits)
     assert promised == provable
     if not provable:
         assert any("--style autoopt" in n for n in jax_plan.notes.values()), jax_plan.notes
-    plan = plan_source_edits(fn, findings, style="autoopt")
+    plan = plan_source_edits(fn, findings, style="autoopt", call=call)
     [edit] = plan.edits
     assert "autoopt.optimize" in edit.new
     copy = tmp_path / f"{name}_rewritten.py"
@@ -894,7 +895,7 @@ def test_rewritten_example_imports_runs_and_gives_the_same_numbers(name, provabl
     ):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6)
     # Rewriting the rewritten file changes nothing.
-    again = plan_source_edits(new_fn, _example_findings(new, new_fn))
+    again = plan_source_edits(new_fn, _example_findings(new, new_fn), call=call)
     assert again.edits == ()
 
 

@@ -1,0 +1,149 @@
+"""Every source edit is run before it is offered.
+
+The rewritten file is executed as a fresh module (its globals as the file would have them; the
+``if __name__ == "__main__"`` part does not run), the rewritten function is called under plain
+``jax.jit`` on the report's arguments, and its outputs are compared with the original function's
+under ``jax.jit``: bit for bit, or within ``autoopt._compare.tolerance`` when the edit
+rematerializes (recomputation may reassociate floating-point sums). A function the file itself
+decorates with ``jax.jit`` is called through that decorator, so an edited ``donate_argnums`` runs
+too, on copies of the arguments (donation deletes what it is given).
+
+NB: the analogue is ``verify=True`` (``autoopt._compare``), which checks the optimized program
+the same way; here the program checked is the one the edited file defines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import io
+import itertools
+import sys
+import types
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from autoopt._compare import assert_trees_equivalent
+
+__all__ = ["CheckCall", "EditChecker", "checking"]
+
+# Set while a rewritten file runs: a report built by that file's own top-level code plans no
+# edits (it would run the file again, without end).
+_CHECKING: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "autoopt_codemod_checking", default=False
+)
+_MODULE_NUMBERS = itertools.count()
+
+
+def checking() -> bool:
+    """True while a rewritten file is being run to check an edit."""
+    return _CHECKING.get()
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckCall:
+    """The report's call: the arguments and the jit's static arguments an edit is checked on."""
+
+    args: tuple
+    kwargs: dict = dataclasses.field(default_factory=dict)
+    static_argnums: tuple[int, ...] = ()
+    static_argnames: tuple[str, ...] = ()
+
+    def jit(self, fn: Callable) -> Callable:
+        return jax.jit(fn, static_argnums=self.static_argnums, static_argnames=self.static_argnames)
+
+
+def unwrap(fn: Callable) -> Callable:
+    """The Python function under ``jax.jit``/``autoopt.optimize`` wrappers."""
+    for _ in range(8):
+        inner = getattr(fn, "__wrapped__", None)
+        if inner is None or getattr(fn, "__code__", None) is not None:
+            break
+        fn = inner
+    return fn
+
+
+def _first_line(e: BaseException) -> str:
+    text = next((s.strip() for s in str(e).splitlines() if s.strip()), "")
+    text = text if len(text) <= 200 else text[:197] + "..."
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _copies(tree: Any) -> Any:
+    return jax.tree_util.tree_map(lambda a: a.copy() if isinstance(a, jax.Array) else a, tree)
+
+
+class EditChecker:
+    """Checks rewritten versions of one function's file against the original function."""
+
+    def __init__(self, fn: Callable, call: CheckCall) -> None:
+        self.fn = fn
+        self.call = call
+        self._expected: tuple[Any, str | None] | None = None
+        self._plain_jit_type = type(jax.jit(lambda: None))
+
+    def _original(self) -> tuple[Any, str | None]:
+        if self._expected is None:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    out = self.call.jit(self.fn)(*self.call.args, **self.call.kwargs)
+                self._expected = (jax.block_until_ready(out), None)
+            except Exception as e:  # noqa: BLE001 - the reason goes into every finding's note
+                self._expected = (
+                    None,
+                    f"the original function does not run under plain jax.jit ({_first_line(e)})",
+                )
+        return self._expected
+
+    def why_not(self, path: str, code: str, *, exact: bool) -> str | None:
+        """None when ``code`` (the rewritten text of ``path``, the function's file) defines the
+        function so that it gives the original's numbers; else why it does not."""
+        expected, why = self._original()
+        if why is not None:
+            return why
+        qualname = getattr(self.fn, "__qualname__", "")
+        if not qualname or "<locals>" in qualname:
+            return (
+                "the function is defined inside another function, where the check cannot reach "
+                "the rewritten version"
+            )
+        name = f"__autoopt_check_{next(_MODULE_NUMBERS)}__"
+        module = types.ModuleType(name)
+        module.__file__ = path
+        module.__package__ = getattr(self.fn, "__globals__", {}).get("__package__")
+        token = _CHECKING.set(True)
+        sys.modules[name] = module  # dataclasses and typing look a class's module up here
+        try:
+            try:
+                with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    exec(compile(code, path, "exec"), module.__dict__)
+            except BaseException as e:  # noqa: BLE001 - SystemExit too: the file is the user's
+                return f"running the rewritten file failed ({_first_line(e)})"
+            obj: Any = module
+            for part in qualname.split("."):
+                obj = getattr(obj, part, None)
+            if not callable(obj):
+                return f"the rewritten file defines no `{qualname}`"
+            # The file's own jax.jit carries the edited keywords (donate_argnums): call it.
+            run = obj if type(obj) is self._plain_jit_type else self.call.jit(unwrap(obj))
+            args, kwargs = _copies((self.call.args, self.call.kwargs))
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    got = jax.block_until_ready(run(*args, **kwargs))
+            except Exception as e:  # noqa: BLE001
+                return f"the rewritten function raised {_first_line(e)}"
+            try:
+                assert_trees_equivalent(expected, got, what="the rewritten function", exact=exact)
+            except AssertionError as e:
+                return f"{_first_line(e).removeprefix('AssertionError: ')}"
+            return None
+        finally:
+            sys.modules.pop(name, None)
+            _CHECKING.reset(token)
