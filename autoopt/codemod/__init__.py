@@ -339,8 +339,8 @@ def plan_source_edits(
         def check(code: str, ks: set[int], local=local, same=same, path=path) -> str | None:
             if checker is None:
                 return (
-                    "autoopt runs every edit on the report's arguments before offering it, "
-                    "and this report has none (build it with autoopt.explain(fn, *args))"
+                    "not checked, as every edit is, on the report's arguments: it has none "
+                    "(autoopt.explain(fn, *args) checks and shows the edit)"
                 )
             if not same:
                 return (

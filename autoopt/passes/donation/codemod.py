@@ -6,11 +6,14 @@ is left out: donating it would invalidate the caller's array. ``donate_argnums``
 for every caller, so under ``style="jax"`` an argument is also left out unless the file shows
 every caller's array dead after the call: every call of the function (directly, or through a
 function of this module it is passed to) rebinds the very name it passes
-(``state = step(state, batch)``), that name is bound only to fresh arrays (results of the
-function itself or of ``jax.numpy``/``jax.random`` constructors) and read only as the call's
-argument, as the base of an attribute or an index, or returned; and the function is not passed
-around otherwise. The outcome says which call fails that, and ``style="autoopt"`` is the safe
-edit (it proves donation per call site, at run time). Forms handled, for the analysed
+(``state = step(state, batch)``), and an allow-list holds for that name (``_second_holder``):
+it is bound only to new arrays (results of the function itself, or of array constructors such
+as ``jnp.zeros`` and ``jax.random.normal``) and otherwise only read for metadata
+(``w.shape``) or returned; and the function is not passed around otherwise. Anything else is
+refused with its line: ``w[:]``, ``w.T``, ``w.astype(w.dtype)``, ``jnp.reshape`` and
+``jnp.asarray`` can all return the array itself, and a closure keeps it. The outcome says
+which call fails and why, and ``style="autoopt"`` is the safe edit (it proves donation per call
+site, at run time). Forms handled, for the analysed
 function's ``def``: ``@jax.jit``, ``@jit``, ``@jax.jit(...)``, ``@partial(jax.jit, ...)`` and
 module-level ``jax.jit(fn, ...)`` calls. A function already donating, or under
 ``@autoopt.optimize`` (which donates per call site), is left alone.
@@ -349,6 +352,9 @@ def _not_rebound(call: cst.Call, arg, cmd, calls: list) -> str | None:
     if any(a.star for a in call.args):
         return "it unpacks its arguments, so which array is donated cannot be seen"
     passed = _passed(call, arg)
+    if passed is None:
+        how = "by position" if isinstance(arg, int) else "by keyword"
+        return f"it does not pass the argument {how}"
     if not isinstance(passed, cst.Name):
         return "it passes an expression, not a name the statement rebinds"
     stmt = cmd.get_metadata(ParentNodeProvider, call, None)
