@@ -269,6 +269,28 @@ def test_checking_a_donation_edit_does_not_delete_the_reports_arguments(tmp_path
     assert not w.is_deleted() and not x.is_deleted()
 
 
+def test_checking_runs_the_files_definitions_not_its_top_level_code_again(tmp_path):
+    script = textwrap.dedent("""\
+        import jax
+        import jax.numpy as jnp
+
+        ROWS = 4
+
+
+        @jax.jit
+        def write_row(buf, i, row):
+            return buf.at[i].set(row * ROWS)
+
+
+        with open(__file__ + ".runs", "a") as fh:  # a script's top level: runs once
+            fh.write("ran\\n")
+        """)
+    mod = _load(script, "top_level", tmp_path)
+    report = autoopt.explain(mod.write_row, jnp.zeros((4, 2)), 1, jnp.ones(2))
+    assert "dynamic_update_index_in_dim" in report.source_diff
+    assert (tmp_path / "top_level.py.runs").read_text() == "ran\n"
+
+
 # --- 13: --write edits the file a path resolves to, in place ----------------------------------
 
 

@@ -336,7 +336,9 @@ def plan_source_edits(
                 path=path,
             )
 
-        def check(code: str, ks: set[int], local=local, same=same, path=path) -> str | None:
+        def check(
+            code: str, ks: set[int], local=local, same=same, path=path, original=original
+        ) -> str | None:
             if checker is None:
                 return (
                     "not checked, as every edit is, on the report's arguments: it has none "
@@ -349,7 +351,7 @@ def plan_source_edits(
                     "function's own file"
                 )
             exact = not any(local[k].kind == "remat" for k in ks)
-            return checker.why_not(path, code, exact=exact)
+            return checker.why_not(path, original, code, exact=exact)
 
         result = rewrite(set(range(len(idxs))))
         outcomes = {k: result.outcomes.get(k, "no codemod ran for it") for k in range(len(idxs))}

@@ -1,12 +1,17 @@
 """Every source edit is run before it is offered.
 
-The rewritten file is executed as a fresh module (its globals as the file would have them; the
-``if __name__ == "__main__"`` part does not run), the rewritten function is called under plain
-``jax.jit`` on the report's arguments, and its outputs are compared with the original function's
-under ``jax.jit``: bit for bit, or within ``autoopt._compare.tolerance`` when the edit
-rematerializes (recomputation may reassociate floating-point sums). A function the file itself
-decorates with ``jax.jit`` is called through that decorator, so an edited ``donate_argnums`` runs
-too, on copies of the arguments (donation deletes what it is given).
+The rewritten file's definitions are executed as a fresh module, the rewritten function is
+called under plain ``jax.jit`` on the report's arguments, and its outputs are compared with the
+original function's under ``jax.jit``: bit for bit, or within ``autoopt._compare.tolerance``
+when the edit rematerializes (recomputation may reassociate floating-point sums). A function the
+file itself decorates with ``jax.jit`` is called through that decorator, so an edited
+``donate_argnums`` runs too, on copies of the arguments (donation deletes what it is given).
+
+The module's globals are the file's as it ran (a copy of the original module's), with the
+rewritten file's imports, ``def``s, classes and the assignments an edit changed
+(``step = jax.jit(step, donate_argnums=...)``) executed over them, in the file's order. The rest
+of the top level (a script's training loop, its ``__main__`` part) does not run again: only
+what defines the function matters to its numbers.
 
 NB: the analogue is ``verify=True`` (``autoopt._compare``), which checks the optimized program
 the same way; here the program checked is the one the edited file defines.
@@ -14,6 +19,8 @@ the same way; here the program checked is the one the edited file defines.
 
 from __future__ import annotations
 
+import ast
+import collections
 import contextlib
 import contextvars
 import dataclasses
@@ -67,6 +74,22 @@ def unwrap(fn: Callable) -> Callable:
     return fn
 
 
+_DEFINITIONS = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+_ASSIGNMENTS = (ast.Assign, ast.AnnAssign, ast.AugAssign)
+
+
+def _definitions(original: str, code: str, path: str) -> ast.Module:
+    """The top-level statements of ``code`` to execute: every import, def and class, and the
+    assignments not in ``original`` as they are (an edit changed them)."""
+    before = collections.Counter(ast.dump(s) for s in ast.parse(original, path).body)
+    body: list[ast.stmt] = [
+        s
+        for s in ast.parse(code, path).body
+        if isinstance(s, _DEFINITIONS) or (isinstance(s, _ASSIGNMENTS) and not before[ast.dump(s)])
+    ]
+    return ast.Module(body=body, type_ignores=[])
+
+
 def _first_line(e: BaseException) -> str:
     text = next((s.strip() for s in str(e).splitlines() if s.strip()), "")
     text = text if len(text) <= 200 else text[:197] + "..."
@@ -100,9 +123,9 @@ class EditChecker:
                 )
         return self._expected
 
-    def why_not(self, path: str, code: str, *, exact: bool) -> str | None:
-        """None when ``code`` (the rewritten text of ``path``, the function's file) defines the
-        function so that it gives the original's numbers; else why it does not."""
+    def why_not(self, path: str, original: str, code: str, *, exact: bool) -> str | None:
+        """None when ``code`` (the rewritten ``original`` text of ``path``, the function's file)
+        defines the function so that it gives the original's numbers; else why it does not."""
         expected, why = self._original()
         if why is not None:
             return why
@@ -112,18 +135,22 @@ class EditChecker:
                 "the function is defined inside another function, where the check cannot reach "
                 "the rewritten version"
             )
+        try:
+            definitions = _definitions(original, code, path)
+        except SyntaxError as e:
+            return f"the rewritten file does not parse ({_first_line(e)})"
         name = f"__autoopt_check_{next(_MODULE_NUMBERS)}__"
         module = types.ModuleType(name)
-        module.__file__ = path
-        module.__package__ = getattr(self.fn, "__globals__", {}).get("__package__")
+        module.__dict__.update(getattr(self.fn, "__globals__", {}))
+        module.__name__, module.__file__ = name, path
         token = _CHECKING.set(True)
         sys.modules[name] = module  # dataclasses and typing look a class's module up here
         try:
             try:
                 with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    exec(compile(code, path, "exec"), module.__dict__)
-            except BaseException as e:  # noqa: BLE001 - SystemExit too: the file is the user's
+                    exec(compile(definitions, path, "exec"), module.__dict__)
+            except (Exception, SystemExit) as e:  # noqa: BLE001 - the file is the user's
                 return f"running the rewritten file failed ({_first_line(e)})"
             obj: Any = module
             for part in qualname.split("."):
