@@ -204,7 +204,12 @@ def cmd_rewrite(ns) -> int:
     path, _ = _split_spec(ns.target)
     snapshot = read_source(path) if os.path.isfile(path) else None
     report, fn, path, call = _explained(ns.target, ns.args, _options(ns))
-    plan = plan_source_edits(fn, report.findings, style=ns.style, call=call)
+    # The report planned (and checked) the jax-style edits already.
+    plan = (
+        report.source_plan
+        if ns.style == "jax" and report.source_plan is not None
+        else plan_source_edits(fn, report.findings, style=ns.style, call=call)
+    )
     if not plan.edits:
         print(f"no source edits for {report.function}.")
         for i, note in sorted(plan.notes.items()):
