@@ -93,6 +93,16 @@ def test_rewritten_update_broadcasts_and_casts_as_the_scatter_does(
         np.testing.assert_array_equal(got, expected, err_msg=f"{kind}: {new}")
 
 
+@pytest.mark.parametrize("op", ["set", "add"])
+def test_a_list_value_is_made_an_array_as_the_scatter_does(op, tmp_path):
+    code = f"def f(x, i):\n    return x.at[i].{op}([1, 2])\n"
+    finding = Finding("scatter_to_dus", True, "m", location="s.py:2", details={"guard": "none"})
+    before = _load(code, "list_before", tmp_path)
+    after = _load(rewrite_code(code, [finding]).code, "list_after", tmp_path)
+    x = jnp.ones((3, 2), jnp.bfloat16)
+    np.testing.assert_array_equal(_quiet(after.f, x, 1), _quiet(before.f, x, 1))
+
+
 def test_a_shape_1_value_over_a_slice_fills_the_whole_slice(tmp_path):
     code = "def f(x, v):\n    return x.at[1:4].set(v)\n"
     finding = Finding("scatter_to_dus", True, "m", location="s.py:2", details={"guard": "none"})

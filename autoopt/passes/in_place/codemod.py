@@ -272,14 +272,17 @@ class ScatterToDUSCommand(FindingCommand):
         written out: a shape-(1,) or lower-rank value, or a float32 value into a bfloat16
         array, stays exact."""
         op = _OPS[at.op]
+        v = at.value
+        if isinstance(v, cst.List | cst.Tuple):  # .at takes a list (jnp.asarray); jnp ops do not
+            v = template("{a}({v})", a=self.ref("jax.numpy.asarray"), v=v)
         if op is None:
             value = template(
-                "{b}({v}, {shape})", b=self.ref("jax.numpy.broadcast_to"), v=at.value, shape=shape
+                "{b}({v}, {shape})", b=self.ref("jax.numpy.broadcast_to"), v=v, shape=shape
             )
         elif len(op) == 1:
-            value = template(f"({{old}} {op} {{v}})", old=old, v=_paren(at.value))
+            value = template(f"({{old}} {op} {{v}})", old=old, v=_paren(v))
         else:
-            value = template("{f}({old}, {v})", f=self.ref(f"jax.numpy.{op}"), old=old, v=at.value)
+            value = template("{f}({old}, {v})", f=self.ref(f"jax.numpy.{op}"), old=old, v=v)
         return template("{value}.astype({x}.dtype)", value=value, x=at.base)
 
     def _single(self, at: _AtUpdate, index, guard: str) -> cst.BaseExpression:
