@@ -59,6 +59,9 @@ class CheckCall:
     kwargs: dict = dataclasses.field(default_factory=dict)
     static_argnums: tuple[int, ...] = ()
     static_argnames: tuple[str, ...] = ()
+    # What the checks on this call found, by (function, file text, exact): a report plans its
+    # edits again when findings are added, and a rewritten text is checked once.
+    verdicts: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
 
     def jit(self, fn: Callable) -> Callable:
         return jax.jit(fn, static_argnums=self.static_argnums, static_argnames=self.static_argnames)
@@ -126,6 +129,12 @@ class EditChecker:
     def why_not(self, path: str, original: str, code: str, *, exact: bool) -> str | None:
         """None when ``code`` (the rewritten ``original`` text of ``path``, the function's file)
         defines the function so that it gives the original's numbers; else why it does not."""
+        key = (self.fn, path, code, exact)
+        if key not in self.call.verdicts:
+            self.call.verdicts[key] = self._why_not(path, original, code, exact=exact)
+        return self.call.verdicts[key]
+
+    def _why_not(self, path: str, original: str, code: str, *, exact: bool) -> str | None:
         expected, why = self._original()
         if why is not None:
             return why
