@@ -15,8 +15,8 @@ import argparse
 import ast
 import importlib.util
 import os
+import stat
 import sys
-import tempfile
 import tokenize
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -154,7 +154,14 @@ def load_args(spec: str | None, target_path: str, target_name: str) -> tuple[tup
 
 
 def build_report(target: str, args_spec: str | None, options: dict):
+    report, fn, path, _ = _explained(target, args_spec, options)
+    return report, fn, path
+
+
+def _explained(target: str, args_spec: str | None, options: dict):
+    """``(report, fn, path, call)``: ``call`` is what the source edits were checked on."""
     import autoopt
+    from autoopt.codemod import CheckCall
 
     fn, path, name = load_function(target)
     args, kwargs = load_args(args_spec, path, name)
@@ -166,11 +173,13 @@ def build_report(target: str, args_spec: str | None, options: dict):
     )
     try:
         report = optimized.explain(*args, **kwargs)
+        jit_options = optimized.inspect(*args, **kwargs).options
     except CliError:
         raise
     except Exception as e:  # noqa: BLE001 - the user's function failed to trace
         raise CliError(f"tracing {name} failed: {_one_line(e)}") from None
-    return report, fn, path
+    call = CheckCall(args, kwargs, jit_options.static_argnums, jit_options.static_argnames)
+    return report, fn, path, call
 
 
 # --- commands ------------------------------------------------------------------------------------
@@ -194,8 +203,13 @@ def cmd_rewrite(ns) -> int:
 
     path, _ = _split_spec(ns.target)
     snapshot = read_source(path) if os.path.isfile(path) else None
-    report, fn, path = build_report(ns.target, ns.args, _options(ns))
-    plan = plan_source_edits(fn, report.findings, style=ns.style)
+    report, fn, path, call = _explained(ns.target, ns.args, _options(ns))
+    # The report planned (and checked) the jax-style edits already.
+    plan = (
+        report.source_plan
+        if ns.style == "jax" and report.source_plan is not None
+        else plan_source_edits(fn, report.findings, style=ns.style, call=call)
+    )
     if not plan.edits:
         print(f"no source edits for {report.function}.")
         for i, note in sorted(plan.notes.items()):
@@ -216,8 +230,10 @@ def cmd_rewrite(ns) -> int:
             and snapshot != edit.original
         ):
             raise CliError(f"{path} changed while it was being analysed; run autoopt rewrite again")
+    for edit in plan.edits:  # every file is checked before any is written
+        refuse_unwritable(edit.path)
     for edit in plan.edits:
-        write_atomically(edit.path, edit.new, expected=edit.original)
+        write_in_place(edit.path, edit.new, expected=edit.original)
         changed = sum(
             1
             for line in edit.diff.splitlines()
@@ -227,34 +243,56 @@ def cmd_rewrite(ns) -> int:
     return 0
 
 
-def write_atomically(path: str, text: str, *, expected: str) -> None:
-    """Replace ``path`` with ``text`` all at once (temp file + ``os.replace``), refusing when the
-    file no longer holds ``expected``: someone edited it since it was read."""
+def refuse_unwritable(path: str) -> None:
+    """Raise CliError when the file ``path`` resolves to is read-only (no owner write bit, or
+    not writable by this process): a read-only file is a choice, made by someone, to keep."""
+    real = os.path.realpath(path)
+    try:
+        mode = os.stat(real).st_mode
+    except OSError as e:
+        raise CliError(f"{path}: cannot read it back ({_one_line(e)})") from None
+    if not mode & stat.S_IWUSR or not os.access(real, os.W_OK):
+        shown = path if real == os.path.abspath(path) else f"{path} (-> {real})"
+        raise CliError(
+            f"{shown} is read-only; not written. Make it writable (chmod u+w {real}) and run "
+            "autoopt rewrite --write again, or apply the diff that autoopt rewrite prints"
+        )
+
+
+def write_in_place(path: str, text: str, *, expected: str) -> None:
+    """Write ``text`` into the file ``path`` resolves to, in place: the same inode, so symbolic
+    and hard links, owner and permissions stay as they were. Refused when the file is read-only
+    (``refuse_unwritable``) or no longer holds ``expected`` (someone edited it since it was
+    read). The new text is encoded before the file is opened; should the write itself fail,
+    the old text is put back."""
     from autoopt.codemod import read_source
 
+    refuse_unwritable(path)
+    real = os.path.realpath(path)
     try:
-        current = read_source(path)
+        current = read_source(real)
     except OSError as e:
         raise CliError(f"{path}: cannot read it back ({_one_line(e)})") from None
     if current != expected:
         raise CliError(
             f"{path} changed since autoopt read it; not written (run autoopt rewrite again)"
         )
-    with open(path, "rb") as fh:
+    with open(real, "rb") as fh:
+        old = fh.read()
+        fh.seek(0)
         encoding, _ = tokenize.detect_encoding(fh.readline)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding=encoding, newline="") as fh:
-            fh.write(text)
+    new = text.encode(encoding)
+    with open(real, "r+b") as fh:
+        try:
+            fh.write(new)
+            fh.truncate()
             fh.flush()
             os.fsync(fh.fileno())
-        os.chmod(tmp, os.stat(path).st_mode & 0o7777)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        except BaseException:
+            fh.seek(0)
+            fh.write(old)
+            fh.truncate()
+            raise
 
 
 def cmd_demo(ns) -> int:
@@ -322,7 +360,10 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("rewrite", help="print the suggested source edits; --write applies them")
     common(r)
     r.add_argument(
-        "--write", action="store_true", help="apply the edits to the file(s), atomically"
+        "--write",
+        action="store_true",
+        help="apply the edits to the file(s) the paths resolve to, in place (links and "
+        "permissions kept; read-only files refused)",
     )
     r.add_argument(
         "--style",

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from autoopt.cli import CliError, write_atomically
+from autoopt.cli import CliError, write_in_place
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 ROW_UPDATES = os.path.join(EXAMPLES, "row_updates.py")
@@ -111,13 +111,13 @@ def test_rewrite_write_refuses_when_the_file_changed_since_it_was_read(tmp_path)
     assert "donate_argnums" not in path.read_text()
 
 
-def test_write_atomically_refuses_a_changed_file_and_leaves_no_temp_file(tmp_path):
+def test_write_in_place_refuses_a_changed_file_and_leaves_no_temp_file(tmp_path):
     path = tmp_path / "f.py"
     path.write_text("x = 1\n")
     with pytest.raises(CliError, match="changed since"):
-        write_atomically(str(path), "x = 2\n", expected="x = 0\n")
+        write_in_place(str(path), "x = 2\n", expected="x = 0\n")
     assert path.read_text() == "x = 1\n"
-    write_atomically(str(path), "x = 2\n", expected="x = 1\n")
+    write_in_place(str(path), "x = 2\n", expected="x = 1\n")
     assert path.read_text() == "x = 2\n" and os.listdir(tmp_path) == ["f.py"]
 
 

@@ -20,7 +20,7 @@ from libcst.codemod import (
 )
 
 import autoopt
-from autoopt.codemod import COMMANDS, plan_source_edits, rewrite_code
+from autoopt.codemod import COMMANDS, CheckCall, plan_source_edits, rewrite_code
 from autoopt.passes import registered_passes
 from autoopt.passes._base import resolve
 from autoopt.passes.donation.codemod import DonateCommand
@@ -114,11 +114,12 @@ def test_row_set_becomes_guarded_dynamic_update():
         """,
         """\
         from jax import lax
+        import jax.numpy as jnp
 
         def f(x, i, row):
             x = lax.cond(
                 (-x.shape[0] <= i) & (i < x.shape[0]),
-                lambda: lax.dynamic_update_index_in_dim(x, row, i, 0),
+                lambda: lax.dynamic_update_index_in_dim(x, jnp.broadcast_to(row, x.shape[1:]).astype(x.dtype), i, 0),
                 lambda: x,
             )  # the row
             return x
@@ -140,7 +141,12 @@ def test_proven_in_bounds_update_has_no_guard():
         import jax
 
         def f(x, i, row):
-            return jax.lax.dynamic_update_index_in_dim(x, row, i, 0)
+            return jax.lax.dynamic_update_index_in_dim(
+                x,
+                jax.numpy.broadcast_to(row, x.shape[1:]).astype(x.dtype),
+                i,
+                0,
+            )
         """,
         [F("scatter_to_dus", 4, guard="none")],
     )
@@ -157,7 +163,7 @@ def test_add_becomes_read_modify_write_and_lax_is_imported():
         from jax import lax
 
         def f(x, i, v):
-            return lax.dynamic_update_index_in_dim(x, x[i] + v, i, 0)
+            return lax.dynamic_update_index_in_dim(x, (x[i] + v).astype(x.dtype), i, 0)
         """,
         [F("scatter_to_dus", 2)],
     )
@@ -180,7 +186,7 @@ def test_window_update_keeps_the_scatter_for_out_of_bounds_starts():
         def f(x, i, b):
             return lax.cond(
                 (0 <= i) & (i + 3 <= x.shape[0]),
-                lambda: lax.dynamic_update_slice_in_dim(x, b, i, 0),
+                lambda: lax.dynamic_update_slice_in_dim(x, jnp.broadcast_to(b, (3, *x.shape[1:])).astype(x.dtype), i, 0),
                 lambda: x.at[i + jnp.arange(3)].set(b),
             )
         """,
@@ -189,7 +195,7 @@ def test_window_update_keeps_the_scatter_for_out_of_bounds_starts():
     assert cmd.outcomes == {0: None}
 
 
-def test_scalar_fill_uses_full_like_for_shape_and_dtype():
+def test_scalar_fill_is_broadcast_to_the_row_and_cast_to_the_array_dtype():
     assert_codemod(
         ScatterToDUSCommand,
         """\
@@ -204,7 +210,12 @@ def test_scalar_fill_uses_full_like_for_shape_and_dtype():
         from jax import lax
 
         def f(x):
-            return lax.dynamic_update_index_in_dim(x, jnp.full_like(x[2], 0), 2, 0)
+            return lax.dynamic_update_index_in_dim(
+                x,
+                jnp.broadcast_to(0, x.shape[1:]).astype(x.dtype),
+                2,
+                0,
+            )
         """,
         [F("scatter_to_dus", 5, guard="none")],
     )
@@ -234,9 +245,9 @@ def test_only_lines_with_an_applied_finding_are_rewritten():
     before = "x = x.at[i].set(v)\ny = y.at[i].set(v)\n"
     assert_unchanged(ScatterToDUSCommand, before, [F("scatter_to_dus", 1, applied=False)])
     result, _ = run_command(ScatterToDUSCommand, before, [F("scatter_to_dus", 2, guard="none")])
-    assert result.code.splitlines()[0] == "from jax import lax"
-    assert result.code.splitlines()[2] == "x = x.at[i].set(v)"
-    assert "dynamic_update_index_in_dim(y, v, i, 0)" in result.code
+    assert result.code.splitlines()[:2] == ["import jax.numpy as jnp", "from jax import lax"]
+    assert result.code.splitlines()[3] == "x = x.at[i].set(v)"
+    assert "dynamic_update_index_in_dim(y, jnp.broadcast_to(v, y.shape[1:])" in result.code
 
 
 SCATTER_FNS = """\
@@ -307,7 +318,7 @@ def test_select_guard_writes_back_the_clamped_row():
         from jax import lax
         x = lax.dynamic_update_index_in_dim(
             x,
-            jnp.where((-x.shape[0] <= i) & (i < x.shape[0]), v, x[i]),
+            jnp.where((-x.shape[0] <= i) & (i < x.shape[0]), jnp.broadcast_to(v, x.shape[1:]).astype(x.dtype), x[i]),
             i,
             0,
         )
@@ -862,12 +873,13 @@ def test_rewritten_example_imports_runs_and_gives_the_same_numbers(name, provabl
     # jax style: donate_argnums only where the file shows the loop owns a fresh array; the
     # train_step example binds its parameters from make_args(), which it cannot show, so the
     # note says what to use instead.
-    jax_plan = plan_source_edits(fn, findings)
+    call = CheckCall(mod.make_args())
+    jax_plan = plan_source_edits(fn, findings, call=call)
     promised = any("donate_argnums=(0,)" in e.new for e in jax_plan.edits)
     assert promised == provable
     if not provable:
         assert any("--style autoopt" in n for n in jax_plan.notes.values()), jax_plan.notes
-    plan = plan_source_edits(fn, findings, style="autoopt")
+    plan = plan_source_edits(fn, findings, style="autoopt", call=call)
     [edit] = plan.edits
     assert "autoopt.optimize" in edit.new
     copy = tmp_path / f"{name}_rewritten.py"
@@ -883,7 +895,7 @@ def test_rewritten_example_imports_runs_and_gives_the_same_numbers(name, provabl
     ):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6)
     # Rewriting the rewritten file changes nothing.
-    again = plan_source_edits(new_fn, _example_findings(new, new_fn))
+    again = plan_source_edits(new_fn, _example_findings(new, new_fn), call=call)
     assert again.edits == ()
 
 

@@ -16,7 +16,10 @@ command                           finding kind     edit
 ``rewrite_code`` runs them over one file's text (never raising: a failing command leaves the
 text as it was and says why in the finding's note); ``plan_source_edits`` does it for every file
 the findings point into and returns the new texts, the unified diff and a note for each finding
-that got no edit (a lambda, a notebook cell, a library, or no matching code on its line).
+that got no edit (a lambda, a notebook cell, a library, or no matching code on its line). No
+edit is offered unchecked: ``plan_source_edits`` runs the rewritten function under plain
+``jax.jit`` on the report's arguments (``CheckCall``) and drops an edit whose numbers differ
+from the original's (``_check``), saying why in the finding's note.
 """
 
 from __future__ import annotations
@@ -50,10 +53,12 @@ from autoopt.codemod._base import (
     finding_line,
     template,
 )
+from autoopt.codemod._check import CheckCall, EditChecker, checking, unwrap
 
 __all__ = [
     # the runner
     "COMMANDS",
+    "CheckCall",
     "FileEdit",
     "RewriteResult",
     "SourcePlan",
@@ -261,20 +266,22 @@ def read_source(path: str) -> str:
         return fh.read()
 
 
-def _unwrap(fn: Callable) -> Callable:
-    for _ in range(8):
-        inner = getattr(fn, "__wrapped__", None)
-        if inner is None or getattr(fn, "__code__", None) is not None:
-            break
-        fn = inner
-    return fn
-
-
 def plan_source_edits(
-    fn: Callable | None, findings: Sequence[Finding], *, style: str = "jax"
+    fn: Callable | None,
+    findings: Sequence[Finding],
+    *,
+    style: str = "jax",
+    call: CheckCall | None = None,
 ) -> SourcePlan:
-    """The edits for ``findings`` of ``fn``, for every file they point into. Never raises."""
-    fn = _unwrap(fn) if fn is not None else None
+    """The edits for ``findings`` of ``fn``, for every file they point into. Never raises.
+
+    Every edit is checked before it is offered (``EditChecker``): the rewritten function, run
+    under plain ``jax.jit`` on ``call``'s arguments, must give the original's numbers. An edit
+    that fails (or that cannot be checked: no ``call``, another file than the function's) gets
+    a note saying why instead."""
+    if checking():  # a report made by a file that is being run to check an edit
+        return SourcePlan()
+    fn = unwrap(fn) if fn is not None else None
     code_obj = getattr(fn, "__code__", None)
     fn_file = code_obj.co_filename if code_obj is not None else None
     fn_line = code_obj.co_firstlineno if code_obj is not None else None
@@ -296,6 +303,7 @@ def plan_source_edits(
     # reuses an argument must stop it from suggesting donate_argnums for that argument).
     donate = by_kind.get("donate")
     evidence = [f for f in findings if f.kind == "donate" and donate and not donate.wants(f)]
+    checker = EditChecker(fn, call) if fn is not None and call is not None else None
     notes: dict[int, str] = {}
     edited: set[int] = set()
     edits: list[FileEdit] = []
@@ -312,25 +320,84 @@ def plan_source_edits(
             for i in idxs:
                 notes[i] = f"could not read {path} ({e})"
             continue
-        local = [findings[i] for i in idxs] + evidence
         same = fn_file is not None and os.path.realpath(path) == os.path.realpath(fn_file)
-        result = rewrite_code(
-            original,
-            local,
-            function=fn_name,
-            function_line=fn_line if same else None,
-            style=style,
-            path=path,
-        )
+        local = [findings[i] for i in idxs]
+
+        def rewrite(keep: set[int], local=local, same=same, path=path, original=original):
+            # Findings left out stay in place as placeholders no command wants, so the
+            # outcomes keep the same indexes.
+            kept = [f if k in keep else _placeholder(f) for k, f in enumerate(local)]
+            return rewrite_code(
+                original,
+                kept + evidence,
+                function=fn_name,
+                function_line=fn_line if same else None,
+                style=style,
+                path=path,
+            )
+
+        def check(
+            code: str, ks: set[int], local=local, same=same, path=path, original=original
+        ) -> str | None:
+            if checker is None:
+                return (
+                    "not checked, as every edit is, on the report's arguments: it has none "
+                    "(autoopt.explain(fn, *args) checks and shows the edit)"
+                )
+            if not same:
+                return (
+                    f"the edit is in {path}, not in the function's file; autoopt offers an "
+                    "edit only after running the rewritten function, which it does in the "
+                    "function's own file"
+                )
+            exact = not any(local[k].kind == "remat" for k in ks)
+            return checker.why_not(path, original, code, exact=exact)
+
+        result = rewrite(set(range(len(idxs))))
+        outcomes = {k: result.outcomes.get(k, "no codemod ran for it") for k in range(len(idxs))}
+        offered = {k for k, v in outcomes.items() if v is None}
+        code = result.code
+        if code != original and (why := check(code, offered)) is not None:
+            # One edit may be wrong and the others right: check each alone, then together.
+            good = set()
+            for k in sorted(offered):
+                alone = rewrite({k})
+                failed = (
+                    alone.outcomes.get(k) or why
+                    if alone.code == original or alone.outcomes.get(k) is not None
+                    else check(alone.code, {k})
+                )
+                if failed is None:
+                    good.add(k)
+                else:
+                    outcomes[k] = f"the edit was checked and is not offered: {failed}"
+            code = original
+            if good:
+                together = rewrite(good)
+                failed = (
+                    check(together.code, good)
+                    if together.code != original
+                    and all(together.outcomes.get(k) is None for k in good)
+                    else why
+                )
+                if failed is None:
+                    code = together.code
+                else:
+                    for k in good:
+                        outcomes[k] = f"the edit was checked and is not offered: {failed}"
         for k, i in enumerate(idxs):
-            outcome = result.outcomes.get(k, "no codemod ran for it")
-            if outcome is None:
+            if outcomes[k] is None and code != original:
                 edited.add(i)
             else:
-                notes[i] = outcome
-        if result.code != original:
-            edits.append(FileEdit(os.path.abspath(path), original, result.code))
+                notes[i] = outcomes[k] or "no codemod ran for it"
+        if code != original:
+            edits.append(FileEdit(os.path.abspath(path), original, code))
     return SourcePlan(tuple(edits), notes, frozenset(edited))
+
+
+def _placeholder(f: Finding) -> Finding:
+    """A finding of the same kind that no command acts on."""
+    return Finding(f.kind, False, "", location=None)
 
 
 def _with_params(f: Finding, fn: Callable | None) -> Finding:
@@ -358,10 +425,12 @@ def _with_params(f: Finding, fn: Callable | None) -> Finding:
     return f.replace(details={**f.details, "params": pairs})
 
 
-def source_diff_for(fn: Callable | None, findings: Sequence[Finding]) -> str:
+def source_diff_for(
+    fn: Callable | None, findings: Sequence[Finding], call: CheckCall | None = None
+) -> str:
     """Unified diff of the suggested edits to the user's files (``""`` when none)."""
     try:
-        return plan_source_edits(fn, findings).diff
+        return plan_source_edits(fn, findings, call=call).diff
     except Exception as e:  # noqa: BLE001 - the report must render without its source diff
         print(f"autoopt: building the source diff failed: {e}", file=sys.stderr)
         return ""

@@ -54,6 +54,7 @@ class Report:
     _diff: str | None = dataclasses.field(default=None, repr=False)
     _fn: Any = dataclasses.field(default=None, repr=False)
     _raw: list[Finding] | None = dataclasses.field(default=None, repr=False)
+    _call: Any = dataclasses.field(default=None, repr=False)  # the edits are checked on it
 
     @property
     def diff(self) -> str:
@@ -87,6 +88,13 @@ class Report:
             fallback=inspection.fallback,
         )
         report._fn = inspection.function
+        if args is not None:
+            from autoopt.codemod import CheckCall
+
+            options = inspection.options
+            report._call = CheckCall(
+                tuple(args), dict(kwargs or {}), options.static_argnums, options.static_argnames
+            )
         report._add_source_edits()
         return report
 
@@ -102,7 +110,7 @@ class Report:
         try:
             from autoopt.codemod import plan_source_edits
 
-            plan = plan_source_edits(self._fn, self._raw)
+            plan = plan_source_edits(self._fn, self._raw, call=self._call)
         except Exception as e:  # noqa: BLE001 - a report without source edits beats no report
             log.debug("source edits failed: %s", e)
             return

@@ -6,11 +6,14 @@ is left out: donating it would invalidate the caller's array. ``donate_argnums``
 for every caller, so under ``style="jax"`` an argument is also left out unless the file shows
 every caller's array dead after the call: every call of the function (directly, or through a
 function of this module it is passed to) rebinds the very name it passes
-(``state = step(state, batch)``), that name is bound only to fresh arrays (results of the
-function itself or of ``jax.numpy``/``jax.random`` constructors) and read only as the call's
-argument, as the base of an attribute or an index, or returned; and the function is not passed
-around otherwise. The outcome says which call fails that, and ``style="autoopt"`` is the safe
-edit (it proves donation per call site, at run time). Forms handled, for the analysed
+(``state = step(state, batch)``), and an allow-list holds for that name (``_second_holder``):
+it is bound only to new arrays (results of the function itself, or of array constructors such
+as ``jnp.zeros`` and ``jax.random.normal``) and otherwise only read for metadata
+(``w.shape``) or returned; and the function is not passed around otherwise. Anything else is
+refused with its line: ``w[:]``, ``w.T``, ``w.astype(w.dtype)``, ``jnp.reshape`` and
+``jnp.asarray`` can all return the array itself, and a closure keeps it. The outcome says
+which call fails and why, and ``style="autoopt"`` is the safe edit (it proves donation per call
+site, at run time). Forms handled, for the analysed
 function's ``def``: ``@jax.jit``, ``@jit``, ``@jax.jit(...)``, ``@partial(jax.jit, ...)`` and
 module-level ``jax.jit(fn, ...)`` calls. A function already donating, or under
 ``@autoopt.optimize`` (which donates per call site), is left alone.
@@ -20,6 +23,8 @@ which proves donation per call site instead of promising it for every caller.
 """
 
 from __future__ import annotations
+
+from typing import cast
 
 import libcst as cst
 from libcst.metadata import ParentNodeProvider
@@ -299,14 +304,17 @@ def _unproven_callers(module: cst.Module, fn: str, args, cmd) -> dict:
         if not calls:
             out[arg] = f"no call of `{fn}` in this file shows the caller rebinding the argument"
             continue
-        for call in calls:
-            if not _rebinds(call, arg, cmd, calls):
-                line = cmd.span(call)[0]
+        # Every call's own statement first, then what else each donated name meets: the first
+        # call that fails is the one the reason names.
+        for check in (_not_rebound, _second_holder):
+            failed = next(
+                ((c, why) for c in calls if (why := check(c, arg, cmd, calls)) is not None), None
+            )
+            if failed is not None:
+                call, why = failed
                 out[arg] = (
-                    f"the call on line {line} (`{cmd.code(call)}`) does not show the "
-                    "argument dead after it (it must pass a name the statement "
-                    "rebinds, bound only to fresh arrays and read only in ways that "
-                    "keep no second holder)"
+                    f"the call on line {cmd.span(call)[0]} (`{cmd.code(call)}`) does not show "
+                    f"the argument dead after it: {why}"
                 )
                 break
     return out
@@ -328,72 +336,180 @@ def _param_passed_to(ref: cst.Name, parent, defs: dict, cmd):
     return (callee, params[k].name.value) if k < len(params) else None
 
 
-def _rebinds(call: cst.Call, arg, cmd, calls: list) -> bool:
-    """Whether ``call`` passes a plain name for ``arg`` that its statement assigns again, and
-    whose every other appearance in its scope shows no second holder (``_only_fresh``)."""
-    if any(a.star for a in call.args):
-        return False
+def _passed(call: cst.Call, arg) -> cst.BaseExpression | None:
+    """The expression ``call`` passes for ``arg`` (a position or a keyword), or None."""
     if isinstance(arg, int):
         positional = [a for a in call.args if a.keyword is None]
-        passed = positional[arg].value if arg < len(positional) else None
-    else:
-        passed = next(
-            (a.value for a in call.args if a.keyword is not None and a.keyword.value == arg), None
-        )
+        return positional[arg].value if arg < len(positional) else None
+    return next(
+        (a.value for a in call.args if a.keyword is not None and a.keyword.value == arg), None
+    )
+
+
+def _not_rebound(call: cst.Call, arg, cmd, calls: list) -> str | None:
+    """Why ``call``'s own statement does not rebind the name it passes for ``arg`` (None when
+    it does: ``w = step(w, x)``, ``w, opt = step(w, opt)``)."""
+    if any(a.star for a in call.args):
+        return "it unpacks its arguments, so which array is donated cannot be seen"
+    passed = _passed(call, arg)
+    if passed is None:
+        how = "by position" if isinstance(arg, int) else "by keyword"
+        return f"it does not pass the argument {how}"
     if not isinstance(passed, cst.Name):
-        return False
+        return "it passes an expression, not a name the statement rebinds"
     stmt = cmd.get_metadata(ParentNodeProvider, call, None)
-    if not isinstance(stmt, cst.Assign):
+    if not isinstance(stmt, cst.Assign) or stmt.value is not call:
+        return f"its result is not assigned back to `{passed.value}`"
+    if len(stmt.targets) != 1 or passed.value not in _bound_names(stmt.targets[0].target):
+        return f"the statement does not rebind `{passed.value}` (alone)"
+    return None
+
+
+# Calls known to return a new array, never one of their arguments: the array constructors.
+# Anything else may hand back its input (``x[:]``, ``x.T``, ``x.astype(x.dtype)``,
+# ``jnp.reshape``, ``jnp.asarray``, ``jnp.full(shape, array)`` all can), so it is refused.
+_FRESH = frozenset(
+    [
+        f"jax.numpy.{n}"
+        for n in (
+            "zeros",
+            "ones",
+            "empty",
+            "zeros_like",
+            "ones_like",
+            "empty_like",
+            "arange",
+            "linspace",
+            "eye",
+            "identity",
+        )
+    ]
+    + [
+        f"jax.random.{n}"
+        for n in (
+            "normal",
+            "uniform",
+            "randint",
+            "bernoulli",
+            "truncated_normal",
+            "exponential",
+            "gumbel",
+            "laplace",
+            "logistic",
+            "cauchy",
+        )
+    ]
+)
+# Fresh only with a number as the fill value (a fill array of the full shape comes back as is).
+_FRESH_WITH_NUMBER_FILL = frozenset({"jax.numpy.full", "jax.numpy.full_like"})
+# Attributes that read metadata, never the array.
+_METADATA = frozenset({"shape", "dtype", "ndim", "size"})
+
+
+def _is_number(node: cst.CSTNode | None) -> bool:
+    if isinstance(node, cst.UnaryOperation):
+        return _is_number(node.expression)
+    return isinstance(node, cst.Integer | cst.Float)
+
+
+def _fresh_call(value: cst.BaseExpression, ids: set[int], cmd) -> bool:
+    """Whether ``value`` is a call returning an array no other name holds: a call of the
+    donating function (``ids``), or an array constructor (``_FRESH``)."""
+    if not isinstance(value, cst.Call):
         return False
-    if not any(passed.value in _bound_names(t.target) for t in stmt.targets):
-        return False
-    return _only_fresh(passed.value, call, calls, cmd)
+    if id(value) in ids:
+        return True
+    q = cmd.imports.qualified(value.func) or ""
+    if q in _FRESH:
+        return True
+    if q in _FRESH_WITH_NUMBER_FILL:
+        fill = next(
+            (a.value for a in value.args if a.keyword and a.keyword.value == "fill_value"), None
+        )
+        positional = [a.value for a in value.args if a.keyword is None]
+        return _is_number(
+            fill if fill is not None else positional[1] if len(positional) > 1 else None
+        )
+    return False
 
 
-# Array constructors whose result no other name holds (jnp.asarray may return its argument).
-_FRESH_PREFIXES = ("jax.numpy.", "jax.random.")
-_NOT_FRESH = frozenset({"jax.numpy.asarray"})
-
-
-def _only_fresh(name: str, call: cst.Call, calls: list, cmd) -> bool:
-    """Whether, in the scope around ``call`` (its function, or the module), ``name`` is only
-    ever bound to a fresh array (the result of a call of the donating function or of a
-    ``jax.numpy``/``jax.random`` constructor) and only ever read as an argument of those calls,
-    as the base of an attribute or an index (``w.sum()``, ``w[0]``: new arrays), or returned.
-    Anything else (a parameter, a loop target, ``w = w0``, ``hist.append(w)``, a closure, a
-    pytree holding it) could be a second holder of the buffer, which donation would delete."""
+def _second_holder(call: cst.Call, arg, cmd, calls: list) -> str | None:
+    """Why the name ``call`` donates may have a second holder, or None when it provably has
+    none. An allow-list, in the scope around ``call`` (its function, or the module): the name
+    is bound only to fresh arrays (``_fresh_call``, as the only target of its statement) and
+    read only as the donated argument of a call that rebinds it, for metadata (``w.shape``), or
+    returned. Everything else is refused: a parameter, a loop target, ``w = w0``, ``w[:]``,
+    ``w.T``, ``print(w)``, ``hist.append(w)``, a closure, a ``global``."""
+    name = cast(cst.Name, _passed(call, arg)).value  # _not_rebound checked it is a Name
     scope = call
     while scope is not None and not isinstance(scope, cst.FunctionDef | cst.Module):
         scope = cmd.get_metadata(ParentNodeProvider, scope, None)
     if scope is None:
-        return False
+        return f"`{name}` is not in a function or at module level"
     names = _Names(name)
     (scope.body if isinstance(scope, cst.FunctionDef) else scope).visit(names)
     if isinstance(scope, cst.FunctionDef) and names._shadows(scope.params):
-        return False  # a parameter: the caller holds the array too
+        return f"`{name}` is a parameter of `{scope.name.value}`, so its caller holds the array too"
+    if names.declared:
+        return f"`{name}` is declared global or nonlocal, so other code can hold it"
     ids = {id(c) for c in calls}
+    lines = cmd.module.code.splitlines()
     for ref in names.found:
+        line = cmd.span(ref)[0]
+        where = f"line {line} (`{lines[line - 1].strip()}`)"
+        if _nested(ref, scope, cmd):
+            return f"a nested function or lambda refers to `{name}` on {where}, keeping the array"
         parent = cmd.get_metadata(ParentNodeProvider, ref, None)
-        if (
-            isinstance(parent, cst.Arg)
-            and parent.value is ref
-            and id(cmd.get_metadata(ParentNodeProvider, parent, None)) in ids
-        ):
-            continue  # passed to the donating function
-        if isinstance(parent, cst.Attribute | cst.Subscript) and parent.value is ref:
-            continue  # w.sum(), w[0], w.shape: new values
-        if isinstance(parent, cst.Return):
+        if isinstance(parent, cst.Arg) and parent.value is ref:
+            owner = cmd.get_metadata(ParentNodeProvider, parent, None)
+            if (
+                isinstance(owner, cst.Call)
+                and id(owner) in ids
+                and _passed(owner, arg) is ref
+                and _not_rebound(owner, arg, cmd, calls) is None
+                and sum(isinstance(a.value, cst.Name) and a.value.value == name for a in owner.args)
+                == 1
+            ):
+                continue  # the donated argument (once) of a call of the function rebinding it
+            return f"`{name}` is passed to another call on {where}, which may keep it"
+        if isinstance(parent, cst.Attribute) and parent.value is ref:
+            if parent.attr.value in _METADATA:
+                continue
+            return (
+                f"`{name}.{parent.attr.value}` on {where} may return the same array "
+                "(only .shape, .dtype, .ndim and .size are known not to)"
+            )
+        if _returned(ref, parent, cmd):
             continue
         assign = _assigned_by(ref, parent, cmd)
-        if assign is not None and isinstance(assign.value, cst.Call):
-            v = assign.value
-            if id(v) in ids:
+        if assign is not None:
+            if len(assign.targets) == 1 and _fresh_call(assign.value, ids, cmd):
                 continue
-            q = cmd.imports.qualified(v.func) or ""
-            if q.startswith(_FRESH_PREFIXES) and q not in _NOT_FRESH:
-                continue
-        return False
-    return True
+            return (
+                f"`{name}` is bound on {where} to a value that may be held elsewhere (only "
+                "results of the function and of array constructors such as jnp.zeros are "
+                "known to be new arrays)"
+            )
+        return f"`{name}` is read on {where} in a way that may keep a second reference"
+    return None
+
+
+def _nested(ref: cst.CSTNode, scope: cst.CSTNode, cmd) -> bool:
+    """Whether ``ref`` is inside a function, lambda or class within ``scope``."""
+    node = cmd.get_metadata(ParentNodeProvider, ref, None)
+    while node is not None and node is not scope:
+        if isinstance(node, cst.FunctionDef | cst.Lambda | cst.ClassDef):
+            return True
+        node = cmd.get_metadata(ParentNodeProvider, node, None)
+    return False
+
+
+def _returned(ref: cst.Name, parent, cmd) -> bool:
+    """``return w`` or ``return w, opt``: the scope ends with it."""
+    node = parent
+    while isinstance(node, cst.Element | cst.Tuple):
+        node = cmd.get_metadata(ParentNodeProvider, node, None)
+    return isinstance(node, cst.Return)
 
 
 def _assigned_by(ref: cst.Name, parent, cmd) -> cst.Assign | None:
@@ -415,6 +531,7 @@ class _Names(cst.CSTVisitor):
     def __init__(self, name: str) -> None:
         self.name = name
         self.found: list[cst.Name] = []
+        self.declared = False  # a ``global`` or ``nonlocal`` statement names it
 
     def _shadows(self, params: cst.Parameters) -> bool:
         every = [*params.posonly_params, *params.params, *params.kwonly_params]
@@ -426,6 +543,21 @@ class _Names(cst.CSTVisitor):
 
     def visit_Lambda(self, node: cst.Lambda) -> bool:
         return not self._shadows(node.params)
+
+    def visit_Global(self, node: cst.Global) -> None:
+        self.declared |= any(n.name.value == self.name for n in node.names)
+
+    def visit_Nonlocal(self, node: cst.Nonlocal) -> None:
+        self.declared |= any(n.name.value == self.name for n in node.names)
+
+    # ``obj.w`` and ``f(w=...)`` spell the name without referring to the variable.
+    def visit_Attribute(self, node: cst.Attribute) -> bool:
+        node.value.visit(self)
+        return False
+
+    def visit_Arg(self, node: cst.Arg) -> bool:
+        node.value.visit(self)
+        return False
 
     def visit_Name(self, node: cst.Name) -> None:
         if node.value == self.name:

@@ -7,7 +7,8 @@ keeps a ``lax.cond`` bounds guard, since ``.at[i]`` drops an out-of-bounds updat
 bodies and off CPU, where a cond copies the buffer every iteration) writes
 ``jnp.where(in_bounds, v, x[i])`` back, a no-op when out of bounds. Negative indices need no
 care: ``dynamic_update_*`` normalizes them exactly as ``.at`` does. A finding without a guard
-kind gets the cond (always exact).
+kind gets the cond (always exact). The written value is broadcast to the window and cast to the
+array's dtype as ``.at`` does it (``_new_value``): ``dynamic_update_slice`` does neither.
 
 Handled: ``set``, ``add``, ``subtract``, ``multiply``, ``min``, ``max`` at a single index, at a
 window ``i + jnp.arange(k)`` / ``jnp.arange(i, i + k)``, and at a static slice ``a:b``; on the
@@ -261,22 +262,33 @@ class ScatterToDUSCommand(FindingCommand):
             return None, "the index is an expression; assign it to a name first"
         return self._single(at, index, guard), None
 
-    def _new_value(self, at: _AtUpdate, old: cst.BaseExpression) -> cst.BaseExpression:
+    def _new_value(
+        self, at: _AtUpdate, old: cst.BaseExpression, shape: cst.BaseExpression
+    ) -> cst.BaseExpression:
+        """The window's new contents, computed as ``.at[...]`` computes them (``_scatter_impl``
+        in jax): the value promoted with ``x`` (a Python scalar as a weak type), combined with
+        the old window in that type, broadcast to the window's ``shape`` and cast back to
+        ``x.dtype``. ``dynamic_update_slice`` neither broadcasts nor casts, so both are
+        written out: a shape-(1,) or lower-rank value, or a float32 value into a bfloat16
+        array, stays exact."""
         op = _OPS[at.op]
+        v = at.value
+        if isinstance(v, cst.List | cst.Tuple):  # .at takes a list (jnp.asarray); jnp ops do not
+            v = template("{a}({v})", a=self.ref("jax.numpy.asarray"), v=v)
         if op is None:
-            if _literal(at.value):  # a scalar fill: DUS needs the window's shape and dtype
-                return template(
-                    "{fl}({old}, {v})", fl=self.ref("jax.numpy.full_like"), old=old, v=at.value
-                )
-            return at.value
-        if len(op) == 1:
-            return template(f"{{old}} {op} {{v}}", old=old, v=_paren(at.value))
-        return template("{f}({old}, {v})", f=self.ref(f"jax.numpy.{op}"), old=old, v=at.value)
+            value = template(
+                "{b}({v}, {shape})", b=self.ref("jax.numpy.broadcast_to"), v=v, shape=shape
+            )
+        elif len(op) == 1:
+            value = template(f"({{old}} {op} {{v}})", old=old, v=_paren(v))
+        else:
+            value = template("{f}({old}, {v})", f=self.ref(f"jax.numpy.{op}"), old=old, v=v)
+        return template("{value}.astype({x}.dtype)", value=value, x=at.base)
 
     def _single(self, at: _AtUpdate, index, guard: str) -> cst.BaseExpression:
         x = at.base
         old = template("{x}[{i}]", x=x, i=index)
-        new = self._new_value(at, old)
+        new = self._new_value(at, old, template("{x}.shape[1:]", x=x))
         in_bounds = template("(-{x}.shape[0] <= {i}) & ({i} < {x}.shape[0])", x=x, i=index)
         if guard == "select":  # out of bounds: write back what is there (clamped), a no-op
             new = template(
@@ -316,7 +328,7 @@ class ScatterToDUSCommand(FindingCommand):
             "{f}({x}, {v}, {i}, 0)",
             f=self.ref("jax.lax.dynamic_update_slice_in_dim"),
             x=x,
-            v=self._new_value(at, old),
+            v=self._new_value(at, old, template("({k}, *{x}.shape[1:])", k=size, x=x)),
             i=start,
         )
         if guard == "none":
@@ -344,11 +356,13 @@ class ScatterToDUSCommand(FindingCommand):
         if _literal(at.value) or _OPS[at.op] is not None:
             return None, "a fill or combine over a static slice; XLA already updates it in place"
         lower = slc.lower if slc.lower is not None else cst.Integer("0")
+        # x[a:b].shape is the window .at[a:b] writes (bounds clipped as slicing clips them).
+        shape = cst.parse_expression(f"{self.code(at.base)}[{self.code(slc)}].shape")
         return template(
             "{f}({x}, {v}, {i}, 0)",
             f=self.ref("jax.lax.dynamic_update_slice_in_dim"),
             x=at.base,
-            v=at.value,
+            v=self._new_value(at, at.base, shape),
             i=lower,
         ), None
 
