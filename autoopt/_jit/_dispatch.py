@@ -6,8 +6,8 @@ call, a function's or a decorated method's, follows these steps (``OptimizedFunc
 takes steps 2 and 4's plain plan of a flat call itself, without calling ``dispatch``: they are
 what repeats, and a Python call costs as much as either):
 
-1. under a transformation (``jax.grad`` applied eagerly, an outer jit), the jit object made for
-   that case;
+1. under a transformation (``jax.grad`` applied eagerly, ``vmap``, an outer jit), the jit object
+   made for that case, which donates nothing;
 2. a call site's cached plan for this signature (``Site.fast``), its run-time half re-checked by
    ``callsite.fast_hit``; a hit proves every leaf an array, a scalar or a NumPy array;
 3. otherwise non-array leaves are looked for before jax.jit is called: a call holding some goes
@@ -58,10 +58,14 @@ class Policy:
     # ``jax_num_cpu_devices`` and ``jax.distributed.initialize()`` can no longer be set.
     backend: str | None
     jit_kwargs: Mapping[str, Any]  # jax.jit's keywords, with the passes' compiler options
-    # jax.jit refuses compiler_options on a jit called inside another trace (grad, an outer
-    # jit, vmap): such calls go to a jit without them (the outer program's options govern the
-    # whole computation anyway). None when there are no compiler options.
+    # A call inside another trace (grad, vmap, jvp, an outer jit) goes to a jit without
+    # compiler_options (jax.jit refuses them there; the outer program's options govern the
+    # whole computation anyway) and without donate_argnums/argnames: an array passed next to a
+    # tracer belongs to the outer computation (jax.grad's backward reads it), so nothing is
+    # donated there. None when these keywords are jit_kwargs themselves.
     nested_kwargs: Mapping[str, Any] | None
+    # Calls check for an outer transformation: a call may donate there, or needs the nested jit.
+    guard_transforms: bool
     remat_auto: bool  # remat may plan a forward for a caller that differentiates it eagerly
     # The fast path needs no static arguments (their positions shift its signature) and no
     # verify=True (which checks the first call of each signature).
@@ -83,7 +87,11 @@ class Policy:
                 jit_kwargs["compiler_options"] = {**v, **(jit_kwargs.get("compiler_options") or {})}
             else:
                 jit_kwargs.setdefault(k, v)
-        nested = {k: v for k, v in jit_kwargs.items() if k != "compiler_options"}
+        nested = {
+            k: v
+            for k, v in jit_kwargs.items()
+            if k not in ("compiler_options", "donate_argnums", "donate_argnames")
+        }
         has_static = bool(options.static_argnums or options.static_argnames)
         return cls(
             options=options,
@@ -95,6 +103,7 @@ class Policy:
             backend=backend,
             jit_kwargs=jit_kwargs,
             nested_kwargs=nested if nested != jit_kwargs else None,
+            guard_transforms=nested != jit_kwargs or options.donate != "off",
             remat_auto=options.remat == "auto" and not options.explicit_donation,
             fast_ok=not has_static and not options.verify,
             placer_every_call=(
@@ -176,6 +185,7 @@ def make_dispatch(of: OptimizedFunction) -> Callable[..., CallPlan]:
     """
     policy, caches = of._policy, of._caches
     donate, nested = policy.donate, policy.nested_kwargs is not None
+    guard = policy.guard_transforms
     static_argnums, static_argnames = policy.static_argnums, policy.static_argnames
     flat_ok = not policy.has_static
     plain_plan = of._plain_plan
@@ -183,8 +193,8 @@ def make_dispatch(of: OptimizedFunction) -> Callable[..., CallPlan]:
     trace_state_clean, plain_types = _compat.trace_state_clean, PLAIN_TYPES
 
     def dispatch(site, args: tuple, kwargs: dict, shift: int = 0) -> CallPlan:
-        # 1. under a transformation
-        if (caches.watch_autodiff or nested) and not trace_state_clean():
+        # 1. under a transformation: nothing donated
+        if (caches.watch_autodiff or guard) and not trace_state_clean():
             split = split_if_static(args, kwargs, static_argnums, static_argnames)
             if split is not None:
                 return of._static_leaf_plan(split)
@@ -192,6 +202,7 @@ def make_dispatch(of: OptimizedFunction) -> Callable[..., CallPlan]:
                 return CallPlan(of._eager_ad_jit())
             if nested:
                 return CallPlan(of._nested_jit())
+            return plain_plan
         if donate == "safe":
             if site is not None and site.donates:
                 fast = site.fast

@@ -152,11 +152,12 @@ class OptimizedFunction:
         self._dispatch = make_dispatch(self)
         # What ``__call__`` reads before it looks up a cached plan, as attributes (each a
         # constant of the policy, or the same object as in ``_caches``): the call sites under
-        # "safe", the fast plans under "auto" (else None), whether a call may be under a
-        # transformation's special jit, whether the plain plan runs the jit object as it is.
+        # "safe", the fast plans under "auto" (else None), whether a call checks for an outer
+        # transformation (see Policy.guard_transforms), whether the plain plan runs the jit
+        # object as it is.
         self._sites = self._caches.sites if policy.donate == "safe" else None
         self._auto_fast = self._caches.auto_fast if policy.donate == "auto" else None
-        self._nested = policy.nested_kwargs is not None
+        self._guard = policy.guard_transforms
         self._flat_plain = not (policy.verify or policy.has_static)
 
     # --- jit objects ---------------------------------------------------------------------------
@@ -337,7 +338,7 @@ class OptimizedFunction:
         # the plain plan of a call of flat arrays and scalars where nothing is donated.
         caches = self._caches
         site = None
-        if not ((caches.watch_autodiff or self._nested) and not _compat.trace_state_clean()):
+        if not ((caches.watch_autodiff or self._guard) and not _compat.trace_state_clean()):
             sites = self._sites
             if sites is not None:  # "safe"
                 frame = sys._getframe(1)
