@@ -133,6 +133,7 @@ class Caches:
         "any_plannable",
         "eager_ad_jit",
         "nested",
+        "shape_jit",
     )
 
     def __init__(self, policy: Policy):
@@ -156,6 +157,7 @@ class Caches:
         self.any_plannable = False
         self.eager_ad_jit: Any = None  # the jax.jit object for eager autodiff, once made
         self.nested: Any = None  # the jax.jit object for calls inside another trace, once made
+        self.shape_jit: Any = None  # jax.jit of the original function, for eval_shape
 
 
 class CallPlan(NamedTuple):
