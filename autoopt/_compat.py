@@ -183,10 +183,11 @@ def jit_options(fn: Any) -> dict[str, Any] | None:
     info = getattr(fn, "_jit_info", None)
     if info is None or not hasattr(info, "in_shardings_leaves"):
         return None
-    from jax._src.sharding_impls import UnspecifiedValue
+    from jax._src import sharding_impls
 
     def given(leaves) -> bool:
-        return not all(isinstance(x, UnspecifiedValue) for x in leaves)
+        unspecified = sharding_impls.UnspecifiedValue  # pyright: ignore[reportPrivateImportUsage]
+        return not all(isinstance(x, unspecified) for x in leaves)
 
     if any(x is not None for x in (*info.in_layouts_leaves, *info.out_layouts_leaves)):
         raise ValueError(

@@ -653,7 +653,7 @@ class OptimizedFunction:
             for j in jits:
                 if j is not None:
                     j.clear_cache()
-            self._plain.clear_cache()
+            self._plain.clear_cache()  # pyright: ignore[reportAttributeAccessIssue]
             caches.programs.clear()
             caches.eager_ad_programs.clear()
             caches.by_call.clear()
