@@ -186,3 +186,83 @@ def test_clear_cache_recompiles_as_jax_jit_does(donate):
         np.testing.assert_array_equal(out, 3 * np.ones(3))
         counts.append(compiles.count)
     assert counts[1] == counts[0] == 2
+
+
+# --- one executable per signature, whatever each call donates ------------------------------------
+
+
+def _train_step(params, state):
+    return params * 0.9 + state, state + 1.0
+
+
+def _held_fresh_discarded(step):
+    """FINDINGS.md: a first call whose ``params`` is still held elsewhere, the same call with
+    fresh arrays, then a call whose result is discarded."""
+    params, state = jnp.ones(8), jnp.zeros(8)
+    held = params
+    params, state = step(params, state)
+    held = held if held.is_deleted() else np.asarray(held)  # "auto" donates it
+    params, state = jnp.ones(8), jnp.zeros(8)
+    pointer = params.unsafe_buffer_pointer()
+    params, state = step(params, state)
+    donated = params.unsafe_buffer_pointer() == pointer  # the output took the buffer
+    out = step(jnp.ones(8), jnp.zeros(8))
+    _ = step(params, state)
+    return held, donated, out, (params, state)
+
+
+def _compiles_of(name: str, run):
+    jax.clear_caches()  # jax shares executables between jit objects of one program
+    with _CompileCount(name) as compiles:
+        result = run()
+    return compiles.count, result
+
+
+@pytest.mark.parametrize("donate", ["safe", "auto", "off"])
+def test_each_donation_outcome_runs_the_one_executable_jax_jit_compiles(donate):
+    reference, expected = _compiles_of(
+        "_train_step", lambda: _held_fresh_discarded(jax.jit(_train_step))
+    )
+    fast = autoopt.optimize(_train_step, donate=donate, fallback="raise")
+    compiles, got = _compiles_of("_train_step", lambda: _held_fresh_discarded(fast))
+    assert compiles == reference == 1
+    assert got[1] == (donate != "off")  # the fresh arrays were donated
+    if donate != "auto":
+        np.testing.assert_array_equal(got[0], np.ones(8))  # still held: never donated
+    last = 3 if donate == "auto" else 4  # "auto" donated the arrays the last call passed
+    for e, g in zip(*(jax.tree_util.tree_leaves(r[2:last]) for r in (expected, got))):
+        np.testing.assert_array_equal(e, g)
+
+
+def _counter_step(params, count):
+    return params * 2, count + 1
+
+
+@pytest.mark.parametrize("donate", ["safe", "auto", "off"])
+@pytest.mark.parametrize("start", [0, 0.5, True])
+def test_a_python_scalar_that_becomes_an_array_compiles_as_under_jax_jit(donate, start):
+    def run(step):
+        params, count = jnp.ones(4), start
+        for _ in range(3):
+            params, count = step(params, count)
+        return params, count
+
+    reference, expected = _compiles_of("_counter_step", lambda: run(jax.jit(_counter_step)))
+    fast = autoopt.optimize(_counter_step, donate=donate, fallback="raise")
+    compiles, got = _compiles_of("_counter_step", lambda: run(fast))
+    assert compiles == reference
+    for e, g in zip(expected, got):
+        assert (e.dtype, e.weak_type) == (g.dtype, g.weak_type)
+        np.testing.assert_array_equal(e, g)
+
+
+def test_a_call_that_must_not_donate_passes_copies_and_keeps_its_arguments():
+    fast = autoopt.optimize(_train_step, fallback="raise")
+    params, state = jnp.ones(8), jnp.zeros(8)
+    params, state = fast(params, state)  # decides the executable: it donates both
+    keep_p, keep_s = jnp.ones(8), jnp.zeros(8)
+    with _CompileCount("_train_step") as compiles:
+        out = fast(keep_p, keep_s)  # not rebound: copies are donated instead
+    assert compiles.count == 0
+    assert not keep_p.is_deleted() and not keep_s.is_deleted()
+    np.testing.assert_array_equal(out[0], jnp.ones(8) * 0.9)

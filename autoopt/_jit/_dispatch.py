@@ -134,6 +134,8 @@ class Caches:
         "eager_ad_jit",
         "nested",
         "shape_jit",
+        "any_aliasable",
+        "lookup_plain",
     )
 
     def __init__(self, policy: Policy):
@@ -158,6 +160,12 @@ class Caches:
         self.eager_ad_jit: Any = None  # the jax.jit object for eager autodiff, once made
         self.nested: Any = None  # the jax.jit object for calls inside another trace, once made
         self.shape_jit: Any = None  # jax.jit of the original function, for eval_shape
+        # Some program has an argument an output can alias: its executable may donate.
+        self.any_aliasable = False
+        # Under "safe", a call that donates nothing still looks up its signature's executable
+        # (it may donate: another call site decided it), until the programs built show that no
+        # signature has anything to donate.
+        self.lookup_plain = policy.donate == "safe"
 
 
 class CallPlan(NamedTuple):
@@ -170,7 +178,10 @@ class CallPlan(NamedTuple):
     names: tuple = ()  # donated keyword arguments
     verify: bool = False  # compare with jax.jit of the original on a signature's first call
     static: _static_leaves.StaticSplit | None = None  # the call's non-array leaves, taken out
-    direct: bool = True  # neither ``static`` nor ``verify``: the jit object runs as it is
+    direct: bool = True  # no ``static``, ``verify`` or ``copies``: the jit object runs as it is
+    # (positions, names) the executable donates but this call must not: their jax arrays are
+    # passed as device copies (``Program.decide``).
+    copies: tuple = ()
 
 
 def make_dispatch(of: OptimizedFunction) -> Callable[..., CallPlan]:
@@ -206,6 +217,15 @@ def make_dispatch(of: OptimizedFunction) -> Callable[..., CallPlan]:
                 return CallPlan(of._nested_jit())
             return plain_plan
         if donate == "safe":
+            if (
+                site is not None
+                and caches.lookup_plain
+                and not (site.donates and site.proof.matches(args, kwargs, shift))
+            ):
+                split = split_if_static(args, kwargs, static_argnums, static_argnames)
+                if split is not None:  # 3. (that function never donates under "safe")
+                    return of._static_leaf_plan(split)
+                return plan_kept(of, args, kwargs, shift)  # 4. nothing donated
             if site is not None and site.donates:
                 fast = site.fast
                 if fast and not kwargs:  # 2. the site's cached plan
@@ -290,35 +310,64 @@ def plan_donating(
     # the user's, as from jax.jit. And the references are counted after it, since a trace may
     # capture an argument as a constant (a global the function reads).
     program = of._program_for_call(args, kwargs) if positions or names else None
+    if program is None:
+        return of._plain_plan
     pos = nms = ()
     try:
-        if program is not None and program.unpacks_to(unpack):
-            pos, nms, _reasons = callsite.donation_checks(
-                args,
-                kwargs,
-                positions,
-                names,
-                check_refs=check_refs,
-                bases=bases,
-                exclude=program.const_ids,
+        d = program.decide((positions, names))
+        if program.unpacks_to(unpack):
+            pos, nms = (
+                tuple(p for p in positions if p in d[0]),
+                tuple(n for n in names if n in d[1]),
             )
-            pos, nms = program.donatable(pos, nms) if pos or nms else ((), ())
+            if pos or nms:
+                pos, nms, _reasons = callsite.donation_checks(
+                    args,
+                    kwargs,
+                    pos,
+                    nms,
+                    check_refs=check_refs,
+                    bases=bases,
+                    exclude=program.const_ids,
+                )
         if fast is not None and not kwargs and len(fast) < FAST_ENTRIES:
             remember_fast(of, fast, program, positions, args, unpack)
     except Exception as e:  # noqa: BLE001 - donation is an optimization; never break the call
         of._fall_back(e, "donation")
+        d, pos, nms = program.decide((positions, names)), (), ()
+    return _plan_for(of, program, d, pos, nms)
+
+
+def plan_kept(of: OptimizedFunction, args: tuple, kwargs: dict, shift: int = 0) -> CallPlan:
+    """The plan of a call that donates nothing: the signature's executable, with copies of
+    what it donates (the plain plan when it donates nothing). A signature's first call decides
+    for every argument an output can alias but a decorated method's instance (``shift``)."""
+    program = of._program_for_call(args, kwargs)
+    if program is None:
         return of._plain_plan
-    if not (pos or nms):
+    return _plan_for(of, program, program.decide(program.arguments(shift)), (), ())
+
+
+def _plan_for(
+    of: OptimizedFunction, program: Program, d: tuple[tuple, tuple], pos: tuple, nms: tuple
+) -> CallPlan:
+    """The plan running the executable donating ``d``, of which the call donates ``pos`` and
+    ``nms`` and passes copies of the rest."""
+    if not (d[0] or d[1]):
         return of._plain_plan
-    assert program is not None  # pos and nms are set only when a program was traced
+    policy = of._policy
+    copies = (tuple(p for p in d[0] if p not in pos), tuple(n for n in d[1] if n not in nms))
+    if not (copies[0] or copies[1]):
+        copies = ()
     return CallPlan(
-        of._jit_for(pos, nms),
+        of._jit_for(*d),
         pos,
         of._placer,
         program.const_ids,
         nms,
         policy.verify,
-        direct=not policy.verify,
+        direct=not policy.verify and not copies,
+        copies=copies,
     )
 
 
@@ -350,9 +399,14 @@ def remember_fast(
     program = program or of._program_for_call(args, {})
     if program is None:
         return  # the program captured an outer tracer: never cached
+    d = program.donates
+    if d is None or d[1]:
+        return
     arrays = tuple(p for p in positions if p < len(args) and is_donatable(args[p]))
-    pos = program.donatable(arrays, ())[0] if arrays and program.unpacks_to(unpack) else ()
-    jitted = of._jit_for(pos, ()) if pos else of._plain
+    pos = tuple(p for p in arrays if p in d[0]) if program.unpacks_to(unpack) else ()
+    if any(p not in pos and _holds_arrays(args[p]) for p in d[0]):
+        return  # this site's calls pass copies of what the executable donates: general path
+    jitted = of._jit_for(*d) if d[0] else of._plain
     # The placer stays in the call for NumPy leaves, for large constants it passes as
     # arguments, and when an option makes it act on every call. Otherwise it has nothing to
     # do: it only counts Python scalars as implicit transfers, which this first (general) call
@@ -363,3 +417,28 @@ def remember_fast(
     # The program's own constants are never donated: under "safe" the reference counts already
     # refuse them (the program holds one); "auto" compares identities (fast_hit).
     fast[sig] = CallPlan(jitted, pos, placer, program.const_ids)
+
+
+def _holds_arrays(x: Any) -> bool:
+    """``x`` holds a jax array, which a call not donating it must copy (a Python scalar or a
+    NumPy array is transferred to a fresh buffer by every call anyway)."""
+    return any(isinstance(leaf, jax.Array) for leaf in jax.tree_util.tree_leaves(x))
+
+
+def with_copies(args: tuple, kwargs: dict, copies: tuple) -> tuple[tuple, dict]:
+    """The arguments with every jax array under ``copies`` (positions, names) replaced by a
+    device copy, made in one ``jax.device_put`` (no compile, unlike ``jnp.copy``)."""
+    positions, names = copies
+    keys = [p for p in positions if p < len(args)] + [n for n in names if n in kwargs]
+    picked = {k: args[k] if isinstance(k, int) else kwargs[k] for k in keys}
+    leaves, treedef = jax.tree_util.tree_flatten(picked)
+    at = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+    if not at:
+        return args, kwargs
+    copied = jax.device_put([leaves[i] for i in at], may_alias=False)
+    for i, c in zip(at, copied):
+        leaves[i] = c
+    picked = jax.tree_util.tree_unflatten(treedef, leaves)
+    args = tuple(picked.get(i, a) for i, a in enumerate(args))
+    kwargs = {k: picked.get(k, v) for k, v in kwargs.items()}
+    return args, kwargs

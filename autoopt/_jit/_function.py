@@ -30,7 +30,7 @@ from jax import tree_util
 from autoopt import _compat, _jaxpr, _trace
 from autoopt._errors import AutooptWarning, PassError
 from autoopt._jit import _static_leaves
-from autoopt._jit._dispatch import Caches, CallPlan, Policy, make_dispatch
+from autoopt._jit._dispatch import Caches, CallPlan, Policy, make_dispatch, with_copies
 from autoopt._jit._inspect import Inspection
 from autoopt._jit._program import Program, Site, call_signature, trace_signature
 from autoopt._jit._static_leaves import PLAIN_TYPES
@@ -369,12 +369,28 @@ class OptimizedFunction:
             program = Program(traced, None, str(e))
         else:
             program = Program(traced, pipeline, None)
+        if policy.donate == "safe" and not eager_autodiff:
+            self._note_aliasing(program)
         if policy.options.explain:
             from autoopt.report import log_report
 
             # once per signature: _build runs once per signature. No call yet: no jit chosen.
             log_report(self._inspection(program, None, ((), ())))
         return program
+
+    def _note_aliasing(self, program: Program) -> None:
+        """Under "safe": whether calls that donate nothing must look up their signature's
+        executable (``Caches.lookup_plain``). A program with something to donate built by a
+        call's own trace (not ``_program_for_call``'s) was compiled by a call that decided
+        nothing: its executable is the plain one."""
+        caches = self._caches
+        aliasable = program.donatable(*program.arguments())
+        if aliasable[0] or aliasable[1]:
+            if not caches.lookup_plain and not getattr(caches.tls, "trace_only", False):
+                program.decide(((), ()))
+            caches.any_aliasable = caches.lookup_plain = True
+        elif not caches.any_aliasable:
+            caches.lookup_plain = False
 
     def _evaluate(self, program: Program, leaves: list, hoisted=None) -> list:
         final, original = program.final, program.traced.closed
@@ -431,6 +447,8 @@ class OptimizedFunction:
                             jit, placer = plan[0], plan[2]
                             return jit(*args) if placer is None else placer(jit, args, kwargs)
                     return self._run(self._dispatch(site, args, kwargs), args, kwargs)
+                if caches.lookup_plain:  # the signature's executable may donate
+                    return self._run(self._dispatch(site, args, kwargs), args, kwargs)
             else:
                 fast = self._auto_fast
                 if fast is not None:  # "auto"
@@ -466,6 +484,8 @@ class OptimizedFunction:
             )
         if plan.verify:
             self._verify(args, kwargs)
+        if plan.copies:
+            args, kwargs = with_copies(args, kwargs, plan.copies)
         placer = plan.placer
         if placer is not None:
             return placer(plan.jit, args, kwargs)
@@ -531,10 +551,14 @@ class OptimizedFunction:
                 # jax.jit may answer .trace from its own cache without running our wrapper, so
                 # take the program from the trace-side cache first, then from this thread's last.
                 caches.tls.last_program = None
-                if self._placer is not None:  # may stop at large constants (see _hoist)
-                    self._placer.trace_only(self._plain, args, kwargs)
-                else:
-                    self._plain.trace(*args, **kwargs)
+                caches.tls.trace_only = True  # a trace, no executable: nothing decided
+                try:
+                    if self._placer is not None:  # may stop at large constants (see _hoist)
+                        self._placer.trace_only(self._plain, args, kwargs)
+                    else:
+                        self._plain.trace(*args, **kwargs)
+                finally:
+                    caches.tls.trace_only = False
                 program = caches.programs.get(key) or getattr(caches.tls, "last_program", None)
             if program is not None and not program.traced.captures_tracers:
                 caches.by_call[ckey] = program

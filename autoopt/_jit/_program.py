@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 from jax import tree_util
 
 from autoopt import _compat, _jaxpr, _trace
@@ -47,6 +49,7 @@ class Program:
         "_donatable",
         "verified",
         "_const_ids",
+        "donates",
     )
 
     def __init__(
@@ -62,6 +65,9 @@ class Program:
         self._donatable: dict = {}
         self.verified = False
         self._const_ids: frozenset[int] | None = None
+        # The (positions, names) the signature's one executable donates, fixed by its first
+        # call (``decide``); None until then.
+        self.donates: tuple[tuple, tuple] | None = None
 
     @property
     def const_ids(self) -> frozenset[int]:
@@ -80,6 +86,39 @@ class Program:
             data is not None
             and issubclass(data[0], tuple | list)
             and len(tree_util.treedef_children(tree)) == n
+        )
+
+    def decide(self, intended: tuple[tuple, tuple] | None = None) -> tuple[tuple, tuple]:
+        """The arguments this signature's one executable donates, fixed by its first call: of
+        ``intended`` (what that call's policy or call site would donate before the run-time
+        checks; None: every argument but ``first`` positions), those an output can alias and
+        whose leaves are all plain arrays (a token or a key is never donated). jax.jit
+        compiles one executable per signature; so does autoopt, whatever each call's donation
+        outcome: a call that must not donate some of them passes device copies instead
+        (``CallPlan.copies``)."""
+        d = self.donates
+        if d is None:
+            plain = self.arguments()
+            if intended is not None:
+                plain = (
+                    tuple(p for p in intended[0] if p in plain[0]),
+                    tuple(n for n in intended[1] if n in plain[1]),
+                )
+            d = self.donatable(*plain) if plain[0] or plain[1] else ((), ())
+            self.donates = d
+        return d
+
+    def arguments(self, first: int = 0) -> tuple[tuple, tuple]:
+        """(positions from ``first``, names) of the arguments whose leaves are all arrays of a
+        numeric dtype."""
+        plain: dict = {}
+        for arg, aval in zip(self.traced.in_arg_of_leaf, self.final.in_avals):
+            dtype = getattr(aval, "dtype", None)
+            ok = dtype is not None and not jnp.issubdtype(dtype, jax.dtypes.extended)
+            plain[arg] = plain.get(arg, True) and ok
+        return (
+            tuple(a for a, ok in plain.items() if ok and isinstance(a, int) and a >= first),
+            tuple(a for a, ok in plain.items() if ok and isinstance(a, str)),
         )
 
     def donatable(self, positions: tuple, names: tuple) -> tuple[tuple, tuple]:
