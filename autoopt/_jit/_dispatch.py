@@ -225,7 +225,7 @@ def make_dispatch(of: OptimizedFunction) -> Callable[..., CallPlan]:
                 split = split_if_static(args, kwargs, static_argnums, static_argnames)
                 if split is not None:  # 3. (that function never donates under "safe")
                     return of._static_leaf_plan(split)
-                return plan_kept(of, args, kwargs, shift)  # 4. nothing donated
+                return plan_kept(of, args, kwargs, site)  # 4. nothing donated
             if site is not None and site.donates:
                 fast = site.fast
                 if fast and not kwargs:  # 2. the site's cached plan
@@ -338,14 +338,22 @@ def plan_donating(
     return _plan_for(of, program, d, pos, nms)
 
 
-def plan_kept(of: OptimizedFunction, args: tuple, kwargs: dict, shift: int = 0) -> CallPlan:
-    """The plan of a call that donates nothing: the signature's executable, with copies of
-    what it donates (the plain plan when it donates nothing). A signature's first call decides
-    for every argument an output can alias but a decorated method's instance (``shift``)."""
+def plan_kept(of: OptimizedFunction, args: tuple, kwargs: dict, site: Any) -> CallPlan:
+    """The plan of a call at a site that donates nothing: the signature's executable, with
+    copies of what it donates. A signature's first call made here fixes the plain executable
+    (a device copy at every call would cost more than donation saves: benchmarks/RESULTS.md),
+    unless the site passes fresh values (``state = step(init(), batch)``, how a loop that
+    donates starts): then the executable donates what an output can alias, and only this
+    call pays for copies."""
     program = of._program_for_call(args, kwargs)
     if program is None:
         return of._plain_plan
-    return _plan_for(of, program, program.decide(program.arguments(shift)), (), ())
+    fresh = any(why.startswith(_PASSED_FRESH) for _, why in site.proof.reasons)
+    return _plan_for(of, program, program.decide(None if fresh else ((), ())), (), ())
+
+
+# callsite's reason for an argument written as an expression (a fresh value, not a name)
+_PASSED_FRESH = "it is passed as an expression"
 
 
 def _plan_for(
@@ -427,7 +435,8 @@ def _holds_arrays(x: Any) -> bool:
 
 def with_copies(args: tuple, kwargs: dict, copies: tuple) -> tuple[tuple, dict]:
     """The arguments with every jax array under ``copies`` (positions, names) replaced by a
-    device copy, made in one ``jax.device_put`` (no compile, unlike ``jnp.copy``)."""
+    device copy, made in one ``jax.device_put`` (no compile, unlike ``jnp.copy``; and it raises
+    jax's own error for a deleted array)."""
     positions, names = copies
     keys = [p for p in positions if p < len(args)] + [n for n in names if n in kwargs]
     picked = {k: args[k] if isinstance(k, int) else kwargs[k] for k in keys}

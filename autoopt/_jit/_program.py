@@ -91,7 +91,7 @@ class Program:
     def decide(self, intended: tuple[tuple, tuple] | None = None) -> tuple[tuple, tuple]:
         """The arguments this signature's one executable donates, fixed by its first call: of
         ``intended`` (what that call's policy or call site would donate before the run-time
-        checks; None: every argument but ``first`` positions), those an output can alias and
+        checks; None: every argument), those an output can alias and
         whose leaves are all plain arrays (a token or a key is never donated). jax.jit
         compiles one executable per signature; so does autoopt, whatever each call's donation
         outcome: a call that must not donate some of them passes device copies instead
@@ -108,16 +108,16 @@ class Program:
             self.donates = d
         return d
 
-    def arguments(self, first: int = 0) -> tuple[tuple, tuple]:
-        """(positions from ``first``, names) of the arguments whose leaves are all arrays of a
-        numeric dtype."""
+    def arguments(self) -> tuple[tuple, tuple]:
+        """(positions, names) of the arguments whose leaves are all arrays of a numeric
+        dtype."""
         plain: dict = {}
         for arg, aval in zip(self.traced.in_arg_of_leaf, self.final.in_avals):
             dtype = getattr(aval, "dtype", None)
             ok = dtype is not None and not jnp.issubdtype(dtype, jax.dtypes.extended)
             plain[arg] = plain.get(arg, True) and ok
         return (
-            tuple(a for a, ok in plain.items() if ok and isinstance(a, int) and a >= first),
+            tuple(a for a, ok in plain.items() if ok and isinstance(a, int)),
             tuple(a for a, ok in plain.items() if ok and isinstance(a, str)),
         )
 
