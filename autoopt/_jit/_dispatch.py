@@ -33,7 +33,7 @@ import jax
 
 from autoopt import _compat, _trace
 from autoopt._jit import _static_leaves
-from autoopt._jit._program import FAST_ENTRIES, Program
+from autoopt._jit._program import FAST_ENTRIES, Program, kept_key
 from autoopt._jit._static_leaves import PLAIN_TYPES
 from autoopt._options import Options
 from autoopt.passes import jit_options_for
@@ -225,7 +225,12 @@ def make_dispatch(of: OptimizedFunction) -> Callable[..., CallPlan]:
                 split = split_if_static(args, kwargs, static_argnums, static_argnames)
                 if split is not None:  # 3. (that function never donates under "safe")
                     return of._static_leaf_plan(split)
-                return plan_kept(of, args, kwargs, site)  # 4. nothing donated
+                plan = plan_kept(of, args, kwargs, site)  # 4. nothing donated
+                if not kwargs and not plan.copies and len(site.kept) < FAST_ENTRIES:
+                    key = kept_key(args)
+                    if key is not None:
+                        site.kept[key] = plan
+                return plan
             if site is not None and site.donates:
                 fast = site.fast
                 if fast and not kwargs:  # 2. the site's cached plan

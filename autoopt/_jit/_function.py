@@ -32,7 +32,7 @@ from autoopt._errors import AutooptWarning, PassError
 from autoopt._jit import _static_leaves
 from autoopt._jit._dispatch import Caches, CallPlan, Policy, make_dispatch, with_copies
 from autoopt._jit._inspect import Inspection
-from autoopt._jit._program import Program, Site, call_signature, trace_signature
+from autoopt._jit._program import Program, Site, call_signature, kept_key, trace_signature
 from autoopt._jit._static_leaves import PLAIN_TYPES
 from autoopt._options import Options
 from autoopt.passes import PassContext, make_options, option_names, run_pipeline
@@ -448,6 +448,12 @@ class OptimizedFunction:
                             return jit(*args) if placer is None else placer(jit, args, kwargs)
                     return self._run(self._dispatch(site, args, kwargs), args, kwargs)
                 if caches.lookup_plain:  # the signature's executable may donate
+                    if site.kept and not kwargs:
+                        key = kept_key(args)
+                        plan = site.kept.get(key) if key is not None else None
+                        if plan is not None and plan.direct:
+                            jit, placer = plan[0], plan[2]
+                            return jit(*args) if placer is None else placer(jit, args, kwargs)
                     return self._run(self._dispatch(site, args, kwargs), args, kwargs)
             else:
                 fast = self._auto_fast
@@ -682,6 +688,7 @@ class OptimizedFunction:
             caches.eager_ad_programs.clear()
             caches.by_call.clear()
             for site in list(caches.sites.values()):
+                site.kept.clear()
                 if site.fast:
                     site.fast.clear()
             if caches.auto_fast:

@@ -35,6 +35,7 @@ from autoopt.passes.donation import callsite
 FAST_ENTRIES = 32
 
 _PY_SCALARS = frozenset({int, float, complex, bool})
+_ARRAY_IMPL = _compat.ARRAY_IMPL
 
 
 class Program:
@@ -183,9 +184,27 @@ class Site:
     another call shape's).
     """
 
-    __slots__ = ("proof", "donates", "fast")
+    __slots__ = ("proof", "donates", "fast", "kept")
 
     def __init__(self, proof: callsite.CallSiteProof, fast: dict | None):
         self.proof = proof
         self.donates = proof.any  # read on every call: an attribute, not the property
         self.fast = fast
+        # For a site that donates nothing: the plan per signature of flat arguments (jax arrays
+        # by aval, Python scalars by type), so its calls skip the call-side signature.
+        self.kept: dict = {}
+
+
+def kept_key(args: tuple) -> tuple | None:
+    """``Site.kept``'s key of positional arguments that are all jax arrays or Python scalars,
+    else None."""
+    key = []
+    for a in args:
+        t = type(a)
+        if t is _ARRAY_IMPL:
+            key.append(a.aval)
+        elif t in _PY_SCALARS:
+            key.append(t)
+        else:
+            return None
+    return tuple(key)
