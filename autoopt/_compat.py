@@ -29,6 +29,8 @@ __all__ = [
     "jit_accepts_leaf",
     "debug_nans_enabled",
     "jaxpr_effects",
+    "jit_options",
+    "infer_argnums_and_argnames",
 ]
 
 # The concrete type of every jax.Array a computation returns. Named here rather than found by
@@ -166,3 +168,59 @@ def eager_autodiff(tree) -> bool:
             x = x.primal
         found = True
     return found
+
+
+def jit_options(fn: Any) -> dict[str, Any] | None:
+    """The keywords ``jax.jit`` was given for ``fn`` (one of its wrappers), as ``jax.jit`` keeps
+    them, or None for anything else: only what differs from jax.jit's defaults.
+
+    Reads ``fn._jit_info`` (``jax._src.pjit.PjitInfo``, built by ``_parse_jit_arguments``): jax
+    offers no public way to ask a jitted function for its options. Argnums and argnames come
+    back completed from each other as jax.jit completes them (``static_argnums=1`` -> also
+    ``static_argnames=("n",)``). Layouts given through ``in_shardings``/``out_shardings``
+    (``jax.sharding.Format``) raise ValueError: they cannot be passed back as shardings.
+    """
+    info = getattr(fn, "_jit_info", None)
+    if info is None or not hasattr(info, "in_shardings_leaves"):
+        return None
+    from jax._src import sharding_impls
+
+    def given(leaves) -> bool:
+        unspecified = sharding_impls.UnspecifiedValue  # pyright: ignore[reportPrivateImportUsage]
+        return not all(isinstance(x, unspecified) for x in leaves)
+
+    if any(x is not None for x in (*info.in_layouts_leaves, *info.out_layouts_leaves)):
+        raise ValueError(
+            f"optimize() cannot take over the layouts {fn!r} was jitted with "
+            "(jax.sharding.Format in in_shardings/out_shardings). Pass the function itself: "
+            "autoopt.optimize(f.__wrapped__, in_shardings=..., out_shardings=...)."
+        )
+    out: dict[str, Any] = {}
+    if info.user_specified_in_shardings and given(info.in_shardings_leaves):
+        out["in_shardings"] = info.in_shardings_treedef.unflatten(info.in_shardings_leaves)
+    if given(info.out_shardings_leaves):
+        out["out_shardings"] = info.out_shardings_treedef.unflatten(info.out_shardings_leaves)
+    for name in ("static_argnums", "static_argnames", "donate_argnums", "donate_argnames"):
+        value = tuple(getattr(info, name))
+        if value:
+            out[name] = value
+    for name, default in (("keep_unused", False), ("inline", False)):
+        if getattr(info, name) != default:
+            out[name] = getattr(info, name)
+    for name in ("device", "backend"):
+        if getattr(info, name) is not None:
+            out[name] = getattr(info, name)
+    if info.compiler_options_kvs:
+        out["compiler_options"] = dict(info.compiler_options_kvs)
+    return out
+
+
+def infer_argnums_and_argnames(fn: Callable, argnums: Any, argnames: Any) -> tuple[tuple, tuple]:
+    """``(argnums, argnames)`` completed from each other by ``fn``'s signature, as jax.jit does
+    (``jax._src.api_util.infer_argnums_and_argnames``); as given when ``fn`` has no signature."""
+    sig = _api_util.fun_signature(fn)
+    if sig is None:
+        nums = () if argnums is None else (argnums,) if isinstance(argnums, int) else argnums
+        names = () if argnames is None else (argnames,) if isinstance(argnames, str) else argnames
+        return tuple(nums), tuple(names)
+    return _api_util.infer_argnums_and_argnames(sig, argnums, argnames)

@@ -79,6 +79,42 @@ def dispatch(rounds: int, n: int) -> dict[str, float]:
     return {k: v / (n + 1 if k in ("jit", "autoopt") else n) for k, v in med.items()}
 
 
+def _big_state(leaves: int):
+    """A state of ``leaves`` small arrays (an optimizer state, a simulation's fields)."""
+    return lambda: {f"p{i:03d}": jnp.full(8, float(i)) for i in range(leaves)}
+
+
+def _decay(s):
+    return jax.tree_util.tree_map(lambda a: a * 0.99, s)
+
+
+def big_trees(rounds: int, n: int, sizes=(64, 512)) -> dict[str, float]:
+    """``s = f(s)`` on a dict of ``size`` leaves: autoopt (donated under "safe") against
+    ``jax.jit(donate_argnums=0)``. And the cost of a call that must not donate: ``f(s)`` with
+    ``s`` kept, on the executable that donates (device copies of ``s`` are donated instead)
+    against plain jax.jit, which copies nothing."""
+    runs, prepare = {}, {}
+    for size in sizes:
+        make = _big_state(size)
+        expert, fast, plain = (
+            jax.jit(_decay, donate_argnums=0),
+            autoopt.optimize(_decay),
+            jax.jit(_decay),
+        )
+        s = make()
+        s = fast(s)  # decides the executable: it donates s
+        s = expert(make())
+        kept = make()
+        plain(kept)
+        for name, f in ((f"jit donate {size}", expert), (f"autoopt {size}", fast)):
+            runs[name], prepare[name] = _rebinding(f, make, n)
+        runs[f"jit kept {size}"] = _calls(plain, kept, n)
+        runs[f"autoopt kept {size}"] = _calls(fast, kept, n)
+    times = interleave(runs, rounds, warmup=1, prepare=prepare)
+    med = times.medians()
+    return {k: v / (n + 1 if "kept" in k else n) for k, v in med.items()}
+
+
 def _mlp_step(depth: int):
     def step(params, x):
         def loss(params):
@@ -124,9 +160,15 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--quick", action="store_true", help="3 rounds of 200 calls (a smoke run)")
+    p.add_argument("--trees-only", action="store_true", help="only the 64/512-leaf states")
     a = p.parse_args()
     if a.quick:
         a.rounds, a.calls = 3, 200
+    if a.trees_only:
+        b = big_trees(a.rounds, max(20, a.calls // 20))
+        for k, v in b.items():
+            print(f"{k}: {v * 1e6:.1f} us")
+        return
     d = dispatch(a.rounds, a.calls)
     print(
         f"jax {jax.__version__}, backend {jax.default_backend()}, {a.rounds} interleaved rounds "
@@ -156,6 +198,19 @@ def main() -> None:
         f"{d['autoopt tree'] * 1e6:.2f} | {d['autoopt tree'] / d['jit donate tree']:.2f} vs "
         "jit donate |"
     )
+    b = big_trees(a.rounds, max(20, a.calls // 20))
+    print("\n| cached call, state of N leaves (f32[8] each) | us/call | ratio |")
+    print("|---|---:|---:|")
+    for size in (64, 512):
+        jd, ao = b[f"jit donate {size}"], b[f"autoopt {size}"]
+        jk, ak = b[f"jit kept {size}"], b[f"autoopt kept {size}"]
+        print(f"| N={size}: jax.jit(donate_argnums=0), `s = f(s)` | {jd * 1e6:.1f} | 1.00 |")
+        print(f"| N={size}: autoopt, `s = f(s)` (donated) | {ao * 1e6:.1f} | {ao / jd:.2f} |")
+        print(f"| N={size}: jax.jit, `f(s)`, s kept | {jk * 1e6:.1f} | 1.00 |")
+        print(
+            f"| N={size}: autoopt, `f(s)`, s kept (copies donated) | {ak * 1e6:.1f} | "
+            f"{ak / jk:.2f} vs jax.jit |"
+        )
     fc = first_call(max(3, a.rounds // 3))
     print("\n| first call (trace + passes + compile + run) | jax.jit ms | autoopt ms | ratio |")
     print("|---|---:|---:|---:|")

@@ -6,8 +6,8 @@ call, a function's or a decorated method's, follows these steps (``OptimizedFunc
 takes steps 2 and 4's plain plan of a flat call itself, without calling ``dispatch``: they are
 what repeats, and a Python call costs as much as either):
 
-1. under a transformation (``jax.grad`` applied eagerly, an outer jit), the jit object made for
-   that case;
+1. under a transformation (``jax.grad`` applied eagerly, ``vmap``, an outer jit), the jit object
+   made for that case, which donates nothing;
 2. a call site's cached plan for this signature (``Site.fast``), its run-time half re-checked by
    ``callsite.fast_hit``; a hit proves every leaf an array, a scalar or a NumPy array;
 3. otherwise non-array leaves are looked for before jax.jit is called: a call holding some goes
@@ -33,7 +33,7 @@ import jax
 
 from autoopt import _compat, _trace
 from autoopt._jit import _static_leaves
-from autoopt._jit._program import FAST_ENTRIES, Program
+from autoopt._jit._program import FAST_ENTRIES, Program, kept_key
 from autoopt._jit._static_leaves import PLAIN_TYPES
 from autoopt._options import Options
 from autoopt.passes import jit_options_for
@@ -58,10 +58,14 @@ class Policy:
     # ``jax_num_cpu_devices`` and ``jax.distributed.initialize()`` can no longer be set.
     backend: str | None
     jit_kwargs: Mapping[str, Any]  # jax.jit's keywords, with the passes' compiler options
-    # jax.jit refuses compiler_options on a jit called inside another trace (grad, an outer
-    # jit, vmap): such calls go to a jit without them (the outer program's options govern the
-    # whole computation anyway). None when there are no compiler options.
+    # A call inside another trace (grad, vmap, jvp, an outer jit) goes to a jit without
+    # compiler_options (jax.jit refuses them there; the outer program's options govern the
+    # whole computation anyway) and without donate_argnums/argnames: an array passed next to a
+    # tracer belongs to the outer computation (jax.grad's backward reads it), so nothing is
+    # donated there. None when these keywords are jit_kwargs themselves.
     nested_kwargs: Mapping[str, Any] | None
+    # Calls check for an outer transformation: a call may donate there, or needs the nested jit.
+    guard_transforms: bool
     remat_auto: bool  # remat may plan a forward for a caller that differentiates it eagerly
     # The fast path needs no static arguments (their positions shift its signature) and no
     # verify=True (which checks the first call of each signature).
@@ -83,7 +87,11 @@ class Policy:
                 jit_kwargs["compiler_options"] = {**v, **(jit_kwargs.get("compiler_options") or {})}
             else:
                 jit_kwargs.setdefault(k, v)
-        nested = {k: v for k, v in jit_kwargs.items() if k != "compiler_options"}
+        nested = {
+            k: v
+            for k, v in jit_kwargs.items()
+            if k not in ("compiler_options", "donate_argnums", "donate_argnames")
+        }
         has_static = bool(options.static_argnums or options.static_argnames)
         return cls(
             options=options,
@@ -95,6 +103,7 @@ class Policy:
             backend=backend,
             jit_kwargs=jit_kwargs,
             nested_kwargs=nested if nested != jit_kwargs else None,
+            guard_transforms=nested != jit_kwargs or options.donate != "off",
             remat_auto=options.remat == "auto" and not options.explicit_donation,
             fast_ok=not has_static and not options.verify,
             placer_every_call=(
@@ -124,6 +133,9 @@ class Caches:
         "any_plannable",
         "eager_ad_jit",
         "nested",
+        "shape_jit",
+        "any_aliasable",
+        "lookup_plain",
     )
 
     def __init__(self, policy: Policy):
@@ -147,6 +159,13 @@ class Caches:
         self.any_plannable = False
         self.eager_ad_jit: Any = None  # the jax.jit object for eager autodiff, once made
         self.nested: Any = None  # the jax.jit object for calls inside another trace, once made
+        self.shape_jit: Any = None  # jax.jit of the original function, for eval_shape
+        # Some program has an argument an output can alias: its executable may donate.
+        self.any_aliasable = False
+        # Under "safe", a call that donates nothing still looks up its signature's executable
+        # (it may donate: another call site decided it), until the programs built show that no
+        # signature has anything to donate.
+        self.lookup_plain = policy.donate == "safe"
 
 
 class CallPlan(NamedTuple):
@@ -159,7 +178,10 @@ class CallPlan(NamedTuple):
     names: tuple = ()  # donated keyword arguments
     verify: bool = False  # compare with jax.jit of the original on a signature's first call
     static: _static_leaves.StaticSplit | None = None  # the call's non-array leaves, taken out
-    direct: bool = True  # neither ``static`` nor ``verify``: the jit object runs as it is
+    direct: bool = True  # no ``static``, ``verify`` or ``copies``: the jit object runs as it is
+    # (positions, names) the executable donates but this call must not: their jax arrays are
+    # passed as device copies (``Program.decide``).
+    copies: tuple = ()
 
 
 def make_dispatch(of: OptimizedFunction) -> Callable[..., CallPlan]:
@@ -176,6 +198,7 @@ def make_dispatch(of: OptimizedFunction) -> Callable[..., CallPlan]:
     """
     policy, caches = of._policy, of._caches
     donate, nested = policy.donate, policy.nested_kwargs is not None
+    guard = policy.guard_transforms
     static_argnums, static_argnames = policy.static_argnums, policy.static_argnames
     flat_ok = not policy.has_static
     plain_plan = of._plain_plan
@@ -183,8 +206,8 @@ def make_dispatch(of: OptimizedFunction) -> Callable[..., CallPlan]:
     trace_state_clean, plain_types = _compat.trace_state_clean, PLAIN_TYPES
 
     def dispatch(site, args: tuple, kwargs: dict, shift: int = 0) -> CallPlan:
-        # 1. under a transformation
-        if (caches.watch_autodiff or nested) and not trace_state_clean():
+        # 1. under a transformation: nothing donated
+        if (caches.watch_autodiff or guard) and not trace_state_clean():
             split = split_if_static(args, kwargs, static_argnums, static_argnames)
             if split is not None:
                 return of._static_leaf_plan(split)
@@ -192,7 +215,22 @@ def make_dispatch(of: OptimizedFunction) -> Callable[..., CallPlan]:
                 return CallPlan(of._eager_ad_jit())
             if nested:
                 return CallPlan(of._nested_jit())
+            return plain_plan
         if donate == "safe":
+            if (
+                site is not None
+                and caches.lookup_plain
+                and not (site.donates and site.proof.matches(args, kwargs, shift))
+            ):
+                split = split_if_static(args, kwargs, static_argnums, static_argnames)
+                if split is not None:  # 3. (that function never donates under "safe")
+                    return of._static_leaf_plan(split)
+                plan = plan_kept(of, args, kwargs, site)  # 4. nothing donated
+                if not kwargs and not plan.copies and len(site.kept) < FAST_ENTRIES:
+                    key = kept_key(args)
+                    if key is not None:
+                        site.kept[key] = plan
+                return plan
             if site is not None and site.donates:
                 fast = site.fast
                 if fast and not kwargs:  # 2. the site's cached plan
@@ -277,41 +315,77 @@ def plan_donating(
     # the user's, as from jax.jit. And the references are counted after it, since a trace may
     # capture an argument as a constant (a global the function reads).
     program = of._program_for_call(args, kwargs) if positions or names else None
+    if program is None:
+        return of._plain_plan
     pos = nms = ()
     try:
         # Under "safe", nothing is donated into a program that calls back into Python
-        # (``host_callbacks`` says why).
-        if (
-            program is not None
-            and program.unpacks_to(unpack)
-            and not (check_refs and host_callbacks(program.final))
-        ):
-            pos, nms, _reasons = callsite.donation_checks(
-                args,
-                kwargs,
-                positions,
-                names,
-                check_refs=check_refs,
-                bases=bases,
-                exclude=program.const_ids,
+        # (``host_callbacks`` says why): its one executable donates nothing.
+        if check_refs and host_callbacks(program.final):
+            return _plan_for(of, program, program.decide(((), ())), (), ())
+        d = program.decide((positions, names))
+        if program.unpacks_to(unpack):
+            pos, nms = (
+                tuple(p for p in positions if p in d[0]),
+                tuple(n for n in names if n in d[1]),
             )
-            pos, nms = program.donatable(pos, nms) if pos or nms else ((), ())
+            if pos or nms:
+                pos, nms, _reasons = callsite.donation_checks(
+                    args,
+                    kwargs,
+                    pos,
+                    nms,
+                    check_refs=check_refs,
+                    bases=bases,
+                    exclude=program.const_ids,
+                )
         if fast is not None and not kwargs and len(fast) < FAST_ENTRIES:
-            remember_fast(of, fast, program, positions, args, unpack, check_refs)
+            remember_fast(of, fast, program, positions, args, unpack)
     except Exception as e:  # noqa: BLE001 - donation is an optimization; never break the call
         of._fall_back(e, "donation")
+        d, pos, nms = program.decide((positions, names)), (), ()
+    return _plan_for(of, program, d, pos, nms)
+
+
+def plan_kept(of: OptimizedFunction, args: tuple, kwargs: dict, site: Any) -> CallPlan:
+    """The plan of a call at a site that donates nothing: the signature's executable, with
+    copies of what it donates. A signature's first call made here fixes the plain executable
+    (a device copy at every call would cost more than donation saves: benchmarks/RESULTS.md),
+    unless the site passes fresh values (``state = step(init(), batch)``, how a loop that
+    donates starts): then the executable donates what an output can alias, and only this
+    call pays for copies."""
+    program = of._program_for_call(args, kwargs)
+    if program is None:
         return of._plain_plan
-    if not (pos or nms):
+    fresh = any(why.startswith(_PASSED_FRESH) for _, why in site.proof.reasons)
+    fresh = fresh and not host_callbacks(program.final)  # "safe" never donates into callbacks
+    return _plan_for(of, program, program.decide(None if fresh else ((), ())), (), ())
+
+
+# callsite's reason for an argument written as an expression (a fresh value, not a name)
+_PASSED_FRESH = "it is passed as an expression"
+
+
+def _plan_for(
+    of: OptimizedFunction, program: Program, d: tuple[tuple, tuple], pos: tuple, nms: tuple
+) -> CallPlan:
+    """The plan running the executable donating ``d``, of which the call donates ``pos`` and
+    ``nms`` and passes copies of the rest."""
+    if not (d[0] or d[1]):
         return of._plain_plan
-    assert program is not None  # pos and nms are set only when a program was traced
+    policy = of._policy
+    copies = (tuple(p for p in d[0] if p not in pos), tuple(n for n in d[1] if n not in nms))
+    if not (copies[0] or copies[1]):
+        copies = ()
     return CallPlan(
-        of._jit_for(pos, nms),
+        of._jit_for(*d),
         pos,
         of._placer,
         program.const_ids,
         nms,
         policy.verify,
-        direct=not policy.verify,
+        direct=not policy.verify and not copies,
+        copies=copies,
     )
 
 
@@ -322,7 +396,6 @@ def remember_fast(
     positions: tuple,
     args: tuple,
     unpack: int | None,
-    check_refs: bool = False,
 ) -> None:
     """Record, for a call of positional arguments whose leaves are all jax arrays, Python
     scalars or NumPy arrays, the plan for its signature.
@@ -344,10 +417,14 @@ def remember_fast(
     program = program or of._program_for_call(args, {})
     if program is None:
         return  # the program captured an outer tracer: never cached
+    d = program.donates
+    if d is None or d[1]:
+        return
     arrays = tuple(p for p in positions if p < len(args) and is_donatable(args[p]))
-    ok = program.unpacks_to(unpack) and not (check_refs and host_callbacks(program.final))
-    pos = program.donatable(arrays, ())[0] if arrays and ok else ()
-    jitted = of._jit_for(pos, ()) if pos else of._plain
+    pos = tuple(p for p in arrays if p in d[0]) if program.unpacks_to(unpack) else ()
+    if any(p not in pos and _holds_arrays(args[p]) for p in d[0]):
+        return  # this site's calls pass copies of what the executable donates: general path
+    jitted = of._jit_for(*d) if d[0] else of._plain
     # The placer stays in the call for NumPy leaves, for large constants it passes as
     # arguments, and when an option makes it act on every call. Otherwise it has nothing to
     # do: it only counts Python scalars as implicit transfers, which this first (general) call
@@ -358,3 +435,29 @@ def remember_fast(
     # The program's own constants are never donated: under "safe" the reference counts already
     # refuse them (the program holds one); "auto" compares identities (fast_hit).
     fast[sig] = CallPlan(jitted, pos, placer, program.const_ids)
+
+
+def _holds_arrays(x: Any) -> bool:
+    """``x`` holds a jax array, which a call not donating it must copy (a Python scalar or a
+    NumPy array is transferred to a fresh buffer by every call anyway)."""
+    return any(isinstance(leaf, jax.Array) for leaf in jax.tree_util.tree_leaves(x))
+
+
+def with_copies(args: tuple, kwargs: dict, copies: tuple) -> tuple[tuple, dict]:
+    """The arguments with every jax array under ``copies`` (positions, names) replaced by a
+    device copy, made in one ``jax.device_put`` (no compile, unlike ``jnp.copy``; and it raises
+    jax's own error for a deleted array)."""
+    positions, names = copies
+    keys = [p for p in positions if p < len(args)] + [n for n in names if n in kwargs]
+    picked = {k: args[k] if isinstance(k, int) else kwargs[k] for k in keys}
+    leaves, treedef = jax.tree_util.tree_flatten(picked)
+    at = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+    if not at:
+        return args, kwargs
+    copied = jax.device_put([leaves[i] for i in at], may_alias=False)
+    for i, c in zip(at, copied):
+        leaves[i] = c
+    picked = jax.tree_util.tree_unflatten(treedef, leaves)
+    args = tuple(picked.get(i, a) for i, a in enumerate(args))
+    kwargs = {k: picked.get(k, v) for k, v in kwargs.items()}
+    return args, kwargs

@@ -30,9 +30,9 @@ from jax import tree_util
 from autoopt import _compat, _jaxpr, _trace
 from autoopt._errors import AutooptWarning, PassError
 from autoopt._jit import _static_leaves
-from autoopt._jit._dispatch import Caches, CallPlan, Policy, make_dispatch
+from autoopt._jit._dispatch import Caches, CallPlan, Policy, make_dispatch, with_copies
 from autoopt._jit._inspect import Inspection
-from autoopt._jit._program import Program, Site, call_signature, trace_signature
+from autoopt._jit._program import Program, Site, call_signature, kept_key, trace_signature
 from autoopt._jit._static_leaves import PLAIN_TYPES
 from autoopt._options import Options
 from autoopt.passes import PassContext, make_options, option_names, run_pipeline
@@ -51,16 +51,93 @@ def _fn_location(fn: Callable) -> str | None:
         return None
 
 
-def _unwrap_jit(fn: Callable) -> Callable:
-    """A ``jax.jit``-wrapped function is unwrapped; the options given to ``optimize`` apply."""
+def _unwrap_jit(fn: Callable) -> tuple[Callable, list[dict[str, Any]]]:
+    """``(function, the keywords of each jax.jit wrapping it, outermost first)``. An
+    OptimizedFunction is unwrapped too; its options are not kept (the ones given now apply)."""
+    jitted_with: list[dict[str, Any]] = []
     while isinstance(fn, jax.stages.Wrapped) or type(fn).__name__ in ("PjitFunction", "JitWrapped"):
         inner = getattr(fn, "__wrapped__", None)
         if inner is None:
             break
+        kw = _compat.jit_options(fn)
+        if kw:
+            jitted_with.append(kw)
         fn = inner
     if isinstance(fn, OptimizedFunction):
         fn = fn.__wrapped__
-    return fn
+    return fn, jitted_with
+
+
+# The jax.jit keywords given as (argnums, argnames) pairs, compared once completed from each other.
+_ARGNUM_PAIRS = {
+    "static_argnums": "static",
+    "static_argnames": "static",
+    "donate_argnums": "donate",
+    "donate_argnames": "donate",
+}
+
+
+def _merge_jit_options(fn: Callable, options: dict[str, Any], jitted: dict[str, Any]) -> dict:
+    """``optimize``'s keywords with those of the jax.jit it was given; the same option given both
+    ways differently is an error that names both values."""
+
+    def conflict(name: str, ours: Any, theirs: Any) -> ValueError:
+        return ValueError(
+            f"optimize({name}={ours!r}) conflicts with the jax.jit it wraps, which has "
+            f"{name}={theirs!r}. Give it once: drop {name} from optimize(...) to keep the "
+            f"jax.jit's, or from jax.jit(...) to use optimize's."
+        )
+
+    merged = dict(options)
+    for kind in ("static", "donate"):
+        nums, names = f"{kind}_argnums", f"{kind}_argnames"
+        theirs = (jitted.get(nums), jitted.get(names))
+        if theirs == (None, None):
+            continue
+        if options.get(nums) is None and options.get(names) is None:
+            merged[nums], merged[names] = theirs
+            continue
+        ours = _compat.infer_argnums_and_argnames(fn, options.get(nums), options.get(names))
+        if (set(ours[0]), set(ours[1])) != (set(theirs[0] or ()), set(theirs[1] or ())):
+            name = nums if options.get(nums) is not None else names
+            raise conflict(name, options[name], jitted.get(name, theirs))
+    for name, value in jitted.items():
+        if name in _ARGNUM_PAIRS:
+            continue
+        if name == "compiler_options" and options.get(name) is not None:
+            ours = options[name]
+            for k in set(ours) & set(value):
+                if ours[k] != value[k]:
+                    raise conflict(f"compiler_options[{k!r}]", ours[k], value[k])
+            merged[name] = {**value, **ours}
+        elif options.get(name) is None:
+            merged[name] = value
+        elif not _same_option(options[name], value):
+            raise conflict(name, options[name], value)
+    return merged
+
+
+def _same_option(a: Any, b: Any) -> bool:
+    if isinstance(a, list):
+        a = tuple(a)  # jax.jit keeps in_shardings lists as tuples
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - an uncomparable pair is a difference
+        return False
+
+
+def _with_inferred_argnums(fn: Callable, options: Options) -> Options:
+    """Static argnums and argnames completed from each other by ``fn``'s signature, as jax.jit
+    does before it reads anything else: ``static_argnames=("flag",)`` makes a positional
+    ``flag`` static too, so ``in_shardings`` counts the remaining positions as jax.jit's do."""
+    kw = options.jit_kwargs
+    nums, names = kw.get("static_argnums"), kw.get("static_argnames")
+    if nums is None and names is None:
+        return options
+    nums, names = _compat.infer_argnums_and_argnames(fn, nums, names)
+    return dataclasses.replace(
+        options, jit_kwargs={**kw, "static_argnums": nums, "static_argnames": names}
+    )
 
 
 def _check_callable(fn: Any) -> None:
@@ -152,11 +229,12 @@ class OptimizedFunction:
         self._dispatch = make_dispatch(self)
         # What ``__call__`` reads before it looks up a cached plan, as attributes (each a
         # constant of the policy, or the same object as in ``_caches``): the call sites under
-        # "safe", the fast plans under "auto" (else None), whether a call may be under a
-        # transformation's special jit, whether the plain plan runs the jit object as it is.
+        # "safe", the fast plans under "auto" (else None), whether a call checks for an outer
+        # transformation (see Policy.guard_transforms), whether the plain plan runs the jit
+        # object as it is.
         self._sites = self._caches.sites if policy.donate == "safe" else None
         self._auto_fast = self._caches.auto_fast if policy.donate == "auto" else None
-        self._nested = policy.nested_kwargs is not None
+        self._guard = policy.guard_transforms
         self._flat_plain = not (policy.verify or policy.has_static)
 
     # --- jit objects ---------------------------------------------------------------------------
@@ -291,12 +369,28 @@ class OptimizedFunction:
             program = Program(traced, None, str(e))
         else:
             program = Program(traced, pipeline, None)
+        if policy.donate == "safe" and not eager_autodiff:
+            self._note_aliasing(program)
         if policy.options.explain:
             from autoopt.report import log_report
 
             # once per signature: _build runs once per signature. No call yet: no jit chosen.
             log_report(self._inspection(program, None, ((), ())))
         return program
+
+    def _note_aliasing(self, program: Program) -> None:
+        """Under "safe": whether calls that donate nothing must look up their signature's
+        executable (``Caches.lookup_plain``). A program with something to donate built by a
+        call's own trace (not ``_program_for_call``'s) was compiled by a call that decided
+        nothing: its executable is the plain one."""
+        caches = self._caches
+        aliasable = program.donatable(*program.arguments())
+        if aliasable[0] or aliasable[1]:
+            if not caches.lookup_plain and not getattr(caches.tls, "trace_only", False):
+                program.decide(((), ()))
+            caches.any_aliasable = caches.lookup_plain = True
+        elif not caches.any_aliasable:
+            caches.lookup_plain = False
 
     def _evaluate(self, program: Program, leaves: list, hoisted=None) -> list:
         final, original = program.final, program.traced.closed
@@ -337,7 +431,7 @@ class OptimizedFunction:
         # the plain plan of a call of flat arrays and scalars where nothing is donated.
         caches = self._caches
         site = None
-        if not ((caches.watch_autodiff or self._nested) and not _compat.trace_state_clean()):
+        if not ((caches.watch_autodiff or self._guard) and not _compat.trace_state_clean()):
             sites = self._sites
             if sites is not None:  # "safe"
                 frame = sys._getframe(1)
@@ -346,13 +440,21 @@ class OptimizedFunction:
                 if site is None:
                     site = self._prove(frame)
                 if site.donates and not site.proof.check(frame, self):
-                    site = None  # another callee, or another thread could read a donated name
+                    site = site.withheld()  # another callee, or a thread could read a name
                 del frame
-                if site is not None and site.donates:
+                if site.donates:
                     fast = site.fast
                     if fast and not kwargs:
                         plan = callsite.fast_hit(fast, args, True)
                         if plan is not None:
+                            jit, placer = plan[0], plan[2]
+                            return jit(*args) if placer is None else placer(jit, args, kwargs)
+                    return self._run(self._dispatch(site, args, kwargs), args, kwargs)
+                if caches.lookup_plain:  # the signature's executable may donate
+                    if site.kept and not kwargs:
+                        key = kept_key(args)
+                        plan = site.kept.get(key) if key is not None else None
+                        if plan is not None and plan.direct:
                             jit, placer = plan[0], plan[2]
                             return jit(*args) if placer is None else placer(jit, args, kwargs)
                     return self._run(self._dispatch(site, args, kwargs), args, kwargs)
@@ -391,6 +493,8 @@ class OptimizedFunction:
             )
         if plan.verify:
             self._verify(args, kwargs)
+        if plan.copies:
+            args, kwargs = with_copies(args, kwargs, plan.copies)
         placer = plan.placer
         if placer is not None:
             return placer(plan.jit, args, kwargs)
@@ -457,10 +561,14 @@ class OptimizedFunction:
                 # jax.jit may answer .trace from its own cache without running our wrapper, so
                 # take the program from the trace-side cache first, then from this thread's last.
                 caches.tls.last_program = None
-                if self._placer is not None:  # may stop at large constants (see _hoist)
-                    self._placer.trace_only(self._plain, args, kwargs)
-                else:
-                    self._plain.trace(*args, **kwargs)
+                caches.tls.trace_only = True  # a trace, no executable: nothing decided
+                try:
+                    if self._placer is not None:  # may stop at large constants (see _hoist)
+                        self._placer.trace_only(self._plain, args, kwargs)
+                    else:
+                        self._plain.trace(*args, **kwargs)
+                finally:
+                    caches.tls.trace_only = False
                 program = caches.programs.get(key) or getattr(caches.tls, "last_program", None)
             if program is not None and not program.traced.captures_tracers:
                 caches.by_call[ckey] = program
@@ -546,6 +654,51 @@ class OptimizedFunction:
         """As ``jax.jit(fn).lower``: the optimized program for these arguments."""
         of, args, kwargs = self._prepare(args, kwargs)
         return of._aot_jit(args, kwargs).lower(*args, **kwargs)
+
+    def eval_shape(self, *args, **kwargs):
+        """As ``jax.jit(fn).eval_shape``: the outputs' ``jax.ShapeDtypeStruct``s, from a trace of
+        the original function (the passes keep every output's type, and tracing them would plan
+        remat by compiling)."""
+        policy = self._policy
+        split = _static_leaves.split_if_static(
+            args, kwargs, policy.static_argnums, policy.static_argnames
+        )
+        if split is None:
+            return self._shape_jit().eval_shape(*args, **kwargs)
+        sub = self._static_leaf_fn(split.key)
+        out = sub._shape_jit().eval_shape(*split.args, **split.kwargs)
+        return _static_leaves.outputs_put_back(
+            sub.__wrapped__, split, out, policy.static_argnums, policy.static_argnames
+        )
+
+    def _shape_jit(self):
+        caches = self._caches
+        if caches.shape_jit is None:
+            kw = self._policy.nested_kwargs or self._policy.jit_kwargs
+            caches.shape_jit = jax.jit(self.__wrapped__, **kw)
+        return caches.shape_jit
+
+    def clear_cache(self) -> None:
+        """As ``jax.jit(fn).clear_cache()``: drop every compiled program and trace, so the next
+        call of each signature traces, optimizes and compiles again."""
+        caches = self._caches
+        with caches.lock:
+            for sub in list(caches.static_leaf_fns.values()):
+                sub.clear_cache()
+            jits = [*caches.jits.values(), caches.eager_ad_jit, caches.nested, caches.shape_jit]
+            for j in jits:
+                if j is not None:
+                    j.clear_cache()
+            self._plain.clear_cache()  # pyright: ignore[reportAttributeAccessIssue]
+            caches.programs.clear()
+            caches.eager_ad_programs.clear()
+            caches.by_call.clear()
+            for site in list(caches.sites.values()):
+                site.kept.clear()
+                if site.fast:
+                    site.fast.clear()
+            if caches.auto_fast:
+                caches.auto_fast.clear()
 
     def explain(self, *args, **kwargs):
         """The Report for these arguments: findings, program diff, source edits, memory."""
@@ -641,7 +794,7 @@ class _BoundOptimized:
             if site is None:
                 site = owner._prove(frame, shift=1, key=key)
             if site.donates and not site.proof.check(frame, owner):
-                site = None
+                site = site.withheld()
             del frame
         else:
             site = None
@@ -654,7 +807,7 @@ class _BoundOptimized:
 
     def __getattr__(self, name):
         attr = getattr(self._owner, name)
-        if name in ("lower", "trace", "explain"):
+        if name in ("lower", "trace", "explain", "eval_shape"):
             return functools.partial(attr, self._instance)
         return attr
 
@@ -664,14 +817,20 @@ def optimize(fn: Callable | None = None, /, **options: Any):
     placement), computing the same numbers.
 
     Three forms: ``@optimize``, ``@optimize(donate="auto", ...)``, ``optimize(fn, ...)``. Every
-    ``jax.jit`` keyword passes through. A function already wrapped by ``jax.jit`` is unwrapped;
-    the options given here apply.
+    ``jax.jit`` keyword passes through. A function already wrapped by ``jax.jit`` is unwrapped
+    and its jax.jit keywords kept, merged with the ones given here (the same keyword given both
+    ways differently is an error).
     """
     opts = make_options(**options)  # validate before anything is built
     if fn is None:
         return lambda f: optimize(f, **options)
     _check_callable(fn)
-    fn = _unwrap_jit(fn)
+    fn, jitted_with = _unwrap_jit(fn)
+    if jitted_with:
+        for kw in jitted_with:
+            options = _merge_jit_options(fn, options, kw)
+        opts = make_options(**options)
+    opts = _with_inferred_argnums(fn, opts)
     _check_argnums(fn, opts)
     return OptimizedFunction(fn, opts)
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 from jax import tree_util
 
 from autoopt import _compat, _jaxpr, _trace
@@ -33,6 +35,7 @@ from autoopt.passes.donation import callsite
 FAST_ENTRIES = 32
 
 _PY_SCALARS = frozenset({int, float, complex, bool})
+_ARRAY_IMPL = _compat.ARRAY_IMPL
 
 
 class Program:
@@ -47,6 +50,7 @@ class Program:
         "_donatable",
         "verified",
         "_const_ids",
+        "donates",
     )
 
     def __init__(
@@ -62,6 +66,9 @@ class Program:
         self._donatable: dict = {}
         self.verified = False
         self._const_ids: frozenset[int] | None = None
+        # The (positions, names) the signature's one executable donates, fixed by its first
+        # call (``decide``); None until then.
+        self.donates: tuple[tuple, tuple] | None = None
 
     @property
     def const_ids(self) -> frozenset[int]:
@@ -80,6 +87,39 @@ class Program:
             data is not None
             and issubclass(data[0], tuple | list)
             and len(tree_util.treedef_children(tree)) == n
+        )
+
+    def decide(self, intended: tuple[tuple, tuple] | None = None) -> tuple[tuple, tuple]:
+        """The arguments this signature's one executable donates, fixed by its first call: of
+        ``intended`` (what that call's policy or call site would donate before the run-time
+        checks; None: every argument), those an output can alias and
+        whose leaves are all plain arrays (a token or a key is never donated). jax.jit
+        compiles one executable per signature; so does autoopt, whatever each call's donation
+        outcome: a call that must not donate some of them passes device copies instead
+        (``CallPlan.copies``)."""
+        d = self.donates
+        if d is None:
+            plain = self.arguments()
+            if intended is not None:
+                plain = (
+                    tuple(p for p in intended[0] if p in plain[0]),
+                    tuple(n for n in intended[1] if n in plain[1]),
+                )
+            d = self.donatable(*plain) if plain[0] or plain[1] else ((), ())
+            self.donates = d
+        return d
+
+    def arguments(self) -> tuple[tuple, tuple]:
+        """(positions, names) of the arguments whose leaves are all arrays of a numeric
+        dtype."""
+        plain: dict = {}
+        for arg, aval in zip(self.traced.in_arg_of_leaf, self.final.in_avals):
+            dtype = getattr(aval, "dtype", None)
+            ok = dtype is not None and not jnp.issubdtype(dtype, jax.dtypes.extended)
+            plain[arg] = plain.get(arg, True) and ok
+        return (
+            tuple(a for a, ok in plain.items() if ok and isinstance(a, int)),
+            tuple(a for a, ok in plain.items() if ok and isinstance(a, str)),
         )
 
     def donatable(self, positions: tuple, names: tuple) -> tuple[tuple, tuple]:
@@ -144,9 +184,38 @@ class Site:
     another call shape's).
     """
 
-    __slots__ = ("proof", "donates", "fast")
+    __slots__ = ("proof", "donates", "fast", "kept", "_withheld")
 
     def __init__(self, proof: callsite.CallSiteProof, fast: dict | None):
         self.proof = proof
         self.donates = proof.any  # read on every call: an attribute, not the property
         self.fast = fast
+        # For a site that donates nothing: the plan per signature of flat arguments (jax arrays
+        # by aval, Python scalars by type), so its calls skip the call-side signature.
+        self.kept: dict = {}
+        self._withheld: Site | None = None
+
+    def withheld(self) -> Site:
+        """This site for a call whose run-time check refused donation (another callee, or a
+        donated name another thread could read): it donates nothing, with kept plans of its own,
+        so the call runs the signature's one executable on copies, as any non-donating call."""
+        w = self._withheld
+        if w is None:
+            w = self._withheld = Site(self.proof, None)
+            w.donates = False
+        return w
+
+
+def kept_key(args: tuple) -> tuple | None:
+    """``Site.kept``'s key of positional arguments that are all jax arrays or Python scalars,
+    else None."""
+    key = []
+    for a in args:
+        t = type(a)
+        if t is _ARRAY_IMPL:
+            key.append(a.aval)
+        elif t in _PY_SCALARS:
+            key.append(t)
+        else:
+            return None
+    return tuple(key)

@@ -122,17 +122,13 @@ def findings_for(inspection, args: tuple, kwargs: dict) -> list:
         out.append(
             Finding(
                 kind="placement",
-                applied=o.canonicalize_scalars,
+                applied=False,
                 location=site,
                 message=(
                     f"scalar arguments {shown} are transferred by jit on every call, and each "
-                    "distinct scalar type (2.0, 2, True, np.float32(2)) compiles a new program"
-                    + (
-                        ": canonicalize_scalars=True keeps the first call's type."
-                        if o.canonicalize_scalars
-                        else "; pass canonicalize_scalars=True (each keeps its first call's "
-                        "type) or pass jax arrays."
-                    )
+                    "distinct scalar type (2.0, 2, True, np.float32(2)) compiles a new program, "
+                    "as under jax.jit (each gives the result its own dtype); pass one type "
+                    "every call, or jax arrays."
                 ),
                 details={"leaves": [names[i] for i in scalars], "strategy": "scalar"},
             )
@@ -190,7 +186,7 @@ def _recompile_findings(programs, site) -> list:
                 message=(
                     f"compiled {len(members)} programs that differ only in the dtype or weak type "
                     f"of {shown}: a recompile trigger (Python scalars of different types, or "
-                    "NumPy scalars). Pass canonicalize_scalars=True or jax arrays of one dtype."
+                    "NumPy scalars). Pass one scalar type every call, or jax arrays of one dtype."
                 ),
                 details={
                     "leaves": [names[i] for i in differ if i < len(names)],

@@ -19,8 +19,10 @@ leaf; the mechanisms it uses live in their own modules:
   placed once, instead of being embedded into the HLO (``_hoist``): the placer places them and
   calls again with them under a hidden keyword.
 * **Scalars.** Python scalars are left to ``jax.jit`` (it transfers them in C++, cheaply); with
-  ``canonicalize_scalars=True`` each scalar argument keeps the type of its first call (when the
-  value converts exactly), so ``f(x, 2.0)``, ``f(x, 2)``, ``f(x, np.float32(2))`` compile once.
+  ``canonicalize_scalars=True`` each scalar argument keeps the type of its first call when the
+  value converts exactly and jax gives both one abstract value (``np.float64(2)`` after
+  ``np.float32(2)`` without x64); ``2.0``, ``2``, ``True`` and ``np.float32(2)`` keep their own
+  types, since each gives jax.jit's result another dtype.
 * **Transfer guard.** ``transfer_guard="disallow"|"log"`` runs the jitted call under
   ``jax.transfer_guard_host_to_device`` after autoopt's own (explicit) placement, so only what
   autoopt left behind (Python scalars, or everything under ``placement="off"``) raises or logs,
@@ -682,7 +684,10 @@ class Placer:
         return hit
 
     def _canonicalize(self, leaves: list, treedef, scalars: list[int]) -> bool:
-        """Give each scalar leaf the type of its first call when the value converts exactly."""
+        """Give each scalar leaf the type of its first call when the value converts exactly and
+        jax gives both types one abstract value (``np.float64`` and ``np.float32`` without x64):
+        a merge of another dtype or weak type would change the result's dtype (``f(x, 2.0)``
+        then ``f(x, 3)`` is float32 then int32 under jax.jit)."""
         changed = False
         for i in scalars:
             x = leaves[i]
@@ -692,6 +697,8 @@ class Placer:
                 continue
             try:
                 y = first(x)
+                if jax.typeof(y) != jax.typeof(x):
+                    continue
             except (TypeError, ValueError, OverflowError):
                 continue
             same = y == x or (y != y and x != x)  # NaN converts to NaN
