@@ -124,10 +124,12 @@ _state = _State()
 @functools.wraps(real_jit)
 def _patched_jit(fun: Any = _NOT_GIVEN, /, **kwargs: Any):
     caller = sys._getframe(1).f_globals.get("__name__", "")
-    handles = _state.handles
-    if not handles or caller.split(".", 1)[0] in _PLAIN_CALLERS:
+    try:
+        options = _state.handles[-1].options  # the innermost patch's (another thread may undo)
+    except IndexError:
+        options = None
+    if options is None or caller.split(".", 1)[0] in _PLAIN_CALLERS:
         return real_jit(**kwargs) if fun is _NOT_GIVEN else real_jit(fun, **kwargs)
-    options = handles[-1].options
     if fun is _NOT_GIVEN:  # the decorator factory: jax.jit(static_argnums=1)(f)
         real_jit(**kwargs)  # jax.jit's own checks of the keywords, and its errors
         return functools.partial(_jit_through_optimize, kwargs=kwargs, options=options)
