@@ -10,6 +10,7 @@ than 3x slower (baseline at least 0.1 s: shorter ones are noise on a shared mach
     python benchmarks/thirdparty_suites.py ~/flax/tests --name flax
     python benchmarks/thirdparty_suites.py ~/equinox/tests --name equinox -- -k "not sharding"
     python benchmarks/thirdparty_suites.py --check optax/_src/transform_test.py ...   # CI
+    python benchmarks/thirdparty_suites.py --fresh-wrappers   # jax.jit(f)(x) in a loop
 
 Paths that do not exist are taken relative to the installed optax package (its wheel ships
 its tests); flax's and equinox's suites are not in their wheels: pass a checkout's ``tests``.
@@ -165,6 +166,52 @@ def render(r: dict, plain: dict, auto: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def fresh_wrappers(rounds: int = 15, n: int = 20) -> str:
+    """``n`` wrappers made anew for each call of one new function (``jax.jit(f)(x)`` in a loop,
+    as chex, optax's MultiSteps and many user loops do): plain jax.jit, ``autoopt.optimize(f)``
+    made anew each time, and jax.jit under ``autoopt.patch()``; one trace and compile per round
+    is what jax.jit pays."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import jax
+    import jax.numpy as jnp
+    from _harness import interleave, markdown_table
+
+    import autoopt
+
+    x = jnp.ones(64)
+
+    def new_function():
+        def f(v):
+            return jnp.tanh(v) * 2.0 + 1.0
+
+        return f
+
+    def loop(make):
+        def go(f):
+            for _ in range(n):
+                out = make(f)(x)
+            jax.block_until_ready(out)
+
+        return go
+
+    # The patch is held for the whole measurement (installing it scans every module); the
+    # plain variant reaches the real jax.jit through a local name, which the patch leaves alone.
+    real_jit = jax.jit
+    names = ("jax.jit", "autoopt.optimize", "jax.jit under autoopt.patch()")
+    with autoopt.patch():
+        patched_jit = jax.jit
+        t = interleave(
+            dict(zip(names, (loop(real_jit), loop(autoopt.optimize), loop(patched_jit)))),
+            rounds,
+            prepare=dict.fromkeys(names, new_function),
+        )
+    base = t.median("jax.jit")
+    rows = [(name, f"{t.median(name):.4f}", f"{t.median(name) / base:.2f}") for name in t]
+    return markdown_table(
+        [f"{n} fresh wrappers of a new function", "s (median)", "vs jax.jit"], rows
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
@@ -177,7 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="exit 1 when the pass sets differ")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per pytest run")
     p.add_argument("--keep", metavar="DIR", help="keep the junit XML, logs and report here")
+    p.add_argument("--fresh-wrappers", action="store_true", help="time jax.jit(f)(x) in a loop")
     ns = p.parse_args(argv)
+    if ns.fresh_wrappers:
+        print(fresh_wrappers())
+        return 0
     paths = _resolve(ns.paths)
     with tempfile.TemporaryDirectory(prefix="autoopt-suite-") as tmp:
         workdir = Path(ns.keep or tmp)
