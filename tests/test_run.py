@@ -101,6 +101,7 @@ def test_a_module_runs_as_main_with_its_arguments(tmp_path):
         (("missing.py",), "can't open file"),
         (("-m", "no_such_module_here"), "No module named"),
         (("--no-such-flag", "prog.py"), "unknown option"),
+        (("--option", "donate=sometimes", "prog.py"), "bad --option"),
         ((), "name a script"),
     ],
 )
