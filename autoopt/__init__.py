@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from autoopt._errors import AutooptWarning
 from autoopt._jit import OptimizedFunction, explain, optimize
+from autoopt.patch import patch
 from autoopt.report import Finding, Report
 
 if TYPE_CHECKING:  # for type checkers: at run time __getattr__ below imports it when asked
@@ -17,6 +18,7 @@ if TYPE_CHECKING:  # for type checkers: at run time __getattr__ below imports it
 __all__ = [
     "optimize",
     "explain",
+    "patch",
     "OptimizedFunction",
     "Report",
     "Finding",

@@ -1,12 +1,17 @@
-"""The ``autoopt`` command: ``explain``, ``rewrite`` and ``demo``.
+"""The ``autoopt`` command: ``explain``, ``rewrite``, ``demo`` and ``run``.
 
     autoopt explain FILE.py:FUNCTION [--args FILE.py:MAKE_ARGS]
     autoopt rewrite FILE.py:FUNCTION [--args FILE.py:MAKE_ARGS] [--write] [--style jax|autoopt]
     autoopt demo
+    autoopt run [--report FILE.json] [--option KEY=VALUE] SCRIPT.py|-m MODULE [ARGS...]
 
 ``MAKE_ARGS()`` returns a tuple of arguments, or ``{"args": (...), "kwargs": {...}}``. Bad input
 (a missing file or function, a syntax error, ``MAKE_ARGS`` raising, a function that fails to
 trace) ends with one line on stderr and exit status 1; usage errors exit with 2.
+
+``run`` runs a script or module as ``python`` does (``sys.argv``, ``__main__``, ``sys.path[0]``,
+its exceptions and exit status unchanged) under ``autoopt.patch()``; a missing script or module
+is one line and exit status 2, as from ``python``.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import argparse
 import ast
 import importlib.util
 import os
+import runpy
 import stat
 import sys
 import tokenize
@@ -308,6 +314,179 @@ def cmd_demo(ns) -> int:
     )
 
 
+RUN_USAGE = (
+    "usage: autoopt run [--report FILE.json] [--option KEY=VALUE]... SCRIPT.py [ARGS...]\n"
+    "       autoopt run [--report FILE.json] [--option KEY=VALUE]... -m MODULE [ARGS...]\n"
+    "\nRun unmodified code as `python` would, with every jax.jit going through autoopt.optimize;\n"
+    "a summary per jitted function goes to stderr at exit (--report: also as JSON).\n"
+)
+
+
+def _parse_run(argv: Sequence[str]) -> argparse.Namespace:
+    """``run``'s own options come before the script or ``-m MODULE``; everything after belongs
+    to the program (as for ``python``), so argparse does not see it."""
+    ns = argparse.Namespace(report=None, option=[], module=None, script=None, args=[])
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a in ("-h", "--help"):
+            sys.stdout.write(RUN_USAGE)
+            raise SystemExit(0)
+        key, eq, value = a.partition("=")
+        if key in ("--report", "--option"):
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise CliError(f"{key} needs a value (autoopt run --help)")
+                i += 1
+                value = argv[i]
+            if key == "--report":
+                ns.report = value
+            else:
+                ns.option.append(value)
+        elif a == "-m" or a.startswith("-m") and len(a) > 2:
+            module = a[2:] or (argv[i + 1] if i + 1 < len(argv) else "")
+            if not module:
+                raise CliError("-m needs a module name (autoopt run -m pytest ...)")
+            ns.module, ns.args = module, list(argv[i + 1 + (a == "-m") :])
+            return ns
+        elif a == "--":
+            i += 1
+            break
+        elif a.startswith("-"):
+            raise CliError(f"unknown option {a!r} of autoopt run (autoopt run --help)")
+        else:
+            break
+        i += 1
+    if i >= len(argv):
+        raise CliError("name a script or -m MODULE to run (autoopt run --help)")
+    ns.script, ns.args = argv[i], list(argv[i + 1 :])
+    return ns
+
+
+def _user_traceback(tb):
+    """The traceback from the user's first frame on: python shows none of its runner's frames."""
+    while tb is not None and tb.tb_frame.f_globals.get("__name__") in ("runpy", __name__):
+        tb = tb.tb_next
+    return tb
+
+
+def cmd_run(argv: Sequence[str]) -> int:
+    import traceback
+
+    from autoopt.patch import format_summary, patch, summary
+
+    try:
+        ns = _parse_run(argv)
+        options = _options(ns)
+    except CliError as e:
+        print(f"autoopt run: error: {e}", file=sys.stderr)
+        return 2
+    if ns.module is not None:
+        try:
+            spec = importlib.util.find_spec(ns.module)
+        except Exception as e:  # noqa: BLE001 - a parent package failing to import
+            spec, why = None, _one_line(e)
+        else:
+            why = f"No module named {ns.module}"
+        if spec is None or spec.origin is None and spec.submodule_search_locations is None:
+            print(f"autoopt run: error: {why}", file=sys.stderr)
+            return 2
+    elif not os.path.isfile(ns.script) and not os.path.isdir(ns.script):
+        print(
+            f"autoopt run: error: can't open file {os.path.abspath(ns.script)!r}: "
+            "[Errno 2] No such file or directory",
+            file=sys.stderr,
+        )
+        return 2
+
+    # As python: argv[0] is the script (or, under -m, the module's file, which runpy sets);
+    # sys.path[0] is the script's folder, or under -m the current directory.
+    saved_argv, saved_path0 = sys.argv, sys.path[0] if sys.path else None
+    sys.argv = [ns.script or "-m", *ns.args]
+    path0 = os.path.dirname(os.path.abspath(ns.script)) if ns.script else os.getcwd()
+    if sys.path:
+        sys.path[0] = path0
+    else:
+        sys.path.insert(0, path0)
+    status = 0
+    handle = patch(**options)
+    try:
+        if ns.module is not None:
+            runpy.run_module(ns.module, run_name="__main__", alter_sys=True)
+        elif os.path.isfile(ns.script):
+            _run_script(ns.script)
+        else:  # a folder or zip with __main__.py
+            runpy.run_path(ns.script, run_name="__main__")
+    except SystemExit as e:
+        status = _exit_status(e.code)
+    except BaseException as e:  # noqa: BLE001 - the program's own exception, printed as python does
+        traceback.print_exception(type(e), e, _user_traceback(e.__traceback__))
+        status = 130 if isinstance(e, KeyboardInterrupt) else 1
+    finally:
+        handle.undo()
+        sys.argv = saved_argv
+        if saved_path0 is not None and sys.path:
+            sys.path[0] = saved_path0
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+    data = summary()
+    sys.stderr.write(format_summary(data))
+    if ns.report:
+        import json
+
+        data = {**data, "command": [*(["-m", ns.module] if ns.module else [ns.script]), *ns.args]}
+        data["exit_status"] = status
+        try:
+            with open(ns.report, "w") as fh:
+                json.dump(data, fh, indent=1, default=str)
+        except OSError as e:
+            print(f"autoopt run: error: cannot write {ns.report}: {_one_line(e)}", file=sys.stderr)
+            return status or 1
+    return status
+
+
+def _run_script(path: str) -> None:
+    """Run a file as ``python FILE`` does: a fresh ``__main__`` whose ``__file__`` is absolute
+    while ``sys.argv[0]`` stays as given (``runpy.run_path`` sets both to the path it gets)."""
+    import builtins
+    import importlib.machinery
+    import types
+
+    file = os.path.abspath(path)
+    with open(file, "rb") as fh:  # bytes: compile() honours the file's coding declaration
+        code = compile(fh.read(), file, "exec", dont_inherit=True)
+    main = types.ModuleType("__main__")
+    main.__dict__.update(
+        __file__=file,
+        __cached__=None,
+        __loader__=importlib.machinery.SourceFileLoader("__main__", file),
+        __package__=None,
+        __spec__=None,
+        __builtins__=builtins,
+    )
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = main
+    try:
+        exec(code, main.__dict__)
+    finally:
+        if saved is not None:
+            sys.modules["__main__"] = saved
+
+
+def _exit_status(code) -> int:
+    """``sys.exit(code)`` as python turns it into a status: None is 0, an int is itself, anything
+    else is printed to stderr and is 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
 def _options(ns) -> dict:
     out: dict = {}
     for item in ns.option or ():
@@ -331,7 +510,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="autoopt", description="Explain and apply what autoopt finds in a JAX function."
     )
-    sub = p.add_subparsers(dest="command", metavar="{explain,rewrite,demo}")
+    sub = p.add_subparsers(dest="command", metavar="{explain,rewrite,demo,run}")
     sub.required = True
 
     def common(q):
@@ -380,10 +559,18 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--no-reports", action="store_true", help="print only the timing table")
     d.add_argument("--color", choices=("auto", "always", "never"), default="auto")
     d.set_defaults(run=cmd_demo)
+
+    # Listed for --help only: main() hands `run` its arguments before argparse sees them.
+    sub.add_parser(
+        "run", help="run SCRIPT.py or -m MODULE with every jax.jit optimized", add_help=False
+    )
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:
+        return cmd_run(argv[1:])
     ns = _parser().parse_args(argv)
     try:
         return ns.run(ns)

@@ -1,0 +1,446 @@
+"""``autoopt.patch()``: every ``jax.jit`` in unmodified code goes through ``autoopt.optimize``.
+
+    with autoopt.patch():              # or: undo = autoopt.patch(); ...; undo()
+        run_my_existing_training()
+
+While a patch is active, ``jax.jit`` is a function that returns ``autoopt.optimize(f, **kw)`` for
+``jax.jit(f, **kw)``, ``@jax.jit``, ``partial(jax.jit, **kw)`` and the decorator factory
+``jax.jit(**kw)(f)``; ``.lower``, ``.trace`` and the call are the optimized function's. Modules
+that bound the name at import (``from jax import jit``, ``jit = partial(jax.jit, ...)``) get the
+same function in that binding, and their binding back on undo.
+
+What stays plain:
+
+- jits created by jax and by autoopt itself: a ``jax.jit`` called from a module of ``jax``,
+  ``jaxlib`` or ``autoopt`` reaches the real ``jax.jit`` (``real_jit``). autoopt builds its
+  executables with ``jax.jit`` at run time (``_jit._function``: the jit objects per donated set,
+  the eager-autodiff and nested jits, ``verify``'s reference; ``report``'s memory figures;
+  ``passes.remat``'s measurements; ``passes.placement._prefetch``; ``testing``'s reference), so
+  routing those through ``optimize`` would recurse.
+- functions jitted before the patch: ``@jax.jit`` ran at their import and made a plain jit
+  object, which no rebinding reaches. ``autoopt run`` patches before the script imports anything.
+- a call site whose options ``optimize`` refuses: it gets the real ``jax.jit`` and counts as a
+  fallback of pass ``"options"`` in the summary.
+
+A wrapper made anew for each call (``jax.jit(f)(x)`` in a loop) finds the optimized function made
+for the same function and options, as jax.jit's wrappers share one trace cache: the cache holds
+the optimized functions weakly, plus the most recent ``RECENT`` of them strongly so that a fresh
+wrapper dropped after one call survives until the next.
+
+The patch is process-global, like assigning ``jax.jit``: jits created by any thread while a patch
+is active are optimized. Patches nest (the innermost active one's options apply); each undo ends
+its own patch, and ``jax.jit`` is restored when the last one ends. Undoing twice does nothing.
+
+``summary()`` reports per jitted function (by definition site): how many jit objects were asked
+for, the XLA compiles made for it, the signatures traced, what the passes applied, the bytes
+saved, and the fallbacks with their pass.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import re
+import sys
+import threading
+import types
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax import monitoring
+
+__all__ = ["patch", "Patch", "FunctionSummary", "summary", "real_jit", "RECENT"]
+
+# The jax.jit this process started with. autoopt.patch is imported by ``import autoopt``, before
+# any patch can be active.
+real_jit: Callable = jax.jit
+
+# Optimized functions kept alive after their wrapper is dropped (the fresh-wrapper cache).
+RECENT = 256
+
+# Callers whose jax.jit stays plain (see the module docstring).
+_PLAIN_CALLERS = ("jax", "jaxlib", "autoopt")
+
+# jax.monitoring's event for one XLA compile; its listener gets ``fun_name``.
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+_NOT_GIVEN = object()
+
+
+@dataclasses.dataclass
+class FunctionSummary:
+    """One jitted function (by name and definition site) under the patch."""
+
+    name: str
+    location: str | None
+    jit_calls: int = 0  # jax.jit(...) calls that returned a wrapper of it
+    compiles: int = 0  # XLA compiles made by its calls
+    signatures: int = 0  # input signatures traced (most seen at once, per wrapper)
+    applied: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    bytes_saved: int = 0
+    fallbacks: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    fallback_reasons: dict = dataclasses.field(default_factory=dict)  # pass -> first reason
+    _seen: set = dataclasses.field(default_factory=set, repr=False)
+
+    def as_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "location": self.location,
+            "jit_calls": self.jit_calls,
+            "compiles": self.compiles,
+            "signatures": self.signatures,
+            "applied": dict(self.applied),
+            "bytes_saved": self.bytes_saved,
+            "fallbacks": [
+                {"pass": p, "count": n, "reason": self.fallback_reasons.get(p, "")}
+                for p, n in sorted(self.fallbacks.items())
+            ],
+        }
+
+
+class _State:
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.handles: list[Patch] = []
+        self.rebound: list[tuple[dict, str, Any, Any]] = []  # (namespace, name, was, now)
+        self.listening = False
+        # fn -> {options key: weakref to what jax.jit(fn, **options) returned}
+        self.by_fn: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.recent: collections.deque = collections.deque(maxlen=RECENT)
+        self.rows: dict[tuple, FunctionSummary] = {}
+        self.row_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.other_compiles: collections.Counter = collections.Counter()
+
+
+_state = _State()
+
+
+# --- the patched jax.jit ---------------------------------------------------------------------
+
+
+@functools.wraps(real_jit)
+def _patched_jit(fun: Any = _NOT_GIVEN, /, **kwargs: Any):
+    caller = sys._getframe(1).f_globals.get("__name__", "")
+    try:
+        options = _state.handles[-1].options  # the innermost patch's (another thread may undo)
+    except IndexError:
+        options = None
+    if options is None or caller.split(".", 1)[0] in _PLAIN_CALLERS:
+        return real_jit(**kwargs) if fun is _NOT_GIVEN else real_jit(fun, **kwargs)
+    if fun is _NOT_GIVEN:  # the decorator factory: jax.jit(static_argnums=1)(f)
+        real_jit(**kwargs)  # jax.jit's own checks of the keywords, and its errors
+        return functools.partial(_jit_through_optimize, kwargs=kwargs, options=options)
+    return _jit_through_optimize(fun, kwargs=kwargs, options=options)
+
+
+def _jit_through_optimize(fun: Any, *, kwargs: dict, options: dict):
+    key = _options_key(kwargs, options)
+    cached = _cached(fun, key)
+    if cached is not None:
+        _row(cached).jit_calls += 1
+        return cached
+    plain = real_jit(fun, **kwargs)  # jax.jit's own errors for bad input, unchanged
+    from autoopt._jit import optimize
+
+    try:
+        result = optimize(fun, **kwargs, **options)
+        refused = None
+    except Exception as e:  # noqa: BLE001 - optimize refuses these options: plain jax.jit
+        result, refused = plain, e
+    row = _row_for(fun, result)
+    row.jit_calls += 1
+    if refused is not None:
+        _count_fallback(row, "options", f"{type(refused).__name__}: {refused}")
+    _remember(fun, key, result)
+    return result
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, list | tuple):
+        return (type(value).__name__, *map(_freeze, value))
+    if isinstance(value, dict):
+        return ("dict", *sorted((k, _freeze(v)) for k, v in value.items()))
+    if isinstance(value, set | frozenset):
+        return frozenset(map(_freeze, value))
+    return value
+
+
+def _options_key(kwargs: dict, options: dict) -> tuple | None:
+    try:
+        key = (_freeze(kwargs), _freeze(options))
+        hash(key)
+    except TypeError:  # an unhashable option (a sharding object of some kinds): no cache
+        return None
+    return key
+
+
+def _cached(fun: Any, key: tuple | None):
+    if key is None:
+        return None
+    with _state.lock:
+        try:
+            ref = _state.by_fn.get(fun, {}).get(key)
+        except TypeError:  # not weakly referenceable, or unhashable
+            return None
+        result = ref() if ref is not None else None
+        if result is not None:
+            _state.recent.append(result)
+        return result
+
+
+def _remember(fun: Any, key: tuple | None, result: Any) -> None:
+    if key is None:
+        return
+    with _state.lock:
+        try:
+            _state.by_fn.setdefault(fun, {})[key] = weakref.ref(result)
+        except TypeError:
+            return
+        _state.recent.append(result)
+
+
+# --- rebinding the name in modules that took it at import ------------------------------------
+
+
+def _is_jit_binding(value: Any) -> bool:
+    if value is real_jit:
+        return True
+    return isinstance(value, functools.partial) and value.func is real_jit
+
+
+def _rebind_modules() -> list[tuple[dict, str, Any, Any]]:
+    done = []
+    for name, module in list(sys.modules.items()):
+        if not isinstance(module, types.ModuleType) or name.split(".", 1)[0] in _PLAIN_CALLERS:
+            continue
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for attr, value in list(namespace.items()):
+            try:
+                hit = _is_jit_binding(value)
+            except Exception:  # noqa: BLE001 - an object whose comparison raises: not jit
+                continue
+            if not hit:
+                continue
+            if value is real_jit:
+                replacement = _patched_jit
+            else:
+                replacement = functools.partial(_patched_jit, *value.args, **value.keywords)
+            namespace[attr] = replacement
+            done.append((namespace, attr, value, replacement))
+    return done
+
+
+# --- install / undo ---------------------------------------------------------------------------
+
+
+class Patch:
+    """An active ``autoopt.patch()``: call it, or leave its ``with`` block, to end it."""
+
+    def __init__(self, options: dict):
+        self.options = options
+        self._active = False
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    def undo(self) -> None:
+        """End this patch; ``jax.jit`` is the real one again when no other patch is active.
+        Undoing twice does nothing."""
+        with _state.lock:
+            if not self._active:
+                return
+            self._active = False
+            _state.handles.remove(self)
+            if not _state.handles:
+                _uninstall()
+
+    __call__ = undo
+
+    def __enter__(self) -> Patch:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.undo()
+
+    def __repr__(self) -> str:
+        state = "active" if self._active else "undone"
+        return f"<autoopt.patch {state} options={self.options!r}>"
+
+
+def patch(**options: Any) -> Patch:
+    """Route every ``jax.jit`` through ``autoopt.optimize(f, **jit_keywords, **options)``.
+
+    A context manager, and a call that returns the undo handle. ``options`` are optimize's
+    (``donate="auto"``, ``fallback="raise"``...), checked now."""
+    from autoopt.passes import make_options
+
+    make_options(**options)  # a bad option fails here, not at the first jit
+    handle = Patch(dict(options))
+    with _state.lock:
+        if not _state.handles:
+            _install()
+        _state.handles.append(handle)
+        handle._active = True
+    return handle
+
+
+def _install() -> None:
+    jax.jit = _patched_jit
+    _state.rebound = _rebind_modules()
+    if not _state.listening:
+        monitoring.register_event_duration_secs_listener(_on_duration)
+        _state.listening = True
+
+
+def _uninstall() -> None:
+    if jax.jit is _patched_jit:
+        jax.jit = real_jit
+    for namespace, attr, original, replacement in _state.rebound:
+        if namespace.get(attr) is replacement:  # not rebound by someone else since
+            namespace[attr] = original
+    _state.rebound = []
+
+
+# --- the summary ------------------------------------------------------------------------------
+
+
+def _row_for(fun: Any, result: Any) -> FunctionSummary:
+    inner = fun
+    while isinstance(inner, functools.partial):
+        inner = inner.func
+    inner = getattr(inner, "__func__", inner)  # a bound method: its function
+    name = getattr(inner, "__qualname__", None) or getattr(inner, "__name__", None)
+    name = name or type(inner).__name__
+    code = getattr(inner, "__code__", None)
+    location = f"{code.co_filename}:{code.co_firstlineno}" if code is not None else None
+    with _state.lock:
+        row = _state.rows.get((name, location))
+        if row is None:
+            row = _state.rows[(name, location)] = FunctionSummary(name, location)
+        try:
+            _state.row_of[result] = row
+        except TypeError:
+            pass
+    return row
+
+
+def _row(result: Any) -> FunctionSummary:
+    row = _state.row_of.get(result)
+    return row if row is not None else FunctionSummary("?", None)
+
+
+_PASS_IN_MESSAGE = re.compile(r"autoopt pass '([^']+)' failed")
+
+
+def _count_fallback(row: FunctionSummary, pass_name: str, reason: str) -> None:
+    row.fallbacks[pass_name] += 1
+    row.fallback_reasons.setdefault(pass_name, reason.splitlines()[0][:300] if reason else "")
+
+
+def _on_duration(event: str, duration_secs: float, **kwargs: Any) -> None:
+    if event != _COMPILE_EVENT or not _state.handles:
+        return
+    try:
+        _attribute_compile(str(kwargs.get("fun_name", "?")))
+    except Exception:  # noqa: BLE001 - the summary must never break the user's compile
+        _state.other_compiles["(summary error)"] += 1
+
+
+def _attribute_compile(fun_name: str) -> None:
+    """Count a compile against the optimized function whose call made it (found on the stack),
+    and record what its passes did for that call's signature."""
+    frame = sys._getframe(2)
+    from autoopt._jit import OptimizedFunction
+
+    while frame is not None:
+        if frame.f_code.co_name in ("__call__", "_run"):
+            local = frame.f_locals
+            owner = local.get("self")
+            row = _state.row_of.get(owner) if isinstance(owner, OptimizedFunction) else None
+            if row is not None:
+                row.compiles += 1
+                args, kwargs = local.get("args"), local.get("kwargs")
+                if isinstance(args, tuple) and isinstance(kwargs, dict):
+                    _record_program(row, owner, args, kwargs)
+                return
+        frame = frame.f_back
+    _state.other_compiles[fun_name] += 1
+
+
+def _record_program(row: FunctionSummary, fn: Any, args: tuple, kwargs: dict) -> None:
+    try:
+        inspection = fn.inspect(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - arguments traced by an outer transformation
+        return
+    row.signatures = max(row.signatures, len(inspection.programs))
+    program = inspection.program
+    if id(program) in row._seen:
+        return
+    row._seen.add(id(program))
+    if inspection.fallback:
+        m = _PASS_IN_MESSAGE.search(inspection.fallback)
+        _count_fallback(row, m.group(1) if m else "unknown", inspection.fallback)
+    donated_args = {p for v in inspection.donation_variants for p in v[0]}
+    donated_names = {n for v in inspection.donation_variants for n in v[1]}
+    for f in inspection.findings:
+        if f.kind == "donate":
+            d = f.details
+            applied = d.get("arg") in donated_args or d.get("name") in donated_names
+        else:
+            applied = f.applied
+        if applied:
+            row.applied[f.kind] += 1
+            row.bytes_saved += f.bytes_saved or 0
+
+
+def summary() -> dict:
+    """The per-function figures so far: ``{"functions": [...], "other_compiles": {...}}``."""
+    with _state.lock:
+        rows = [r.as_dict() for r in _state.rows.values()]
+        other = dict(_state.other_compiles)
+    rows.sort(key=lambda r: (-r["compiles"], -r["jit_calls"], r["name"]))
+    return {"functions": rows, "other_compiles": other}
+
+
+def format_summary(data: dict, limit: int = 40) -> str:
+    """``summary()`` as text, at most ``limit`` functions (the most compiled first)."""
+    rows = data["functions"]
+    falls = sum(f["count"] for r in rows for f in r["fallbacks"])
+    applied = collections.Counter()
+    for r in rows:
+        applied.update(r["applied"])
+    lines = [
+        f"autoopt: {len(rows)} jitted functions, {sum(r['compiles'] for r in rows)} compiles, "
+        f"applied {dict(applied) or 'nothing'}, "
+        f"{sum(r['bytes_saved'] for r in rows):,} bytes saved, {falls} fallbacks"
+    ]
+    if rows:
+        lines.append(
+            f"  {'function':<32} {'jit()':>6} {'compiles':>8} {'sigs':>5}  "
+            f"{'saved':>12}  applied / fallbacks"
+        )
+    for r in rows[:limit]:
+        what = ", ".join(f"{k} x{n}" for k, n in sorted(r["applied"].items())) or "-"
+        if r["fallbacks"]:
+            what += "; fell back: " + ", ".join(
+                f"{f['pass']} x{f['count']} ({f['reason'][:80]})" for f in r["fallbacks"]
+            )
+        lines.append(
+            f"  {r['name'][:32]:<32} {r['jit_calls']:>6} {r['compiles']:>8} {r['signatures']:>5}  "
+            f"{r['bytes_saved']:>12,}  {what}"
+        )
+    if len(rows) > limit:
+        lines.append(f"  ... {len(rows) - limit} more (--report FILE.json has them all)")
+    other = data["other_compiles"]
+    if other:
+        lines.append(
+            f"  plus {sum(other.values())} compiles of jits made outside the patch "
+            "(jax's own, or created before it)"
+        )
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,130 @@
+"""``autoopt run``: a script or module runs as under ``python`` (argv, ``__main__``, sys.path[0],
+exceptions, exit status), with its jax.jit optimized and a per-function summary at exit."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import jax
+    import jax.numpy as jnp
+
+    print("argv", sys.argv, __name__, sys.path[0], __file__)
+
+    @jax.jit
+    def step(s, x):
+        return s + x
+
+    s = jnp.zeros(1000)
+    for _ in range(3):
+        s = step(s, jnp.ones(1000))
+    print("step is", type(step).__name__, float(s[0]))
+
+    async def refused(x):  # jax.jit accepts it; optimize does not
+        return x
+
+    jax.jit(refused)
+
+    def fail():
+        raise ValueError("the script's own error")
+
+    if sys.argv[1:2] == ["raise"]:
+        fail()
+    if sys.argv[1:2] == ["message"]:
+        sys.exit("stopping with a message")
+    sys.exit(int(sys.argv[1]) if sys.argv[1:] else 0)
+    """
+)
+
+
+def run(*args, cwd):
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=300, cwd=cwd
+    )
+
+
+@pytest.fixture
+def script(tmp_path):
+    (tmp_path / "prog.py").write_text(SCRIPT)
+    return tmp_path
+
+
+def test_a_script_sees_argv_main_and_path_as_under_python_and_its_jit_is_optimized(script):
+    plain = run("prog.py", "0", "--flag", cwd=script)
+    under = run("-m", "autoopt", "run", "prog.py", "0", "--flag", cwd=script)
+    assert plain.returncode == under.returncode == 0, under.stderr
+    first = plain.stdout.splitlines()[0]
+    assert first == f"argv ['prog.py', '0', '--flag'] __main__ {script} {script / 'prog.py'}"
+    assert under.stdout.splitlines()[0] == first
+    assert plain.stdout.splitlines()[1] == "step is PjitFunction 3.0"
+    assert under.stdout.splitlines()[1] == "step is OptimizedFunction 3.0"
+
+
+def test_the_exit_status_comes_through(script):
+    assert run("-m", "autoopt", "run", "prog.py", "3", cwd=script).returncode == 3
+    message = run("-m", "autoopt", "run", "prog.py", "message", cwd=script)
+    assert message.returncode == 1
+    assert message.stderr.startswith("stopping with a message\n")
+
+
+def test_the_scripts_exception_prints_as_python_prints_it(script):
+    plain = run("prog.py", "raise", cwd=script)
+    under = run("-m", "autoopt", "run", "prog.py", "raise", cwd=script)
+    assert plain.returncode == under.returncode == 1
+    assert plain.stderr.startswith("Traceback (most recent call last):\n")
+    assert under.stderr.startswith(plain.stderr), under.stderr
+
+
+def test_a_module_runs_as_main_with_its_arguments(tmp_path):
+    pkg = tmp_path / "runpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "__main__.py").write_text(
+        "import sys, jax\nprint(__name__, sys.argv[1:], type(jax.jit(abs)).__name__)\nsys.exit(4)\n"
+    )
+    under = run("-m", "autoopt", "run", "-m", "runpkg", "a", "-b", cwd=tmp_path)
+    assert under.returncode == 4, under.stderr
+    assert under.stdout == "__main__ ['a', '-b'] OptimizedFunction\n"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("missing.py",), "can't open file"),
+        (("-m", "no_such_module_here"), "No module named"),
+        (("--no-such-flag", "prog.py"), "unknown option"),
+        (("--option", "donate=sometimes", "prog.py"), "bad --option"),
+        ((), "name a script"),
+    ],
+)
+def test_bad_input_is_one_line_and_status_2(script, args, message):
+    out = run("-m", "autoopt", "run", *args, cwd=script)
+    assert out.returncode == 2
+    assert out.stderr.count("\n") == 1 and message in out.stderr, out.stderr
+    assert out.stderr.startswith("autoopt run: error: ")
+
+
+def test_the_report_holds_each_jitted_function(script):
+    out = run("-m", "autoopt", "run", "--report", "r.json", "prog.py", "0", cwd=script)
+    assert out.returncode == 0, out.stderr
+    data = json.loads((script / "r.json").read_text())
+    assert data["exit_status"] == 0 and data["command"] == ["prog.py", "0"]
+    rows = {r["name"]: r for r in data["functions"]}
+    step = rows["step"]
+    assert step["location"] == f"{script / 'prog.py'}:8"
+    assert (step["jit_calls"], step["compiles"], step["signatures"]) == (1, 1, 1)
+    assert step["applied"] == {"donate": 1} and step["bytes_saved"] == 4000
+    assert step["fallbacks"] == []
+    (fallback,) = rows["refused"]["fallbacks"]
+    assert fallback["pass"] == "options" and "coroutine" in fallback["reason"]
+    # the same figures on stderr, after the program's own output
+    assert "step" in out.stderr and "donate x1" in out.stderr
+    assert os.path.basename(sys.executable)  # the run used this interpreter
