@@ -70,9 +70,6 @@ def test_every_jit_form_goes_through_optimize():
     assert jax_jit_is_real()
 
 
-@pytest.mark.skipif(
-    not hasattr(OptimizedFunction, "eval_shape"), reason="OptimizedFunction.eval_shape not here yet"
-)
 def test_eval_shape_of_a_patched_jit():
     with autoopt.patch():
         out = jax.jit(scale, static_argnums=1).eval_shape(jnp.zeros((2, 3)), 2)
