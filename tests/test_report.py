@@ -181,3 +181,19 @@ def test_finding_without_source_says_why_in_its_row():
     [f] = [f for f in report.findings if f.details.get("aliasable")]
     assert "No source edit" in f.message and "lambda" in f.message
     assert "lambda" in report.render(color=False)
+
+
+def test_a_report_keeps_no_reference_to_its_arguments_so_the_next_call_donates_them():
+    """explain() checks its source edits on the call's arguments; a report that kept them would
+    be a second holder, and ``state = fast(state)`` right after it could not donate."""
+
+    def update(state, g):
+        return state - 0.1 * g
+
+    fast = autoopt.optimize(update, fallback="raise")
+    state, g = jnp.ones(64), jnp.ones(64)
+    report = fast.explain(state, g)
+    before = state.unsafe_buffer_pointer()
+    state = fast(state, g)
+    assert state.unsafe_buffer_pointer() == before, "the first call after explain() did not donate"
+    assert report.findings  # the report is still alive

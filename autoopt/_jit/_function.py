@@ -550,10 +550,13 @@ class OptimizedFunction:
 
     def _program_for_call(self, args: tuple, kwargs: dict) -> Program | None:
         """The program for concrete arguments, tracing (not compiling) on a miss; None when it
-        captured an outer tracer (never cached)."""
+        captured an outer tracer (never cached) or a static argument is unhashable."""
         policy, caches = self._policy, self._caches
         ckey = call_signature(args, kwargs, policy.static_argnums, policy.static_argnames)
-        program = caches.by_call.get(ckey)
+        try:
+            program = caches.by_call.get(ckey)
+        except TypeError:  # an unhashable static argument: jax.jit's own call raises its error
+            return None
         if program is None:
             key, _ = trace_signature(args, kwargs, policy.static_argnums, policy.static_argnames)
             program = caches.programs.get(key)
@@ -707,9 +710,8 @@ class OptimizedFunction:
 
         of, args, kwargs = self._prepare(args, kwargs)
         inspection = of._inspect_prepared(args, kwargs)
-        report = Report.from_program(inspection, args=args, kwargs=kwargs)
-        report.add_findings(findings_for(inspection, args, kwargs))
-        return report
+        placement = findings_for(inspection, args, kwargs)
+        return Report.from_program(inspection, args, kwargs, extra_findings=placement)
 
     def inspect(self, *args, **kwargs) -> Inspection:
         """The narrow view of what a call with these arguments runs (see ``Inspection``).

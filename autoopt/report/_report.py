@@ -16,6 +16,7 @@ import os
 import shutil
 import sys
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 from jax.extend.core import ClosedJaxpr
@@ -53,8 +54,6 @@ class Report:
     source_plan: Any = dataclasses.field(default=None, repr=False)
     _diff: str | None = dataclasses.field(default=None, repr=False)
     _fn: Any = dataclasses.field(default=None, repr=False)
-    _raw: list[Finding] | None = dataclasses.field(default=None, repr=False)
-    _call: Any = dataclasses.field(default=None, repr=False)  # the edits are checked on it
 
     @property
     def diff(self) -> str:
@@ -70,11 +69,19 @@ class Report:
 
     @classmethod
     def from_program(
-        cls, inspection, args: tuple | None = None, kwargs: dict | None = None
+        cls,
+        inspection,
+        args: tuple | None = None,
+        kwargs: dict | None = None,
+        extra_findings: Sequence[Finding] = (),
     ) -> Report:
         """The report of one signature, from ``OptimizedFunction.inspect`` of its arguments
-        (``args``: compile them for the memory figures)."""
-        findings = _with_call_sites(list(inspection.findings), inspection)
+        (``args``: compile them for the memory figures and check each source edit on them;
+        ``extra_findings``: a call's placement findings, gathered after the program was built).
+
+        The report keeps no reference to ``args``: an array it held would be a second holder,
+        and the caller's next ``state = step(state)`` could not donate it."""
+        findings = _with_call_sites(list(inspection.findings), inspection) + list(extra_findings)
         memory: dict[str, dict[str, int]] = {}
         if args is not None:
             memory = _memory_before_after(inspection, args, kwargs or {})
@@ -88,36 +95,32 @@ class Report:
             fallback=inspection.fallback,
         )
         report._fn = inspection.function
+        call = None
         if args is not None:
             from autoopt.codemod import CheckCall
 
             options = inspection.options
-            report._call = CheckCall(
+            call = CheckCall(
                 tuple(args), dict(kwargs or {}), options.static_argnums, options.static_argnames
             )
-        report._add_source_edits()
+        report._add_source_edits(call)
         return report
 
-    def add_findings(self, findings) -> None:
-        """Add findings gathered after the program was built (a call's placement findings) and
-        redo the source edits with them."""
-        self.findings = list(self._raw if self._raw is not None else self.findings) + list(findings)
-        self._add_source_edits()
-
-    def _add_source_edits(self) -> None:
-        """Fill ``source_diff`` and say in each finding that wanted an edit why it got none."""
-        self._raw = list(self.findings)
+    def _add_source_edits(self, call) -> None:
+        """Fill ``source_diff`` and say in each finding that wanted an edit why it got none
+        (``call``: the ``CheckCall`` each edit is checked on before it is offered)."""
+        raw = list(self.findings)
         try:
             from autoopt.codemod import plan_source_edits
 
-            plan = plan_source_edits(self._fn, self._raw, call=self._call)
+            plan = plan_source_edits(self._fn, raw, call=call)
         except Exception as e:  # noqa: BLE001 - a report without source edits beats no report
             log.debug("source edits failed: %s", e)
             return
         self.source_plan = plan
         self.source_diff = plan.diff
         out = []
-        for i, f in enumerate(self._raw):
+        for i, f in enumerate(raw):
             if i in plan.notes:
                 note = plan.notes[i]
                 f = f.replace(
