@@ -608,3 +608,35 @@ def test_range_analysis_holds_for_every_input(expr, lo, span, extreme):
                 continue
             v = np.asarray(value).astype(np.int64)
             assert r.lo <= v.min() and v.max() <= r.hi, (expr, a, b, var, v, r)
+
+
+_DN = lax.GatherDimensionNumbers(offset_dims=(), collapsed_slice_dims=(0,), start_index_map=(0,))
+
+
+@pytest.mark.parametrize(
+    "index, dtype",
+    [
+        (2**32 + 2, "int64"),  # wraps to 2 in jax's lowering: in bounds
+        (-(2**32) + 2, "int64"),
+        (2**63 + 2, "uint64"),
+        (2**31 + 1, "uint32"),  # wraps negative: filled
+        (2**32 - 1, "int64"),
+        (3, "int64"),
+    ],
+)
+def test_a_fill_or_drop_gather_with_a_wide_index_reads_what_jax_jit_reads(index, dtype):
+    """Issue 14 item 14: jax lowers a FILL_OR_DROP gather by converting its indices to the
+    operand's index dtype (int32 here) before masking, so an int64 index of 2**32 + 2 reads
+    row 2; the rewrite masks the same converted values."""
+
+    def lookup(x, i):
+        mode = lax.GatherScatterMode.FILL_OR_DROP
+        return lax.gather(x, i[None, None], _DN, (1,), mode=mode, fill_value=-1.0)
+
+    with jax.enable_x64(True):
+        x = jnp.arange(8.0)
+        i = jnp.asarray(np.array(index).astype(dtype))
+        fast = autoopt.optimize(lookup, fallback="raise")
+        np.testing.assert_array_equal(fast(x, i), jax.jit(lookup)(x, i))
+        findings = fast.inspect(x, i).findings
+        assert any(f.kind == "scatter_to_dus" and f.applied for f in findings)  # it rewrote

@@ -249,6 +249,13 @@ def _first_values(idx, w: _Window):
     return first, last
 
 
+def _fill_index_dtype(shape) -> np.dtype:
+    """The index dtype jax's FILL_OR_DROP gather lowering converts indices to (its
+    ``int_dtype_for_shape(shape, signed=True)``): int32 unless a dimension exceeds it."""
+    big = any(int(d) > np.iinfo(np.int32).max for d in shape)
+    return np.dtype(np.int64 if big and jax.config.jax_enable_x64 else np.int32)
+
+
 def _in_bounds(first, last, w: _Window, shape):
     """Traced bool: every point's window is in bounds (and the block contiguous)."""
     dtype = np.dtype(first[0].dtype) if first else np.dtype(np.int32)
@@ -575,11 +582,16 @@ def _emit_gather(eqn: JaxprEqn, invals, plan: _Decision):
     if guard == "clamp":  # DS clamps int32 starts itself; other index dtypes clamp first
         clip = None if np.dtype(idx.dtype) == np.int32 else x.shape
         return read(operand, _starts(first, w, x.ndim, clip))
-    ok = _in_bounds(first, last, w, x.shape)
     if guard == "select":  # as jax lowers a FILL_OR_DROP gather, with DS for the gather
+        # jax's lowering converts the indices to the operand's index dtype first (wrapping:
+        # an int64 2**32 + 2 reads row 2), then masks; the mask must see the same values.
+        index_dtype = _fill_index_dtype(x.shape)
+        first = [lax.convert_element_type(f, index_dtype) for f in first]
+        ok = _in_bounds(first, None, w, x.shape)
         got = read(operand, _starts(first, w, x.ndim))
         fill = lax.full_like(got, eqn.params["fill_value"])
         return lax.select(lax.broadcast(ok, got.shape), got, fill)
+    ok = _in_bounds(first, last, w, x.shape)
     return lax.cond(
         ok,
         lambda o, i, *f: read(o, _starts(f, w, x.ndim)),
