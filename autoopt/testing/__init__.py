@@ -14,6 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from autoopt._compare import assert_trees_equivalent, tolerance
+from autoopt.testing._callers import (
+    CallerResult,
+    build_program,
+    caller_programs,
+    check_caller_program,
+    run_caller_program,
+)
 from autoopt.testing._fuzz import (
     FuzzCase,
     Program,
@@ -37,6 +44,12 @@ __all__ = [
     "check_program",
     "FuzzCase",
     "Program",
+    # Random caller programs around a donating call (autoopt/testing/_callers.py).
+    "build_program",
+    "caller_programs",
+    "check_caller_program",
+    "run_caller_program",
+    "CallerResult",
 ]
 
 
