@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["assert_trees_equivalent", "tolerance"]
@@ -20,9 +21,18 @@ _RTOL = {"bfloat16": 2e-2, "float16": 2e-3, "float32": 2e-5, "float64": 1e-12}
 def tolerance(dtype) -> float:
     """0 for integers/booleans (bit-identical); a few ulps, scaled, for floats."""
     d = np.dtype(dtype)
-    if d.kind in "biu":
+    # jnp.issubdtype knows ml_dtypes' int4/float8/bfloat16, which NumPy files under kind "V"
+    if jnp.issubdtype(d, jnp.integer) or jnp.issubdtype(d, jnp.bool_):
         return 0.0
-    return _RTOL.get(d.name, 2e-5)
+    return _RTOL.get(d.name, 0.25 if d.name.startswith("float8") else 2e-5)
+
+
+def _is_key(x) -> bool:
+    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _dtype_of(x) -> str:
+    return str(getattr(x, "dtype", type(x).__name__))
 
 
 def assert_trees_equivalent(
@@ -37,17 +47,24 @@ def assert_trees_equivalent(
             f"{what}: output structure differs:\n  expected {e_tree}\n  got      {g_tree}"
         )
     for i, (e, g) in enumerate(zip(e_leaves, g_leaves)):
-        e_arr, g_arr = np.asarray(e), np.asarray(g)
         where = f"{what}: output leaf {i}"
+        if _is_key(e) or _is_key(g):
+            # PRNG keys have no NumPy form: same implementation, bit-identical key data.
+            if not (_is_key(e) and _is_key(g) and e.dtype == g.dtype):
+                raise AssertionError(f"{where}: {_dtype_of(g)} instead of {_dtype_of(e)}")
+            e, g, exact_leaf = jax.random.key_data(e), jax.random.key_data(g), True
+        else:
+            exact_leaf = exact
+        e_arr, g_arr = np.asarray(e), np.asarray(g)
         if e_arr.shape != g_arr.shape or e_arr.dtype != g_arr.dtype:
             raise AssertionError(
                 f"{where}: {g_arr.dtype}{list(g_arr.shape)} instead of "
                 f"{e_arr.dtype}{list(e_arr.shape)}"
             )
-        rtol = 0.0 if exact else tolerance(e_arr.dtype)
+        rtol = 0.0 if exact_leaf else tolerance(e_arr.dtype)
         if rtol == 0.0:
             same = e_arr.tobytes() == g_arr.tobytes()
-            if not same and e_arr.dtype.kind == "f":
+            if not same and jnp.issubdtype(e_arr.dtype, jnp.floating):
                 # -0.0 vs 0.0 and NaN payloads are equal numbers for users.
                 same = np.array_equal(e_arr, g_arr, equal_nan=True)
             if not same:
@@ -60,10 +77,14 @@ def assert_trees_equivalent(
                 )
         else:
             e64 = (
-                e_arr.astype(np.float64) if e_arr.dtype.kind == "f" else e_arr.astype(np.complex128)
+                e_arr.astype(np.float64)
+                if jnp.issubdtype(e_arr.dtype, jnp.floating)
+                else e_arr.astype(np.complex128)
             )
             g64 = (
-                g_arr.astype(np.float64) if g_arr.dtype.kind == "f" else g_arr.astype(np.complex128)
+                g_arr.astype(np.float64)
+                if jnp.issubdtype(g_arr.dtype, jnp.floating)
+                else g_arr.astype(np.complex128)
             )
             # Scale by the largest finite magnitude: an inf would make atol inf and pass anything.
             finite = np.abs(e64[np.isfinite(e64)])

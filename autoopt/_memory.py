@@ -57,9 +57,11 @@ def compiled_memory(compiled) -> CompiledMemory | None:
 
 
 def aval_bytes(aval) -> int:
+    """Bytes of an array's value: its dtype's itemsize, which extended dtypes (PRNG keys: 8 for
+    threefry) carry too, where ``np.dtype(key<fry>)`` raises; 0 for non-arrays and float0."""
     if not hasattr(aval, "shape"):
         return 0
-    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+    return int(np.prod(aval.shape, dtype=np.int64)) * int(aval.dtype.itemsize)
 
 
 def live_bytes_timeline(closed: ClosedJaxpr) -> list[int]:

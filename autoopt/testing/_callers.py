@@ -362,4 +362,3 @@ def check_caller_program(source: str) -> CallerResult:
             if not same:
                 raise fail(f"{name}: jax.jit gave {want!r}, autoopt gave {got!r}")
     return fast
-

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import linecache
 import math
@@ -81,12 +82,36 @@ class Aval:
     def size(self) -> int:
         return math.prod(self.shape)
 
+    @property
+    def special(self) -> bool:
+        """A PRNG key array or a float0 value: no op but a program's result takes it."""
+        return self.dtype == "float0" or self.dtype.startswith("key<")
+
     def sds(self) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(self.shape, jnp.dtype(self.dtype))
+        return jax.ShapeDtypeStruct(self.shape, _special_dtype(self.dtype) or jnp.dtype(self.dtype))
 
     @classmethod
     def of(cls, x: Any) -> Aval:
+        if x.dtype == jax.dtypes.float0:
+            return cls(tuple(x.shape), "float0")
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
+            return cls(tuple(x.shape), str(x.dtype))
         return cls(tuple(x.shape), jnp.dtype(x.dtype).name)
+
+
+KEY_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
+
+
+def _special_dtype(name: str):
+    """The jax dtype of a special aval's name (``key<fry>``, ``float0``), else None."""
+    if name == "float0":
+        return jax.dtypes.float0
+    if name.startswith("key<"):
+        for impl in KEY_IMPLS:
+            dtype = jax.eval_shape(functools.partial(jax.random.key, 0, impl=impl)).dtype
+            if str(dtype) == name:
+                return dtype
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,7 +267,7 @@ class _Builder:
         order = list(reversed(self.local)) + [
             n for n in reversed(list(self.env)) if n not in self.local
         ]
-        cands = [n for n in order if ok(self.env[n])]
+        cands = [n for n in order if not self.env[n].special and ok(self.env[n])]
         if not cands:
             return None
         st, _ = hypothesis_modules()
@@ -252,7 +277,9 @@ class _Builder:
         """What a block or program returns: mostly its last statement's value, so that few of
         the drawn statements are dead code that jit would drop."""
         if self.local and self.choice(["last", "any"]) == "last":
-            return self.local[-1]
+            last = self.local[-1]
+            if self.depth == 0 or not self.env[last].special:
+                return last
         return self.pick()
 
     def integers(self, lo: int, hi: int) -> int:
@@ -417,6 +444,9 @@ class _Builder:
             ]
             if not self.under_grad:
                 kinds += ["while_loop", "fori_loop_dynamic"]
+        kinds += ["prng"]
+        if self.depth == 0 and not self.under_grad:
+            kinds += ["key_result", "float0"]
         getattr(self, "op_" + self.choice(kinds))()
 
     def op_unary(self):
@@ -859,6 +889,63 @@ class _Builder:
             returns=lambda outs: f"jnp.sum({outs[0]}.astype('float32'))",
         )
         self.bind("grad", lines, f"jax.grad({f})({x})")
+
+    # --- extended dtypes: PRNG key arrays and float0 ------------------------------------------
+
+    def key_lines(self) -> tuple[str, tuple[str, ...]]:
+        """Lines binding a fresh key array (split from a typed key of a random implementation),
+        updated the ways programs update key arrays: a scatter at a traced (maybe out of
+        bounds) row, or a scan carrying the keys. Returns its name and the lines."""
+        k = self.names.fn("k")
+        impl = self.choice(KEY_IMPLS)
+        n = self.integers(2, 4)
+        lines = [
+            f"{k} = jax.random.split(jax.random.key({self.integers(0, 9)}, impl={impl!r}), {n})"
+        ]
+        form = self.choice(["scatter", "scan", "gather", "plain"])
+        if form == "scatter":
+            i = self.dyn_scalar(n)
+            lines.append(
+                f"{k} = {k}.at[{i}].set(jax.random.fold_in({k}[0], {self.integers(0, 9)}))"
+            )
+        elif form == "scan":
+            body = (
+                f"lambda c, _: (c.at[{self.integers(0, n - 1)}].set("
+                f"jax.random.fold_in(c[-1], 3)), None)"
+            )
+            lines.append(f"{k} = lax.scan({body}, {k}, None, length={self.integers(1, 3)})[0]")
+        elif form == "gather":
+            i = self.dyn_scalar(n)
+            lines.append(f"{k} = jax.random.split({k}[{i}], {n})")
+        return k, tuple(lines)
+
+    def op_prng(self):
+        """Numbers drawn from a key array: keys flow through the passes to a float result."""
+        k, lines = self.key_lines()
+        shape = self.env[self.pick()].shape
+        row = self.dyn_scalar()
+        sample = self.choice(["uniform", "normal", "bits"])
+        if sample == "bits":
+            expr = f"jax.random.bits({k}[{row} % {k}.shape[0]], {shape!r}).astype('int32')"
+        else:
+            expr = f"jax.random.{sample}({k}[{row} % {k}.shape[0]], {shape!r})"
+        self.bind("prng", lines, expr)
+
+    def op_key_result(self):
+        """A key array itself, as a value a program may return (only as a result)."""
+        k, lines = self.key_lines()
+        self.bind("key", lines, k)
+
+    def op_float0(self):
+        """The gradient with respect to an integer input (``allow_int``): a float0 value, as a
+        value a program may return (only as a result)."""
+        x = self.pick(lambda a: a.dtype in _FLOATS)
+        i = self.pick(lambda a: a.dtype == "int32")
+        if x is None or i is None:
+            return self.op_prng()
+        f = self.names.fn("lossi")
+        lines = (f"def {f}(a, n):", "    return jnp.sum(a.astype('float32')) * jnp.sum(n)")
+        self.bind("float0", lines, f"jax.grad({f}, argnums=1, allow_int=True)({x}, {i})")
 
 
 # --- strategies ---------------------------------------------------------------------------------

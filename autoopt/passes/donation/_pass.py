@@ -18,22 +18,17 @@ import collections
 import weakref
 from collections.abc import Iterable, Sequence
 
-import numpy as np
-
 from autoopt import _jaxpr
 from autoopt._finding import Finding
+from autoopt._memory import aval_bytes
 from autoopt._options import Option
 from autoopt.passes._base import Pass, PassContext, PassResult
 
 
 def _strip(aval):
-    return (tuple(aval.shape), np.dtype(aval.dtype)) if hasattr(aval, "shape") else aval
-
-
-def aval_bytes(aval) -> int:
-    if not hasattr(aval, "shape"):
-        return 0
-    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+    # The dtype as jax has it: a PRNG key's (key<fry>) has no NumPy equivalent, and two key
+    # arrays of one implementation alias as any two arrays of one dtype do.
+    return (tuple(aval.shape), aval.dtype) if hasattr(aval, "shape") else aval
 
 
 def match_donations(

@@ -28,6 +28,8 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
@@ -79,14 +81,24 @@ EMPTY = Interval(1, 0)
 
 
 def dtype_interval(dtype) -> Interval | None:
-    """The full range of an integer or boolean dtype; None for anything else."""
-    d = np.dtype(dtype)
-    if d == np.bool_:
+    """The full range of an integer or boolean dtype (int4 included); None for anything else
+    (floats, PRNG keys and other extended dtypes)."""
+    if _bool_dtype(dtype):
         return Interval(0, 1)
-    if d.kind in "iu":
-        info = np.iinfo(d)
+    if _is_plain(dtype) and jnp.issubdtype(dtype, jnp.integer):
+        info = jnp.iinfo(dtype)
         return Interval(int(info.min), int(info.max))
     return None
+
+
+def _is_plain(dtype) -> bool:
+    """A NumPy-describable dtype: not None, not a jax extended dtype (keys, float0 cotangents
+    of ints are NumPy void, also excluded by the callers' integer tests)."""
+    return dtype is not None and not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+
+
+def _bool_dtype(dtype) -> bool:
+    return _is_plain(dtype) and np.dtype(dtype) == np.bool_
 
 
 def _aval_dtype(atom: Atom):
@@ -267,7 +279,7 @@ _TRANSFER[P.ne_p] = _compare(lambda a, b: _not(_eq(a, b)))
 
 
 def _is_bool(eqn) -> bool:
-    return np.dtype(_aval_dtype(eqn.outvars[0])) == np.bool_
+    return _bool_dtype(_aval_dtype(eqn.outvars[0]))
 
 
 def _and(eqn, ins):
@@ -304,12 +316,12 @@ _TRANSFER[P.not_p] = _bool_not
 
 def _convert(eqn, ins):
     (a,) = ins
-    new = np.dtype(eqn.params["new_dtype"])
+    new = eqn.params["new_dtype"]
     if dtype_interval(new) is None:
         return [None]
     if a is None:
         return _out(eqn, None)
-    if new == np.bool_:
+    if _bool_dtype(new):
         return [Interval(0 if a.lo <= 0 <= a.hi else 1, 0 if a.within(0, 0) else 1)]
     return _out(eqn, a)
 
@@ -517,7 +529,7 @@ class Facts:
             a = self.refine(ins[0], truth, depth - 1)
             b = self.refine(ins[1], truth, depth - 1)
             return _meet_env(a, b) if both else _join_env(a, b)
-        if prim in (P.eq_p, P.ne_p) and np.dtype(_aval_dtype(ins[0])) == np.bool_:
+        if prim in (P.eq_p, P.ne_p) and _bool_dtype(_aval_dtype(ins[0])):
             equal = (prim is P.eq_p) == truth
             for x, y in ((ins[0], ins[1]), (ins[1], ins[0])):
                 c = self.range(y)
@@ -613,7 +625,7 @@ class Facts:
     def _select_n(self, eqn: JaxprEqn, ins: Sequence[Interval | None]) -> Interval | None:
         pred, cases = eqn.invars[0], eqn.invars[1:]
         pr = ins[0]
-        if len(cases) != 2 or np.dtype(_aval_dtype(pred)) != np.bool_:
+        if len(cases) != 2 or not _bool_dtype(_aval_dtype(pred)):
             acc = EMPTY
             for k, iv in enumerate(ins[1:]):
                 if pr is None or pr.lo <= k <= pr.hi:
@@ -677,7 +689,7 @@ class Facts:
         if prim is P.convert_element_type_p:
             r = self.range(ins[0])
             new = dtype_interval(eqn.params["new_dtype"])
-            if r is None or new is None or np.dtype(eqn.params["new_dtype"]) == np.bool_:
+            if r is None or new is None or _bool_dtype(eqn.params["new_dtype"]):
                 return None
             return sub(ins[0]) if r.within(new.lo, new.hi) else None
         if prim in (P.add_p, P.sub_p):

@@ -17,10 +17,9 @@ XLA:CPU (the host already holds the buffer); this pass works on every backend.
 
 from __future__ import annotations
 
-import numpy as np
-
 from autoopt import _jaxpr
 from autoopt._finding import Finding
+from autoopt._memory import aval_bytes
 from autoopt._options import Option
 from autoopt.passes._base import Pass, PassContext, PassResult
 
@@ -34,16 +33,7 @@ CALLBACK_PRIMITIVES = {
 
 
 def _nbytes(avals) -> int:
-    total = 0
-    for a in avals:
-        shape = getattr(a, "shape", None)
-        if shape is None:
-            continue
-        try:
-            total += int(np.prod(shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize
-        except TypeError:  # extended dtypes (keys, tokens): count nothing rather than guess
-            continue
-    return total
+    return sum(aval_bytes(a) for a in avals)
 
 
 def _loop_words(path: tuple[str, ...]) -> str:

@@ -21,10 +21,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from autoopt import _compat, _jaxpr
+from autoopt._memory import aval_bytes
 from autoopt.passes.remat._plan import (
     choose_cuts,
     fine_cuts,
@@ -266,10 +266,4 @@ def as_jaxpr(j: ClosedJaxpr | Jaxpr) -> Jaxpr:
 
 
 def float_bytes(avals: Sequence[Any]) -> int:
-    return int(
-        sum(
-            np.prod(a.shape, dtype=np.int64) * np.dtype(a.dtype).itemsize
-            for a in avals
-            if _floating(a)
-        )
-    )
+    return sum(aval_bytes(a) for a in avals if _floating(a))
