@@ -94,7 +94,7 @@ class Aval:
     def of(cls, x: Any) -> Aval:
         if x.dtype == jax.dtypes.float0:
             return cls(tuple(x.shape), "float0")
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
+        if jnp.issubdtype(x.dtype, jax.dtypes.extended):
             return cls(tuple(x.shape), str(x.dtype))
         return cls(tuple(x.shape), jnp.dtype(x.dtype).name)
 

@@ -253,7 +253,7 @@ def _fill_index_dtype(shape) -> np.dtype:
     """The index dtype jax's FILL_OR_DROP gather lowering converts indices to (its
     ``int_dtype_for_shape(shape, signed=True)``): int32 unless a dimension exceeds it."""
     big = any(int(d) > np.iinfo(np.int32).max for d in shape)
-    return np.dtype(np.int64 if big and jax.config.jax_enable_x64 else np.int32)
+    return np.dtype(jax.dtypes.canonicalize_dtype(np.int64 if big else np.int32))
 
 
 def _in_bounds(first, last, w: _Window, shape):

@@ -94,7 +94,7 @@ def dtype_interval(dtype) -> Interval | None:
 def _is_plain(dtype) -> bool:
     """A NumPy-describable dtype: not None, not a jax extended dtype (keys, float0 cotangents
     of ints are NumPy void, also excluded by the callers' integer tests)."""
-    return dtype is not None and not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+    return dtype is not None and not jnp.issubdtype(dtype, jax.dtypes.extended)
 
 
 def _bool_dtype(dtype) -> bool:
