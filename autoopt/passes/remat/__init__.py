@@ -11,7 +11,16 @@ from autoopt.passes.remat._pass import (
     fence_for,
     forward_plannable,
     jit_options,
+    measuring_options,
     remat,
 )
 
-__all__ = ["CPU_FLAGS", "PASS", "fence_for", "forward_plannable", "jit_options", "remat"]
+__all__ = [
+    "CPU_FLAGS",
+    "PASS",
+    "fence_for",
+    "forward_plannable",
+    "jit_options",
+    "measuring_options",
+    "remat",
+]

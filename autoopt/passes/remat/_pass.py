@@ -36,6 +36,12 @@ budget, as it cannot measure; here the 10% cap and the compile bound the cost), 
 plan that recomputes only elementwise work is compiled as the fallback.
 ``remat=<jax.checkpoint_policies name>`` applies that policy without asking.
 
+Only programs that are differentiated are planned: one with its own backward (case 1), or a
+forward differentiated eagerly from outside (case 2, ``ctx.under_autodiff``). Without a
+``memory_budget``, a forward called plainly, or traced under an outer
+``jax.jit(jax.grad(fast))``, is left alone (the trace does not say that a transformation
+outside will differentiate it); with one, it is planned as before.
+
 Cost: a program with nothing to gain (no backward, small residuals, no plan the static estimate
 likes) is never compiled here and costs one walk over its equations. Otherwise the first call of
 a signature compiles the original and one to five candidates: about as many extra compiles of the
@@ -44,6 +50,7 @@ training step (0.1-0.2 s each for the 16-layer MLP of the benchmark, seconds for
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import difflib
 import functools
@@ -101,6 +108,24 @@ def fence_for(backend: str, compiler_options) -> str:
         return "barrier"
     disabled = str((compiler_options or {}).get("xla_disable_hlo_passes", ""))
     return "barrier" if "cse_barrier_expander" in disabled.split(",") else "cond"
+
+
+# Measuring compiles on XLA:CPU skip LLVM's optimizations: memory_analysis() and
+# cost_analysis() come from the HLO passes and buffer assignment, which these options leave as
+# they are; the machine code, which they change, is never run (benchmarks/RESULTS.md, "First
+# call": half the compile time).
+_CPU_MEASURING_OPTIONS = {
+    "xla_backend_optimization_level": 0,
+    "xla_llvm_disable_expensive_passes": True,
+}
+
+
+def measuring_options(compiler_options, backend: str) -> dict | None:
+    """The compiler options candidates are measured with: the final program's, plus on CPU the
+    options that skip code generation work the figures do not depend on."""
+    if backend != "cpu":
+        return compiler_options
+    return {**_CPU_MEASURING_OPTIONS, **(compiler_options or {})}
 
 
 def jit_options(options, backend: str | None) -> dict:
@@ -251,23 +276,21 @@ def _choose(
     """
     tried: list[tuple[str, Measured | None]] = []
     cache: dict[str, Measured | None] = {}
+    pending: dict[str, concurrent.futures.Future] = {}
+
+    def attempt(c: Candidate) -> Measured | None:
+        try:
+            return measure(c.program())
+        except Exception as e:  # noqa: BLE001 - a candidate that does not build is skipped
+            log.debug("remat: candidate %s failed: %s", c.name, e)
+            return None
 
     def m(c: Candidate) -> Measured | None:
         if c.name not in cache:
-            try:
-                cache[c.name] = measure(c.program())
-            except Exception as e:  # noqa: BLE001 - a candidate that does not build is skipped
-                log.debug("remat: candidate %s failed: %s", c.name, e)
-                cache[c.name] = None
+            fut = pending.pop(c.name, None)
+            cache[c.name] = fut.result() if fut is not None else attempt(c)
             tried.append((c.name, cache[c.name]))
         return cache[c.name]
-
-    def acceptable(base: Measured, got: Measured | None) -> bool:
-        return (
-            got is not None
-            and got.peak <= (1 - MIN_DROP) * base.peak
-            and got.flops <= (1 + MAX_EXTRA_FLOPS) * max(base.flops, 1.0)
-        )
 
     if budget is None and not auto_order:
         return Decision(
@@ -278,9 +301,35 @@ def _choose(
             f"{MIN_DROP:.0%} for at most {MAX_EXTRA_FLOPS:.0%} more FLOPs",
             tried,
         )
-    base = measure(base_program)
-    if base is None:
-        return Decision(None, None, None, "the backend reports no memory figures", tried)
+    # The original and the first candidate compile at once (XLA releases the GIL while it
+    # compiles): the candidate is needed whenever the original is, and the first call waits
+    # for the slower of the two instead of both.
+    first = auto_order[:1] if budget is None else (auto_order or front)[:1]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1 + len(first)) as pool:
+        for c in first:
+            pending[c.name] = pool.submit(attempt, c)
+        base = measure(base_program)
+        if base is None:
+            for fut in pending.values():
+                fut.result()  # finish before the pool closes; the figures are not used
+            return Decision(None, None, None, "the backend reports no memory figures", tried)
+        return _rule_and_budget(
+            auto_order, front, base, budget, bisect, floor_extra, m, tried, cache
+        )
+
+
+def _rule_and_budget(
+    auto_order, front, base, budget, bisect, floor_extra, m, tried, cache
+) -> Decision:
+    """``_choose`` once the original is measured; ``m(candidate)`` measures (memoized)."""
+
+    def acceptable(base: Measured, got: Measured | None) -> bool:
+        return (
+            got is not None
+            and got.peak <= (1 - MIN_DROP) * base.peak
+            and got.flops <= (1 + MAX_EXTRA_FLOPS) * max(base.flops, 1.0)
+        )
+
     # the first of auto_order that passes the rule, with its figures
     rule: tuple[Candidate, Measured] | None = None
     for c in auto_order[:AUTO_COMPILES]:
@@ -452,7 +501,9 @@ def _plan_joint(
     options = ctx.options
     total = _remat_plan.jaxpr_flops(closed)
     compiler_options = ctx.options.jit_kwargs.get("compiler_options")
-    measure = functools.partial(_measure_closed, compiler_options=compiler_options)
+    measure = functools.partial(
+        _measure_closed, compiler_options=measuring_options(compiler_options, ctx.backend)
+    )
     fence = fence_for(ctx.backend, compiler_options)
     mechanism = (
         "recompute in the backward behind optimization barriers"
@@ -619,7 +670,9 @@ def _plan_forward(closed: ClosedJaxpr, ctx: PassContext) -> tuple[ClosedJaxpr, l
     # An eager call's jit runs without compiler options (jax refuses them inside a trace).
     measure = functools.partial(
         _measure_split_vjp if eager else _measure_vjp,
-        compiler_options=None if eager else ctx.options.jit_kwargs.get("compiler_options"),
+        compiler_options=None
+        if eager
+        else measuring_options(ctx.options.jit_kwargs.get("compiler_options"), ctx.backend),
     )
     dec = _choose(cands, cands, measure, closed, options.memory_budget, bisect=False)
     return _finish(closed, dec, where, ctx, mechanism="jax.checkpoint in the forward")
@@ -802,8 +855,18 @@ def remat(closed: ClosedJaxpr, ctx: PassContext) -> PassResult:
     try:
         if _has_backward(closed.jaxpr):
             new, findings = _plan_level(closed, ctx, where)
-        else:
+        elif (
+            ctx.under_autodiff
+            or ctx.options.remat != "auto"
+            or ctx.options.memory_budget is not None
+        ):
             new, findings = _plan_forward(closed, ctx)
+        else:
+            # No backward here: nothing to recompute for, and measuring candidates would make
+            # a decoding loop's first call several times jax.jit's. A forward is planned when
+            # it is differentiated eagerly (jax.grad(fast)(x): ctx.under_autodiff), or when the
+            # user asks for it with a memory budget.
+            new, findings = closed, []
     except Exception as e:  # noqa: BLE001 - remat is an optimization: skip it, keep the others
         if ctx.options.fallback == "raise":
             raise

@@ -1,0 +1,202 @@
+"""First-call cost: trace, passes, compile and one run of a new function, against jax.jit's
+(issue 15 item 5: a forward-only first call at most 1.2x jax.jit's, one with a backward at most
+2x).
+
+Each round builds a fresh function object and clears jax's caches, then times its first call
+under plain ``jax.jit``, under ``autoopt.optimize`` and, where an expert would write something
+else, under the expert's version (hand-placed ``jax.checkpoint``); rounds interleave the
+variants. Workloads: a forward-only KV-cache decode loop (``lax.scan`` over steps), a small GPT
+training step with optax adamw, an equinox MLP training step, a 16-layer MLP training step.
+
+    python benchmarks/first_call.py [--rounds 5]
+
+Prints medians of wall time and the ratios to jax.jit's first call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+
+from _harness import interleave, markdown_table
+
+
+def _decode():
+    import jax
+    import jax.numpy as jnp
+
+    d, steps, cache_len = 256, 64, 64  # residuals above the 1 MiB gate if differentiated
+    k = jax.random.split(jax.random.key(0), 4)
+    wq, wk, wv = (jax.random.normal(k[i], (d, d)) / math.sqrt(d) for i in range(3))
+    x0 = jax.random.normal(k[3], (d,))
+
+    def make():
+        def decode(x, kcache, vcache):
+            def step(carry, t):
+                x, kc, vc = carry
+                kc = jax.lax.dynamic_update_slice_in_dim(kc, (x @ wk)[None], t, 0)
+                vc = jax.lax.dynamic_update_slice_in_dim(vc, (x @ wv)[None], t, 0)
+                att = jax.nn.softmax((kc @ (x @ wq)) / math.sqrt(d))
+                return (jnp.tanh(att @ vc + x), kc, vc), None
+
+            (x, kc, vc), _ = jax.lax.scan(step, (x, kcache, vcache), jnp.arange(steps))
+            return x, kc, vc
+
+        return decode
+
+    args = (x0, jnp.zeros((cache_len, d)), jnp.zeros((cache_len, d)))
+    return make, None, args
+
+
+def _gpt():
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    layers, d, t, vocab = 4, 128, 64, 256
+    k = jax.random.split(jax.random.key(0), 4 * layers + 2)
+    params = {
+        "emb": jax.random.normal(k[0], (vocab, d)) * 0.02,
+        "blocks": [
+            {
+                n: jax.random.normal(k[1 + 4 * i + j], (d, d)) / math.sqrt(d)
+                for j, n in enumerate(("q", "k", "v", "mlp"))
+            }
+            for i in range(layers)
+        ],
+    }
+    tokens = jax.random.randint(k[-1], (8, t), 0, vocab)
+    tx = optax.adamw(1e-3)
+
+    def block(h, p):
+        q, kk, v = h @ p["q"], h @ p["k"], h @ p["v"]
+        att = jax.nn.softmax(q @ kk.swapaxes(-1, -2) / math.sqrt(d) + jnp.tril(jnp.zeros((t, t))))
+        h = h + att @ v
+        return h + jax.nn.gelu(h @ p["mlp"])
+
+    def make(checkpoint: bool = False):
+        blk = jax.checkpoint(block) if checkpoint else block
+
+        def loss(params, tokens):
+            h = params["emb"][tokens]
+            for p in params["blocks"]:
+                h = blk(h, p)
+            logits = h @ params["emb"].T
+            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens).mean()
+
+        def step(params, opt_state, tokens):
+            value, grads = jax.value_and_grad(loss)(params, tokens)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, value
+
+        return step
+
+    return make, (lambda: make(checkpoint=True)), (params, tx.init(params), tokens)
+
+
+def _eqx_mlp():
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    model = eqx.nn.MLP(64, 64, 256, 4, key=jax.random.key(0))
+    params, static = eqx.partition(model, eqx.is_array)
+    x = jax.random.normal(jax.random.key(1), (128, 64))
+
+    def make():
+        def step(params, x):
+            def loss(p):
+                m = eqx.combine(p, static)
+                return jnp.mean(jax.vmap(m)(x) ** 2)
+
+            value, g = jax.value_and_grad(loss)(params)
+            return jax.tree_util.tree_map(lambda p, g: p - 1e-3 * g, params, g), value
+
+        return step
+
+    return make, None, (params, x)
+
+
+def _deep_mlp():
+    import jax
+    import jax.numpy as jnp
+
+    layers, n, d = 16, 1024, 256
+    k = jax.random.split(jax.random.key(0), layers + 1)
+    ws = [jax.random.normal(k[i], (d, d)) / math.sqrt(d) for i in range(layers)]
+    x = jax.random.normal(k[-1], (n, d))
+
+    def make(checkpoint: bool = False):
+        def layer(h, w):
+            return jnp.tanh(h @ w)
+
+        lyr = jax.checkpoint(layer) if checkpoint else layer
+
+        def step(ws, x):
+            def loss(ws):
+                h = x
+                for w in ws:
+                    h = lyr(h, w)
+                return jnp.mean(h**2)
+
+            value, g = jax.value_and_grad(loss)(ws)
+            return [w - 0.1 * gw for w, gw in zip(ws, g)], value
+
+        return step
+
+    return make, (lambda: make(checkpoint=True)), (ws, x)
+
+
+WORKLOADS = {
+    "decode loop (forward only)": _decode,
+    "small GPT + adamw": _gpt,
+    "equinox MLP step": _eqx_mlp,
+    "deep MLP step (16 layers)": _deep_mlp,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--only", default=None, help="a workload name's prefix")
+    args = parser.parse_args()
+
+    import jax
+
+    import autoopt
+
+    rows = []
+    for name, build in WORKLOADS.items():
+        if args.only and not name.startswith(args.only):
+            continue
+        make, expert, call_args = build()
+
+        def first_call(fn, call_args=call_args):
+            jax.block_until_ready(fn(*call_args))
+
+        def fresh(wrap, make=make):
+            def new_function():
+                jax.clear_caches()  # no executable shared with an earlier round
+                return wrap(make())
+
+            return new_function
+
+        runs = {"jax.jit": first_call, "autoopt": first_call}
+        prepare = {"jax.jit": fresh(jax.jit), "autoopt": fresh(autoopt.optimize)}
+        if expert is not None:
+            runs["expert"] = first_call
+            prepare["expert"] = fresh(jax.jit, make=expert)
+        times = interleave(runs, args.rounds, warmup=1, prepare=prepare)
+        base = statistics.median(times["jax.jit"])
+        cells = [f"{base:.2f} s"]
+        for v in ("autoopt", "expert"):
+            cells.append(f"{statistics.median(times[v]) / base:.2f}x" if v in times else "-")
+        rows.append([name, *cells])
+        print(name, cells, flush=True)
+    print()
+    print(markdown_table(["first call", "jax.jit", "autoopt / jit", "expert / jit"], rows))
+
+
+if __name__ == "__main__":
+    main()
