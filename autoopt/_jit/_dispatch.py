@@ -11,8 +11,9 @@ what repeats, and a Python call costs as much as either):
 2. a call site's cached plan for this signature (``Site.fast``), its run-time half re-checked by
    ``callsite.fast_hit``; a hit proves every leaf an array, a scalar or a NumPy array;
 3. otherwise non-array leaves are looked for before jax.jit is called: a call holding some goes
-   to the function made for those static leaves (``_static_leaves``), nothing donated under
-   ``"safe"`` (the proof's reference counts are about the caller's objects, not rebuilt trees);
+   to the function made for those static leaves (``_static_leaves``); under ``"safe"`` its
+   array leaves are donated as the same call's would be without them (``plan_static_leaves``:
+   the reference counts are read on the caller's objects, before the trees are rebuilt);
 4. the donation policy: ``"safe"`` donates what the call site proves dead and the reference
    counts confirm, ``"auto"`` every aliasable argument, else the plain jit object.
 
@@ -34,7 +35,7 @@ import jax
 from autoopt import _compat, _trace
 from autoopt._jit import _static_leaves
 from autoopt._jit._program import FAST_ENTRIES, Program, kept_key
-from autoopt._jit._static_leaves import PLAIN_TYPES
+from autoopt._jit._static_leaves import PLAIN_TYPES, split_if_static
 from autoopt._options import Options
 from autoopt.passes import jit_options_for
 from autoopt.passes.donation import callsite, host_callbacks
@@ -182,6 +183,9 @@ class CallPlan(NamedTuple):
     # (positions, names) the executable donates but this call must not: their jax arrays are
     # passed as device copies (``Program.decide``).
     copies: tuple = ()
+    # With ``static``: the OptimizedFunction for those leaves, whose plan this is (``jit`` its
+    # jax.jit object); None: ``jit`` is that function, and it plans the call itself.
+    static_fn: Any = None
 
 
 def make_dispatch(of: OptimizedFunction) -> Callable[..., CallPlan]:
@@ -222,9 +226,11 @@ def make_dispatch(of: OptimizedFunction) -> Callable[..., CallPlan]:
                 and caches.lookup_plain
                 and not (site.donates and site.proof.matches(args, kwargs, shift))
             ):
-                split = split_if_static(args, kwargs, static_argnums, static_argnames)
-                if split is not None:  # 3. (that function never donates under "safe")
-                    return of._static_leaf_plan(split)
+                if not flat_ok or kwargs or any(type(a) not in plain_types for a in args):
+                    # 3. the signature's executable for these leaves, copies of what it donates
+                    plan = plan_static_leaves(of, (), (), args, kwargs)
+                    if plan is not None:
+                        return plan
                 plan = plan_kept(of, args, kwargs, site)  # 4. nothing donated
                 if not kwargs and not plan.copies and len(site.kept) < FAST_ENTRIES:
                     key = kept_key(args)
@@ -239,9 +245,17 @@ def make_dispatch(of: OptimizedFunction) -> Callable[..., CallPlan]:
                         return hit
                 proof = site.proof
                 if proof.matches(args, kwargs, shift):  # else positions mean other arguments
-                    split = split_if_static(args, kwargs, static_argnums, static_argnames)
-                    if split is not None:  # 3.
-                        return of._static_leaf_plan(split)
+                    if not flat_ok or kwargs or any(type(a) not in plain_types for a in args):
+                        plan = plan_static_leaves(  # 3.
+                            of,
+                            proof.positions,
+                            proof.names,
+                            args,
+                            kwargs,
+                            callsite.BOUND_BASES if shift else None,
+                        )
+                        if plan is not None:
+                            return plan
                     return plan_donating(  # 4.
                         of,
                         proof.positions,
@@ -345,6 +359,57 @@ def plan_donating(
         of._fall_back(e, "donation")
         d, pos, nms = program.decide((positions, names)), (), ()
     return _plan_for(of, program, d, pos, nms)
+
+
+def plan_static_leaves(
+    of: OptimizedFunction,
+    positions: tuple,
+    names: tuple,
+    args: tuple,
+    kwargs: dict,
+    bases: tuple | None = None,
+) -> CallPlan | None:
+    """The plan of a donating call site whose arguments hold non-array leaves (an equinox
+    module's activation function), or None when they hold none.
+
+    Donated exactly as the same call with array leaves only: the function for these static
+    leaves traces its program, which decides what its one executable donates; the reference
+    checks run on the caller's own arguments (static leaves skipped: they are constants of the
+    program), before the split trees exist, since those hold the arguments too.
+    """
+    policy = of._policy
+    split = split_if_static(args, kwargs, policy.static_argnums, policy.static_argnames)
+    if split is None:
+        return None
+    sub = of._static_leaf_fn(split.key)
+    if _compat.jit_disabled() or _compat.debug_nans_enabled():
+        return of._static_leaf_plan(split)
+    program = sub._program_for_call(split.args, split.kwargs)
+    if program is None:
+        return of._static_leaf_plan(split)
+    del split  # its trees hold the arguments: the reference counts below must not see them
+    if policy.has_static:
+        static = _trace.normalize_static(policy.static_argnums, len(args))
+        positions = tuple(p for p in positions if p not in static)
+        names = tuple(n for n in names if n not in policy.static_argnames)
+    pos = nms = ()
+    try:
+        if host_callbacks(program.final):  # "safe" never donates into callbacks
+            d = program.decide(((), ()))
+        else:
+            d = program.decide((positions, names))
+            pos = tuple(p for p in positions if p in d[0])
+            nms = tuple(n for n in names if n in d[1])
+            if pos or nms:
+                pos, nms, _reasons = callsite.donation_checks(
+                    args, kwargs, pos, nms, check_refs=True, bases=bases, exclude=program.const_ids
+                )
+    except Exception as e:  # noqa: BLE001 - donation is an optimization; never break the call
+        of._fall_back(e, "donation")
+        d, pos, nms = program.decide((positions, names)), (), ()
+    split = split_if_static(args, kwargs, policy.static_argnums, policy.static_argnames)
+    assert split is not None  # the same arguments as above
+    return _plan_for(sub, program, d, pos, nms)._replace(static=split, static_fn=sub, direct=False)
 
 
 def plan_kept(of: OptimizedFunction, args: tuple, kwargs: dict, site: Any) -> CallPlan:

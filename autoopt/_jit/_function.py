@@ -482,8 +482,13 @@ class OptimizedFunction:
         """Execute a plan (``__call__`` inlines the common case)."""
         split = plan.static
         if split is not None:
-            sub = plan.jit
-            out = sub._run(sub._dispatch(None, split.args, split.kwargs), split.args, split.kwargs)
+            sub = plan.static_fn
+            if sub is None:  # the function for these leaves plans the call itself
+                sub = plan.jit
+                inner = sub._dispatch(None, split.args, split.kwargs)
+            else:  # planned by the caller's site (``plan_static_leaves``)
+                inner = plan._replace(static=None, static_fn=None)
+            out = sub._run(inner, split.args, split.kwargs)
             return _static_leaves.outputs_put_back(
                 sub.__wrapped__,
                 split,

@@ -35,7 +35,13 @@ import executing
 import jax
 import numpy as np
 
-from autoopt._compat import ARRAY_IMPL, debug_nans_enabled, flatten_one_level, is_tracer
+from autoopt._compat import (
+    ARRAY_IMPL,
+    debug_nans_enabled,
+    flatten_one_level,
+    is_tracer,
+    jit_accepts_leaf,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -530,12 +536,27 @@ def _leaf_problem(obj, seen: set[int], check_refs: bool = True) -> str | None:
     for kid, count in zip(kids, counts):
         if kid is None:  # an empty node (a None field): no buffer, and None is shared by all
             continue
+        if _static_leaf(kid):  # passed as a constant of the program, never donated
+            continue
         if check_refs and count > base:
             return "a part of it is also referenced from elsewhere"
         why = _leaf_problem(kid, seen, check_refs)
         if why is not None:
             return why
     return None
+
+
+def _static_leaf(x) -> bool:
+    """A leaf jax.jit cannot trace (an equinox module's activation function, a string): the
+    call path makes it static (``_jit._static_leaves``), so it holds no buffer to donate and
+    other references to it do not matter."""
+    if isinstance(x, _HOST_SCALARS) or isinstance(x, jax.Array):
+        return False
+    if type(x) in _BUILTIN_NODES or not jax.tree_util.treedef_is_leaf(
+        jax.tree_util.tree_structure(x)
+    ):
+        return False
+    return not hasattr(x, "__jax_array__") and not jit_accepts_leaf(x)
 
 
 def _add_leaf_ids(value, seen: set[int]) -> None:
