@@ -266,3 +266,44 @@ def test_a_call_that_must_not_donate_passes_copies_and_keeps_its_arguments():
     assert compiles.count == 0
     assert not keep_p.is_deleted() and not keep_s.is_deleted()
     np.testing.assert_array_equal(out[0], jnp.ones(8) * 0.9)
+
+
+def _keyed_step(state):
+    return {
+        "w": state["w"] * 0.5,
+        "n": state["n"] + 1.0,
+        "key": jax.random.split(state["key"])[0],
+        "pinned": state["pinned"] - 1,
+    }
+
+
+def _keyed_state():
+    return {
+        "w": jnp.ones(8),
+        "n": jax.device_put(1.0),  # weak-typed
+        "key": jax.random.key(0),
+        "pinned": jax.device_put(jnp.arange(4), jax.devices()[0]),  # committed
+    }
+
+
+def test_many_calls_that_must_not_donate_keep_their_arguments_and_the_one_executable():
+    # Past autoopt._jit._dispatch.COPIES_BEFORE_COMPILING, the copies are made by a compiled
+    # copy instead of device_put: same values, avals, committedness, no recompile of the step.
+    fast = autoopt.optimize(_keyed_step, fallback="raise")
+    state = fast(_keyed_state())  # decides the executable: it donates the state
+    kept = _keyed_state()
+    expected = jax.jit(_keyed_step)(_keyed_state())
+    with _CompileCount("_keyed_step") as compiles:
+        outs = [fast(kept) for _ in range(40)]
+    assert compiles.count == 0
+    assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(kept))
+    for out in (outs[0], outs[-1]):
+        for k in expected:
+            e, g = expected[k], out[k]
+            assert (e.aval, e.committed) == (g.aval, g.committed), k
+            np.testing.assert_array_equal(
+                jax.random.key_data(e) if k == "key" else e,
+                jax.random.key_data(g) if k == "key" else g,
+            )
+    state = fast(state)  # the rebinding site still donates
+    assert float(state["w"][0]) == 0.25

@@ -354,7 +354,7 @@ def plan_donating(
                     exclude=program.const_ids,
                 )
         if fast is not None and not kwargs and len(fast) < FAST_ENTRIES:
-            remember_fast(of, fast, program, positions, args, unpack)
+            remember_fast(of, fast, program, positions, args, unpack, check_refs)
     except Exception as e:  # noqa: BLE001 - donation is an optimization; never break the call
         of._fall_back(e, "donation")
         d, pos, nms = program.decide((positions, names)), (), ()
@@ -461,6 +461,7 @@ def remember_fast(
     positions: tuple,
     args: tuple,
     unpack: int | None,
+    check_refs: bool,
 ) -> None:
     """Record, for a call of positional arguments whose leaves are all jax arrays, Python
     scalars or NumPy arrays, the plan for its signature.
@@ -473,6 +474,8 @@ def remember_fast(
     if callsite.is_flat(args):
         sig = callsite.flat_signature(args)
         is_donatable: Callable = callsite.is_array
+    elif check_refs and (shallow := callsite.shallow_signature(args)) is not None:
+        sig, is_donatable = shallow, callsite.all_array_leaves  # as fast_hit computes it
     else:
         tree = callsite.tree_signature(args)
         if tree is None:
@@ -510,8 +513,7 @@ def _holds_arrays(x: Any) -> bool:
 
 def with_copies(args: tuple, kwargs: dict, copies: tuple) -> tuple[tuple, dict]:
     """The arguments with every jax array under ``copies`` (positions, names) replaced by a
-    device copy, made in one ``jax.device_put`` (no compile, unlike ``jnp.copy``; and it raises
-    jax's own error for a deleted array)."""
+    fresh device copy (``device_copies``)."""
     positions, names = copies
     keys = [p for p in positions if p < len(args)] + [n for n in names if n in kwargs]
     picked = {k: args[k] if isinstance(k, int) else kwargs[k] for k in keys}
@@ -519,10 +521,45 @@ def with_copies(args: tuple, kwargs: dict, copies: tuple) -> tuple[tuple, dict]:
     at = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
     if not at:
         return args, kwargs
-    copied = jax.device_put([leaves[i] for i in at], may_alias=False)
+    copied = device_copies([leaves[i] for i in at])
     for i, c in zip(at, copied):
         leaves[i] = c
     picked = jax.tree_util.tree_unflatten(treedef, leaves)
     args = tuple(picked.get(i, a) for i, a in enumerate(args))
     kwargs = {k: picked.get(k, v) for k, v in kwargs.items()}
     return args, kwargs
+
+
+# Copies of one set of arrays (by aval) made by ``jax.device_put`` before a compiled copy takes
+# over: device_put compiles nothing but costs tens of jit dispatches per small array, a compiled
+# copy one dispatch after a compile of tens of milliseconds (benchmarks/RESULTS.md, "kept").
+COPIES_BEFORE_COMPILING = 16
+_copy_counts: dict[tuple, int] = {}
+_compiled_copy: Any = None
+
+
+def _copy_all(xs: list) -> list:
+    import jax.numpy as jnp
+
+    return [jnp.copy(x) for x in xs]
+
+
+def device_copies(arrays: list) -> list:
+    """Fresh device buffers holding ``arrays``' values, with their shardings and committedness
+    (a deleted array raises jax's own error). The first ``COPIES_BEFORE_COMPILING`` copies of
+    a set of single-device arrays go through ``jax.device_put(may_alias=False)``, later ones
+    through one compiled copy; multi-device arrays always through ``device_put``, whose result
+    keeps their sharding exactly (a compiled copy's sharding is XLA's choice)."""
+    global _compiled_copy
+    if not all(isinstance(x.sharding, jax.sharding.SingleDeviceSharding) for x in arrays):
+        return jax.device_put(arrays, may_alias=False)
+    key = tuple(x.aval for x in arrays)
+    count = _copy_counts.get(key, 0)
+    if count < COPIES_BEFORE_COMPILING:
+        if len(_copy_counts) >= 4096:  # many sets of leaves seen once: forget them
+            _copy_counts.clear()
+        _copy_counts[key] = count + 1
+        return jax.device_put(arrays, may_alias=False)
+    if _compiled_copy is None:
+        _compiled_copy = jax.jit(_copy_all)
+    return _compiled_copy(arrays)
