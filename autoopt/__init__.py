@@ -12,8 +12,9 @@ from autoopt._jit import OptimizedFunction, explain, optimize
 from autoopt.patch import patch
 from autoopt.report import Finding, Report
 
-if TYPE_CHECKING:  # for type checkers: at run time __getattr__ below imports it when asked
+if TYPE_CHECKING:  # for type checkers: at run time __getattr__ below imports them when asked
     from autoopt import testing
+    from autoopt.passes.in_place.window import update_window
 
 __all__ = [
     "optimize",
@@ -24,6 +25,7 @@ __all__ = [
     "Finding",
     "AutooptWarning",
     "testing",
+    "update_window",
 ]
 
 __version__ = "0.1.0"
@@ -36,6 +38,10 @@ def __getattr__(name):
         import importlib
 
         return importlib.import_module("autoopt.testing")
+    if name == "update_window":
+        from autoopt.passes.in_place.window import update_window
+
+        return update_window
     if name in ("prefetch", "constant"):
         import importlib
 

@@ -29,12 +29,16 @@ from jax import lax
 import autoopt
 
 BLOCK = 64
+WINDOW = 8
+TILE = 64
 
 
 def workloads(n: int, loop_n: int):
     """name -> (naive, expert, make_state, make_args(j), reps)."""
     row = jnp.linspace(0.0, 1.0, n, dtype=jnp.float32)
     block = jnp.ones((BLOCK, n), jnp.float32)
+    window = jnp.full((WINDOW, n), 2.0, jnp.float32)
+    tile = jnp.full((WINDOW, TILE), 0.5, jnp.float32)
     big = lambda: jnp.zeros((n, n), jnp.float32)  # noqa: E731
     loop_row = jnp.linspace(0.0, 1.0, loop_n, dtype=jnp.float32)
 
@@ -72,6 +76,22 @@ def workloads(n: int, loop_n: int):
             big,
             lambda j: ((j * BLOCK) % (n - BLOCK),),
             50,
+        ),
+        f"{WINDOW}-row window `x.at[i + arange({WINDOW})].set(w)`": (
+            lambda x, i: x.at[i + jnp.arange(WINDOW)].set(window),
+            lambda x, i: lax.dynamic_update_slice(x, window, (i, 0)),
+            big,
+            lambda j: ((j * 37) % (n - WINDOW),),
+            100,
+        ),
+        f"{WINDOW}x{TILE} tile `x.at[i + arange({WINDOW})[:, None], j + arange({TILE})]`": (
+            lambda x, i, k: x.at[i + jnp.arange(WINDOW)[:, None], k + jnp.arange(TILE)].add(tile),
+            lambda x, i, k: lax.dynamic_update_slice(
+                x, lax.dynamic_slice(x, (i, k), (WINDOW, TILE)) + tile, (i, k)
+            ),
+            big,
+            lambda j: ((j * 37) % (n - WINDOW), (j * 101) % (n - TILE)),
+            100,
         ),
         "scalar `x.at[i, j].set(v)`": (
             lambda x, i, k: x.at[i, k].set(1.5),

@@ -246,3 +246,30 @@ def test_a_fresh_token_each_call_is_one_signature():
         t, x = f(jax.lax.create_token(), x)
     assert len(traces) == 1  # jax.jit traces once; a token taken as static compiled each call
     assert (x == 5).all()
+
+
+def test_a_second_eager_grad_finds_the_first_ones_backward():
+    # equinox's test_ad::test_grad_jit_new: under jax.jit a custom_vjp's backward is traced
+    # once for two jax.grad calls (JAX caches the transposed program of the jit's trace); the
+    # second call must go to the same jit object as the first.
+    traces = 0
+
+    @jax.custom_vjp
+    def f(x):
+        return x
+
+    def fwd(x):
+        return x, None
+
+    def bwd(_, g):
+        nonlocal traces
+        traces += 1
+        return (g + 2,)
+
+    f.defvjp(fwd, bwd)
+    x = jnp.array(1.0)
+    with autoopt.patch(fallback="raise"):  # how the equinox suite runs it (autoopt run)
+        fast = jax.jit(f)
+        assert jax.grad(fast)(x) == 3
+        assert jax.grad(fast)(x) == 3
+    assert traces == 1

@@ -195,6 +195,29 @@ def test_window_update_keeps_the_scatter_for_out_of_bounds_starts():
     assert cmd.outcomes == {0: None}
 
 
+def test_a_blended_window_becomes_one_update_window_call():
+    cmd = assert_codemod(
+        ScatterToDUSCommand,
+        """\
+        import jax.numpy as jnp
+
+        def f(x, i, b):
+            x = x.at[i + jnp.arange(8)].add(b)  # a running window
+            return x.at[jnp.arange(i, i + 4)].set(0.0)
+        """,
+        """\
+        import jax.numpy as jnp
+        import autoopt
+
+        def f(x, i, b):
+            x = autoopt.update_window(x, i, b, size=8, op="add")  # a running window
+            return autoopt.update_window(x, i, 0.0, size=4)
+        """,
+        [F("scatter_to_dus", 4, guard="blend"), F("scatter_to_dus", 5, guard="blend")],
+    )
+    assert cmd.outcomes == {0: None, 1: None}
+
+
 def test_scalar_fill_is_broadcast_to_the_row_and_cast_to_the_array_dtype():
     assert_codemod(
         ScatterToDUSCommand,
@@ -285,23 +308,24 @@ def _load(code: str, name: str, tmp_path):
     return mod
 
 
-@pytest.mark.parametrize("guard", ["cond", "select"])
+@pytest.mark.parametrize("guard", ["cond", "select", "blend"])
 def test_rewritten_updates_give_the_same_numbers_for_every_index(guard, tmp_path):
     lines = [i + 1 for i, s in enumerate(SCATTER_FNS.splitlines()) if ".at[" in s]
     new = rewrite_code(SCATTER_FNS, [F("scatter_to_dus", n, guard=guard) for n in lines]).code
     assert ".at[i].set" not in new
-    assert new.count("lax.cond(") == (5 if guard == "cond" else 0)
+    assert new.count("lax.cond(") == (5 if guard == "cond" else 3 if guard == "blend" else 0)
     assert new.count("jnp.where(") == (3 if guard == "select" else 0)
+    assert new.count("autoopt.update_window(") == (2 if guard == "blend" else 0)
     before = _load(SCATTER_FNS, "scatter_before", tmp_path)
     after = _load(new, f"scatter_after_{guard}", tmp_path)
     x = jnp.arange(8 * 2, dtype=jnp.float32).reshape(8, 2)
     row, block = jnp.array([-5.0, 7.0]), jnp.full((3, 2), 3.0)
     cases = [("row_set", row), ("row_add", row), ("row_max", row)]
-    if guard == "cond":
+    if guard != "select":
         cases += [("window_set", block), ("window_mul", block)]
     for name, v in cases:
         ref, got = jax.jit(getattr(before, name)), jax.jit(getattr(after, name))
-        for i in (-9, -8, -3, -1, 0, 3, 5, 6, 7, 8, 100):
+        for i in (-100, -11, -10, -9, -8, -3, -2, -1, 0, 3, 5, 6, 7, 8, 9, 100):
             np.testing.assert_array_equal(ref(x, i, v), got(x, i, v), err_msg=f"{name} at {i}")
 
 

@@ -215,7 +215,13 @@ def make_dispatch(of: OptimizedFunction) -> Callable[..., CallPlan]:
             split = split_if_static(args, kwargs, static_argnums, static_argnames)
             if split is not None:
                 return of._static_leaf_plan(split)
-            if caches.watch_autodiff and _compat.eager_autodiff((args, kwargs)):
+            # Once an eager-autodiff jit exists, such calls keep going to it after the watch
+            # stops: a second jax.grad of the function must find JAX's caches of the first
+            # (its linearized and transposed programs belong to that jit's trace; a custom_vjp's
+            # backward is traced once, as under jax.jit).
+            if (
+                caches.watch_autodiff or caches.eager_ad_jit is not None
+            ) and _compat.eager_autodiff((args, kwargs)):
                 return CallPlan(of._eager_ad_jit())
             if nested:
                 return CallPlan(of._nested_jit())

@@ -10,9 +10,10 @@ Programs are valid by construction: the builder tracks the abstract value of eve
 (``jax.eval_shape`` of each statement), so each op picks operands of shapes and dtypes it
 accepts, and ``fit`` coerces the rest. What the programs exercise: elementwise ops, broadcasts,
 ``dot_general``, reductions, reshapes and transposes, ``.at[...]`` updates whose indices are in
-and out of bounds, negative, contiguous windows or strided, static or traced, dynamic slices and
-updates, ``cond``/``switch``, ``scan``, ``fori_loop``, ``while_loop``, ``jax.grad`` and
-``jax.vmap`` of nested blocks, pytree inputs and outputs, and the dtypes f32, bf16, i32 and bool.
+and out of bounds, negative, contiguous windows (rows, blocks, 2-D tiles) or strided, static
+or traced, dynamic slices and updates, ``cond``/``switch``, ``scan``, ``fori_loop``,
+``while_loop``, ``jax.grad`` and ``jax.vmap`` of nested blocks, pytree inputs and outputs, and
+the dtypes f32, bf16, i32 and bool.
 
 NB: the analogue is the "random program" half of Csmith/YARPGen-style compiler fuzzing; the
 reference is always the same source under plain ``jax.jit``.
@@ -643,7 +644,9 @@ class _Builder:
         """An index expression for ``x[...]``/``x.at[...]`` on a value of aval ``a``; updates
         may select nothing (``allow_empty``), reads may not."""
         n = a.shape[0]
-        form = self.choice(["int", "slice", "dynamic", "array", "block", "tuple", "ellipsis"])
+        form = self.choice(
+            ["int", "slice", "dynamic", "array", "block", "tuple", "ellipsis", "tile"]
+        )
         if form == "int":
             return str(self.integers(-n - 2, n + 1))
         if form == "slice":
@@ -656,6 +659,10 @@ class _Builder:
             return f"jnp.array({vals!r})"
         if form == "block":  # a window of k rows at a traced start: x.at[i + jnp.arange(k)]
             return f"{self.dyn_scalar(n)} + jnp.arange({self.integers(1, n + 1)})"
+        if form == "tile" and a.ndim >= 2:  # a 2-D tile at traced starts (issue 18)
+            m = a.shape[1]
+            rows = f"{self.dyn_scalar(n)} + jnp.arange({self.integers(1, n + 1)})[:, None]"
+            return f"{rows}, {self.dyn_scalar(m)} + jnp.arange({self.integers(1, m + 1)})"
         if form == "tuple" and a.ndim >= 2:
             m = a.shape[1]
             parts = {
@@ -819,6 +826,7 @@ class _Builder:
                 f"{n - 1} - i",
                 "2 * i",
                 f"i * {k} + jnp.arange({k})",
+                f"{self.dyn_scalar(n)} + i * {k} + jnp.arange({k})",  # a window at a traced start
                 f"(i + {self.integers(0, 2)}) % {n}",
             ]
         )

@@ -49,6 +49,7 @@ Decisions are taken before any re-trace, so a program with nothing to rewrite is
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -128,23 +129,32 @@ class _Window:
     """The box of the operand that every point of a scatter/gather together covers.
 
     ``sizes[d]`` is the box's extent on operand dim ``d``; ``dims[c]`` the operand dim that index
-    component ``c`` addresses. ``block`` is ``(point axis, component)`` when the points are
-    consecutive along one dim (``i + arange(k)``), None for a single point. ``proven[c]``: range
-    analysis shows component ``c`` in bounds at every point; ``wrapped``: the block's component
-    went through negative-index normalization and must be checked contiguous at run time.
+    component ``c`` addresses. ``blocks`` holds ``(point axis, component)`` for each axis along
+    which the points are consecutive on one dim (``i + arange(k)``: one; a 2-D tile
+    ``x.at[i + arange(k)[:, None], j + arange(m)]``: two), none for a single point.
+    ``proven[c]``: range analysis shows component ``c`` in bounds at every point; ``wrapped[b]``:
+    block ``b``'s component went through negative-index normalization (row by row), so its rows
+    are contiguous only when checked at run time.
     """
 
     sizes: tuple[int, ...]
     dims: tuple[int, ...]
     n_points: int
-    block: tuple[int, int] | None
+    blocks: tuple[tuple[int, int], ...]
     proven: tuple[bool, ...]
-    wrapped: bool
+    wrapped: tuple[bool, ...]
     exact: tuple[int | None, ...]  # a component known to be one constant (its first value)
+    batch: tuple[int, ...] = ()  # the index array's point axes
+
+    @property
+    def block(self) -> tuple[int, int] | None:
+        """The one block of a 1-D window, None for a single point or a tile: the forms that
+        take one block only (a guarded gather) check this."""
+        return self.blocks[0] if len(self.blocks) == 1 else None
 
     @property
     def all_proven(self) -> bool:
-        return all(self.proven) and not (self.wrapped and self.block is not None)
+        return all(self.proven) and not any(self.wrapped)
 
 
 def _plan(
@@ -165,13 +175,8 @@ def _plan(
         raise _Decline("the structure of the index array is unknown")
     sizes = list(point_sizes)
     varying = [a for a, n in enumerate(batch) if n > 1]
-    block = None
-    if len(varying) > 1:
-        raise _Decline(
-            f"the indices vary along {len(varying)} axes, so they are not one contiguous window"
-        )
-    if varying:
-        a = varying[0]
+    blocks: list[tuple[int, int]] = []
+    for a in varying:
         k = batch[a]
         strides = [c.form.strides[a] if c.form is not None else None for c in comps]
         if None in strides:
@@ -191,6 +196,8 @@ def _plan(
             raise _Decline(f"the indices are {what}, not one contiguous ascending window")
         c = moving[0]
         d = dims[c]
+        if any(c == b for _, b in blocks):
+            raise _Decline("one index component moves along two axes: the points are not a box")
         if sizes[d] != 1:
             raise _Decline("the windows of consecutive indices overlap")
         if k > operand_shape[d]:
@@ -201,12 +208,13 @@ def _plan(
         if np.iinfo(indices.aval.dtype).max < operand_shape[d]:
             raise _Decline(f"its {indices.aval.dtype} indices can wrap around inside the block")
         sizes[d] = k
-        block = (a, c)
+        blocks.append((a, c))
+    block_comps = {c for _, c in blocks}
     proven = []
     for c, comp in enumerate(comps):
         d = dims[c]
         r = comp.range
-        if block is not None and c == block[1]:
+        if c in block_comps:
             ok = (
                 r is not None
                 and comp.form is not None
@@ -216,14 +224,16 @@ def _plan(
         else:
             ok = r is not None and r.within(0, operand_shape[d] - point_sizes[d])
         proven.append(ok)
-    block_form = comps[block[1]].form if block is not None else None
-    wrapped = block_form is not None and block_form.wrapped
+    # A block component has a form (its strides made it a block).
+    wrapped = tuple(bool(getattr(comps[c].form, "wrapped", False)) for _, c in blocks)
     n_points = int(np.prod(batch, dtype=np.int64)) if batch else 1
     exact = tuple(
-        c.range.exact if c.range is not None and (block is None or i != block[1]) else None
+        c.range.exact if c.range is not None and i not in block_comps else None
         for i, c in enumerate(comps)
     )
-    return _Window(tuple(sizes), tuple(dims), n_points, block, tuple(proven), wrapped, exact)
+    return _Window(
+        tuple(sizes), tuple(dims), n_points, tuple(blocks), tuple(proven), wrapped, exact, batch
+    )
 
 
 # --- emitting --------------------------------------------------------------------------------
@@ -234,18 +244,22 @@ def _scalar(flat, point: int, c: int):
 
 
 def _first_values(idx, w: _Window):
-    """The index components of the window's first point, and of the block's last point."""
+    """The index components of the window's first point, and for each block component
+    ``{component: its value at the block's last point}`` (the other point axes at 0)."""
     k = len(w.dims)
-    if all(e is not None for e in w.exact) and w.block is None:
-        return [np.asarray(e, idx.dtype) for e in w.exact], None
+    if all(e is not None for e in w.exact) and not w.blocks:
+        return [np.asarray(e, idx.dtype) for e in w.exact], {}
     if w.n_points == 1 and k == 1:
-        return [lax.reshape(idx, ())], None
+        return [lax.reshape(idx, ())], {}
     flat = lax.reshape(idx, (w.n_points, k))
     first = [
         _scalar(flat, 0, c) if w.exact[c] is None else np.asarray(w.exact[c], idx.dtype)
         for c in range(k)
     ]
-    last = _scalar(flat, w.n_points - 1, w.block[1]) if w.block is not None else None
+    last = {}
+    for a, c in w.blocks:
+        stride = int(np.prod(w.batch[a + 1 :], dtype=np.int64))
+        last[c] = _scalar(flat, (w.batch[a] - 1) * stride, c)
     return first, last
 
 
@@ -256,13 +270,19 @@ def _fill_index_dtype(shape) -> np.dtype:
     return np.dtype(jax.dtypes.canonicalize_dtype(np.int64 if big else np.int32))
 
 
-def _in_bounds(first, last, w: _Window, shape):
-    """Traced bool: every point's window is in bounds (and the block contiguous)."""
+def _in_bounds(first, last, w: _Window, shape, skip_blocks: bool = False):
+    """Traced bool: every point's window is in bounds (and each block contiguous).
+    ``skip_blocks``: the components other than the blocks' only (``_blend`` checks the blocks'
+    rows itself)."""
     dtype = np.dtype(first[0].dtype) if first else np.dtype(np.int32)
     info = np.iinfo(dtype)
+    wrapped = {c for (_, c), wr in zip(w.blocks, w.wrapped) if wr}
+    block_comps = {c for _, c in w.blocks}
     conds = []
     for c, v in enumerate(first):
-        if w.proven[c] and not (w.block is not None and c == w.block[1] and w.wrapped):
+        if skip_blocks and c in block_comps:
+            continue
+        if w.proven[c] and c not in wrapped:
             continue
         d = w.dims[c]
         hi = shape[d] - w.sizes[d]
@@ -270,10 +290,10 @@ def _in_bounds(first, last, w: _Window, shape):
             conds.append(lax.ge(v, np.zeros((), dtype)))
         if hi < info.max:
             conds.append(lax.le(v, np.asarray(hi, dtype)))
-    if w.block is not None and w.wrapped:
-        c = w.block[1]
-        span = np.asarray(w.n_points - 1, dtype)
-        conds.append(lax.eq(last, lax.add(first[c], span)))
+    for a, c in w.blocks:
+        if c in wrapped and not skip_blocks:
+            span = np.asarray(w.batch[a] - 1, dtype)
+            conds.append(lax.eq(last[c], lax.add(first[c], span)))
     if not conds:  # every check is vacuous for this index dtype
         return np.asarray(True)
     out = conds[0]
@@ -409,8 +429,7 @@ def _update_block(eqn: JaxprEqn, w: _Window, upd):
     dest: list[int | None] = [None] * np.ndim(upd)
     for a, d in zip(win, window_dims):
         dest[a] = d
-    if w.block is not None:
-        p, c = w.block
+    for p, c in w.blocks:
         d = w.dims[c]
         if d in window_dims:  # a size-1 window axis on the block's dim gives way to the block
             dest[win[window_dims.index(d)]] = None
@@ -470,6 +489,8 @@ _WHY = {
     "clamp": "CLIP mode: the clamped start is exactly what DUS does",
     "select": "guarded by a select over the window (the drop when out of bounds)",
     "cond": "guarded by lax.cond (out of bounds drops the update, as the scatter does)",
+    "blend": "a window at the clamped start blends the block's rows in where the scatter "
+    "writes them (rows out of bounds dropped, as the scatter drops them)",
 }
 _GATHER_WHY = {
     "none": "bounds proven by range analysis",
@@ -477,6 +498,10 @@ _GATHER_WHY = {
     "select": "a select supplies the fill value out of bounds, as jax's own lowering",
     "cond": "guarded by lax.cond (out of bounds keeps the original gather)",
 }
+
+
+def x_shape(eqn: JaxprEqn) -> tuple[int, ...]:
+    return tuple(_jaxpr.shaped(eqn.invars[0]).shape)
 
 
 def _decide_scatter(facts: _ranges.Facts, consumes: set, backend: str, eqn: JaxprEqn) -> _Decision:
@@ -487,16 +512,22 @@ def _decide_scatter(facts: _ranges.Facts, consumes: set, backend: str, eqn: Jaxp
     w, combine = _scatter_plan(facts, eqn)
     if w.all_proven:
         return _Decision(w, "none", combine)
-    if mode == GatherScatterMode.CLIP and w.block is None:
+    if mode == GatherScatterMode.CLIP and not w.blocks:
         return _Decision(w, "clamp", combine)
-    if w.block is not None:
-        raise _Decline(
-            "its bounds are not proven, and a block partly out of bounds writes only its "
-            "in-bounds rows: every exact guard measured on XLA:CPU costs as much as the "
-            "scatter (a lax.cond whose other branch writes makes XLA copy the buffer). "
-            "Clamp the start (`jnp.clip(i, 0, n - k) + jnp.arange(k)`) so range analysis "
-            "proves it, or write lax.dynamic_update_slice"
-        )
+    if w.blocks:
+        if mode == GatherScatterMode.CLIP:
+            raise _Decline(
+                "its bounds are not proven, and in CLIP mode every row of the block is clamped "
+                "on its own: rows past an edge all land on the edge row (duplicate indices), "
+                "which no single window writes"
+            )
+        n = max(x_shape(eqn)[w.dims[c]] for _, c in w.blocks)
+        if 2 * n > _INT32_MAX:
+            raise _Decline(
+                f"its bounds are not proven, and its axis of {n} is too long for the blend's "
+                "int32 row arithmetic"
+            )
+        return _Decision(w, "blend", combine)
     once = not facts.in_loop(eqn) and eqn.outvars[0] in consumes
     return _Decision(w, "cond" if (once and backend == "cpu") else "select", combine)
 
@@ -513,6 +544,8 @@ def _decide_gather(facts: _ranges.Facts, eqn: JaxprEqn) -> _Decision | None:
     try:
         w = _plan(facts, eqn.invars[1], x.shape, slice_sizes, dims)
     except _Decline:
+        return None
+    if len(w.blocks) > 1:  # a tile read: not rewritten (the reads here are of rows)
         return None
     fill = mode == GatherScatterMode.FILL_OR_DROP
     if w.all_proven:
@@ -541,6 +574,8 @@ def _emit_scatter(eqn: JaxprEqn, invals, plan: _Decision):
 
     if guard in ("none", "clamp"):
         return write(x, upd, _starts(first, w, len(shape), shape if guard == "clamp" else None))
+    if guard == "blend":
+        return _blend(x, upd, first, last, w, shape, combine)
     ok = _in_bounds(first, last, w, shape)
     if guard == "select":
         starts = _starts(first, w, len(shape))
@@ -553,6 +588,95 @@ def _emit_scatter(eqn: JaxprEqn, invals, plan: _Decision):
         return write(x, upd, _starts(first, w, len(shape)))
 
     return lax.cond(ok, fast, lambda x, upd, *first: x, x, upd, *first)
+
+
+def _blend(x, upd, first, last, w: _Window, shape, combine):
+    """A block ``x.at[i + arange(k)]`` (or a tile, a block along each of several dims) whose
+    bounds are not proven, written exactly and without a branch: a window of k rows at the
+    clamped start ``s = clip(i, 0, n - k)`` blends the rows already there (``dynamic_slice`` at
+    ``s``) with the update's rows at the positions the scatter writes, ``i <= p < i + k`` (a
+    ``select``). Rows out of bounds are dropped as the scatter drops them: they are not in the
+    window. Negative indices were normalized by jnp row by row (``-1`` is row ``n - 1``): a
+    block straddling 0 writes two runs of rows, the one ending at ``n - 1`` and the one starting
+    at 0, told apart at run time by its last index and written as two blends (a tile: one per
+    combination of its dims' runs). A combiner (add, min, ...) is applied to the window's rows,
+    so positions outside the block keep their values exactly. Every other index component is
+    one value for all points: out of bounds, nothing is written.
+    """
+    others = _in_bounds(first, last, w, shape, skip_blocks=True)
+    runs_per_dim = []  # (operand dim, its length, block length, the run starts (int32))
+    for (_, c), wrapped in zip(w.blocks, w.wrapped):
+        d = w.dims[c]
+        n, k = shape[d], w.sizes[d]
+        a = first[c]
+        dtype = np.dtype(a.dtype)
+        # Only the start's position relative to [-k, n] matters: clamped there it fits int32.
+        lo = np.asarray(-k if np.iinfo(dtype).min < 0 else 0, dtype)
+        start = lax.convert_element_type(lax.clamp(lo, a, np.asarray(n, dtype)), np.int32)
+        starts = [start]
+        if wrapped:
+            # The raw rows i + j straddle 0 when the first went through the normalization
+            # (a = i + n) and the last did not (last = i + k - 1 >= 0): the run before the wrap
+            # ends at row n - 1 and the one after starts at 0. The first start ``a`` writes the
+            # former (its rows past n - 1 are not in a window), the second, ``a - n``, the
+            # latter. Otherwise one run at ``a`` (a second start of -k writes nothing),
+            # including a raw ``i + j`` that overflowed the index dtype: its rows from the
+            # overflow on are negative, and dropped.
+            straddles = lax.bitwise_and(
+                lax.eq(
+                    last[c],
+                    lax.sub(lax.add(a, np.asarray(k - 1, dtype)), np.asarray(n, dtype)),
+                ),
+                lax.ge(last[c], np.zeros((), dtype)),
+            )
+            starts.append(
+                lax.select(straddles, lax.sub(start, np.int32(n)), np.asarray(-k, np.int32))
+            )
+        runs_per_dim.append((d, n, k, starts))
+    base = _starts(first, w, len(shape))
+    box = tuple(w.sizes)
+    # Row ``k + shift + t`` of the update stacked three times is row ``shift + t`` of the
+    # update, for every shift at which a row is written (|shift| < k).
+    stacked = upd
+    for d, _, _, _ in runs_per_dim:
+        stacked = lax.concatenate([stacked, stacked, stacked], d)
+    for combo in itertools.product(*(starts for *_, starts in runs_per_dim)):
+        at = list(base)
+        from_at = [np.int32(0)] * len(shape)
+        valid = None
+        for (d, n, k, _), st in zip(runs_per_dim, combo):
+            s = lax.clamp(np.int32(0), st, np.int32(n - k))
+            at[d] = s
+            pos = lax.add(s, lax.broadcasted_iota(np.int32, box, d))
+            # st <= pos < st + k, without forming st + k
+            ok = lax.bitwise_and(lax.ge(pos, st), lax.lt(lax.sub(pos, np.int32(k)), st))
+            valid = ok if valid is None else lax.bitwise_and(valid, ok)
+            from_at[d] = lax.clamp(
+                np.int32(0), lax.add(np.int32(k), lax.sub(s, st)), np.int32(2 * k)
+            )
+        assert valid is not None
+        if not isinstance(others, np.ndarray):  # a traced check (np.asarray(True): none)
+            valid = lax.bitwise_and(valid, lax.broadcast(others, box))
+        cur = lax.dynamic_slice(x, at, box, allow_negative_indices=False)
+        rows = lax.dynamic_slice(stacked, from_at, box, allow_negative_indices=False)
+        new = rows if combine is None else combine(cur, rows)
+        x = lax.dynamic_update_slice(
+            x, lax.select(valid, new, cur), at, allow_negative_indices=False
+        )
+    return x
+
+
+def window_of_rows(shape: Sequence[int], size: int, wrapped: bool) -> _Window:
+    """The window of ``x.at[i + arange(size)]`` on axis 0 of an array of ``shape``
+    (``window.update_window``'s)."""
+    return _Window(
+        (size, *shape[1:]), (0,), size, ((0, 0),), (False,), (wrapped,), (None,), (size,)
+    )
+
+
+def blend_rows(x, upd, first, last, w: _Window, combine):
+    """``_blend`` of one block on axis 0, from its first and last (normalized) rows."""
+    return _blend(x, upd, [first], {0: last}, w, tuple(x.shape), combine)
 
 
 def _emit_gather(eqn: JaxprEqn, invals, plan: _Decision):
@@ -661,7 +785,7 @@ def scatter_to_dus(closed, ctx: PassContext) -> PassResult:
                 describe(eqn, plan, "x".join(map(str, w.sizes))),
                 guard=plan.guard,
                 window=w.sizes,
-                block=w.block is not None,
+                block=bool(w.blocks),
             )
             return [out]
 

@@ -5,7 +5,9 @@ The expert's in-place update, in the form the scatter_to_dus pass chose (``detai
 keeps a ``lax.cond`` bounds guard, since ``.at[i]`` drops an out-of-bounds update (mode
 ``FILL_OR_DROP``) where ``dynamic_update_slice`` clamps the start; ``"select"`` (inside loop
 bodies and off CPU, where a cond copies the buffer every iteration) writes
-``jnp.where(in_bounds, v, x[i])`` back, a no-op when out of bounds. Negative indices need no
+``jnp.where(in_bounds, v, x[i])`` back, a no-op when out of bounds; ``"blend"`` (a block
+``i + jnp.arange(k)`` whose bounds are not proven) becomes ``autoopt.update_window(x, i, v,
+size=k, op=...)``, the pass's own branch-free form behind one call. Negative indices need no
 care: ``dynamic_update_*`` normalizes them exactly as ``.at`` does. A finding without a guard
 kind gets the cond (always exact). The written value is broadcast to the window and cast to the
 array's dtype as ``.at`` does it (``_new_value``): ``dynamic_update_slice`` does neither.
@@ -37,11 +39,12 @@ _OPS = {
 
 
 def _guard_kind(details: dict) -> str:
-    """``"none"``, ``"select"`` or ``"cond"``: the guard the pass used (cond when unknown)."""
+    """``"none"``, ``"select"``, ``"blend"`` or ``"cond"``: the guard the pass used (cond when
+    unknown)."""
     guard = details.get("guard")
     if guard in ("none", "clamp"):
         return "none"
-    return "select" if guard == "select" else "cond"
+    return guard if guard in ("select", "blend") else "cond"
 
 
 def _is_gather(finding) -> bool:
@@ -257,9 +260,13 @@ class ScatterToDUSCommand(FindingCommand):
                     "a window guarded by select has no exact source form (a partly "
                     "out-of-bounds window writes its in-bounds rows)"
                 )
+            if guard == "blend":
+                return self._blended_window(at, start, size), None
             return self._window(at, original, start, size, guard), None
         if not _simple(index):
             return None, "the index is an expression; assign it to a name first"
+        if guard == "blend":  # the pass blends blocks only; a lone row gets the exact cond
+            guard = "cond"
         return self._single(at, index, guard), None
 
     def _new_value(
@@ -343,6 +350,20 @@ class ScatterToDUSCommand(FindingCommand):
             k=_paren(size),
             dus=dus,
             orig=original,
+        )
+
+    def _blended_window(self, at: _AtUpdate, start, size) -> cst.BaseExpression:
+        """``autoopt.update_window(x, i, v, size=k, op=...)``: the pass's branch-free blend of a
+        block whose bounds are not proven, behind one readable call (the inline form is a dozen
+        lines of clamps and selects)."""
+        op = "" if at.op == "set" else f', op="{at.op}"'
+        return template(
+            "{f}({x}, {i}, {v}, size={k}" + op + ")",
+            f=self.ref("autoopt.update_window"),
+            x=at.base,
+            i=start,
+            v=at.value,
+            k=size,
         )
 
     def _static_slice(self, at: _AtUpdate, slc: cst.Slice):
