@@ -604,7 +604,8 @@ def _blend(x, upd, first, last, w: _Window, shape, combine):
     one value for all points: out of bounds, nothing is written.
     """
     others = _in_bounds(first, last, w, shape, skip_blocks=True)
-    runs_per_dim = []  # (operand dim, its length, block length, the run starts (int32))
+    # (operand dim, its length, block length, the runs: (int32 start, traced bool or None))
+    runs_per_dim = []
     for (_, c), wrapped in zip(w.blocks, w.wrapped):
         d = w.dims[c]
         n, k = shape[d], w.sizes[d]
@@ -613,15 +614,15 @@ def _blend(x, upd, first, last, w: _Window, shape, combine):
         # Only the start's position relative to [-k, n] matters: clamped there it fits int32.
         lo = np.asarray(-k if np.iinfo(dtype).min < 0 else 0, dtype)
         start = lax.convert_element_type(lax.clamp(lo, a, np.asarray(n, dtype)), np.int32)
-        starts = [start]
+        starts = [(start, None)]
         if wrapped:
             # The raw rows i + j straddle 0 when the first went through the normalization
             # (a = i + n) and the last did not (last = i + k - 1 >= 0): the run before the wrap
             # ends at row n - 1 and the one after starts at 0. The first start ``a`` writes the
             # former (its rows past n - 1 are not in a window), the second, ``a - n``, the
-            # latter. Otherwise one run at ``a`` (a second start of -k writes nothing),
-            # including a raw ``i + j`` that overflowed the index dtype: its rows from the
-            # overflow on are negative, and dropped.
+            # latter. Otherwise one run at ``a``, including a raw ``i + j`` that overflowed the
+            # index dtype (its rows from the overflow on are negative, and dropped); the second
+            # run then rewrites the first one's window unchanged, while it is still in cache.
             straddles = lax.bitwise_and(
                 lax.eq(
                     last[c],
@@ -629,9 +630,7 @@ def _blend(x, upd, first, last, w: _Window, shape, combine):
                 ),
                 lax.ge(last[c], np.zeros((), dtype)),
             )
-            starts.append(
-                lax.select(straddles, lax.sub(start, np.int32(n)), np.asarray(-k, np.int32))
-            )
+            starts.append((lax.select(straddles, lax.sub(start, np.int32(n)), start), straddles))
         runs_per_dim.append((d, n, k, starts))
     base = _starts(first, w, len(shape))
     box = tuple(w.sizes)
@@ -644,12 +643,14 @@ def _blend(x, upd, first, last, w: _Window, shape, combine):
         at = list(base)
         from_at = [np.int32(0)] * len(shape)
         valid = None
-        for (d, n, k, _), st in zip(runs_per_dim, combo):
+        for (d, n, k, _), (st, only_if) in zip(runs_per_dim, combo):
             s = lax.clamp(np.int32(0), st, np.int32(n - k))
             at[d] = s
             pos = lax.add(s, lax.broadcasted_iota(np.int32, box, d))
             # st <= pos < st + k, without forming st + k
             ok = lax.bitwise_and(lax.ge(pos, st), lax.lt(lax.sub(pos, np.int32(k)), st))
+            if only_if is not None:
+                ok = lax.bitwise_and(ok, lax.broadcast(only_if, box))
             valid = ok if valid is None else lax.bitwise_and(valid, ok)
             from_at[d] = lax.clamp(
                 np.int32(0), lax.add(np.int32(k), lax.sub(s, st)), np.int32(2 * k)
