@@ -22,9 +22,11 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import jax
+import numpy as np
 from jax.core import ShapedArray, eval_jaxpr
 from jax.extend import source_info_util
 from jax.extend.core import (
+    AbstractToken,
     ClosedJaxpr,
     DropVar,
     Jaxpr,
@@ -99,6 +101,50 @@ def iter_eqns(
             continue
         for name, _i, sub in subjaxprs(eqn):
             yield from iter_eqns(sub, path + ((eqn.primitive.name, name),), into_opaque=into_opaque)
+
+
+def opaque_type(closed: ClosedJaxpr) -> str | None:
+    """The first abstract value in ``closed`` that is neither an array (of any dtype, extended
+    ones included) nor a token, as text, or None: a ``jax.Ref`` (mutable array, flax's
+    ``hijax``/``ref`` Variables) or another hijax type. The passes reason about arrays only,
+    and re-evaluating such a program loses the types' state: it must reach jit untouched."""
+
+    def odd(v) -> str | None:
+        aval = getattr(v, "aval", None)
+        if aval is None or isinstance(aval, ShapedArray | AbstractToken):
+            return None
+        return str(aval)
+
+    def walk(j: Jaxpr) -> str | None:
+        for v in (*j.constvars, *j.invars, *j.outvars):
+            if (why := odd(v)) is not None:
+                return why
+        for eqn in j.eqns:
+            for v in (*eqn.invars, *eqn.outvars):
+                if (why := odd(v)) is not None:
+                    return why
+            for _, _, sub in subjaxprs(eqn):
+                if (why := walk(sub.jaxpr if isinstance(sub, ClosedJaxpr) else sub)) is not None:
+                    return why
+        return None
+
+    return walk(closed.jaxpr)
+
+
+def opaque_input(leaves: Sequence[Any]) -> str | None:
+    """The type of the first leaf whose abstract value is not an array (a flax ``hijax``
+    Variable, a ``jax.Ref``), as text, or None. Such inputs cannot even be traced apart from
+    jit (their state lives in the object): jit traces the user's function itself."""
+    for x in leaves:
+        if isinstance(x, np.ndarray | np.generic | int | float | complex | bool):
+            continue
+        try:
+            aval = jax.typeof(x)
+        except Exception:  # noqa: BLE001 - not a JAX value: jit's own error comes later
+            continue
+        if not isinstance(aval, ShapedArray | AbstractToken):
+            return str(aval)
+    return None
 
 
 def const_ids(closed: ClosedJaxpr) -> frozenset[int]:

@@ -30,7 +30,7 @@ import autoopt
 
 BLOCK = 64
 WINDOW = 8
-TILE = 64
+TILE = (128, 1024)  # 512 KiB of f32: blended (window_blend_min_bytes)
 
 
 def workloads(n: int, loop_n: int):
@@ -38,7 +38,7 @@ def workloads(n: int, loop_n: int):
     row = jnp.linspace(0.0, 1.0, n, dtype=jnp.float32)
     block = jnp.ones((BLOCK, n), jnp.float32)
     window = jnp.full((WINDOW, n), 2.0, jnp.float32)
-    tile = jnp.full((WINDOW, TILE), 0.5, jnp.float32)
+    tile = jnp.full(TILE, 0.5, jnp.float32)
     big = lambda: jnp.zeros((n, n), jnp.float32)  # noqa: E731
     loop_row = jnp.linspace(0.0, 1.0, loop_n, dtype=jnp.float32)
 
@@ -84,14 +84,16 @@ def workloads(n: int, loop_n: int):
             lambda j: ((j * 37) % (n - WINDOW),),
             100,
         ),
-        f"{WINDOW}x{TILE} tile `x.at[i + arange({WINDOW})[:, None], j + arange({TILE})]`": (
-            lambda x, i, k: x.at[i + jnp.arange(WINDOW)[:, None], k + jnp.arange(TILE)].add(tile),
+        f"{TILE[0]}x{TILE[1]} tile `x.at[i + arange({TILE[0]})[:, None], j + arange({TILE[1]})]`": (
+            lambda x, i, k: x.at[i + jnp.arange(TILE[0])[:, None], k + jnp.arange(TILE[1])].add(
+                tile
+            ),
             lambda x, i, k: lax.dynamic_update_slice(
-                x, lax.dynamic_slice(x, (i, k), (WINDOW, TILE)) + tile, (i, k)
+                x, lax.dynamic_slice(x, (i, k), TILE) + tile, (i, k)
             ),
             big,
-            lambda j: ((j * 37) % (n - WINDOW), (j * 101) % (n - TILE)),
-            100,
+            lambda j: ((j * 37) % (n - TILE[0]), (j * 101) % (n - TILE[1])),
+            50,
         ),
         "scalar `x.at[i, j].set(v)`": (
             lambda x, i, k: x.at[i, k].set(1.5),

@@ -24,7 +24,9 @@ from autoopt.passes.in_place import _ranges
 from autoopt.passes.in_place._pass import _FALLBACK_SCOPE, scatter_to_dus
 from autoopt.testing import assert_equivalent
 
-CTX = PassContext(options=make_options(passes=["scatter_to_dus"]))
+# Blocks of every size are blended here (the default blends from 512 KiB up, where it beats
+# XLA:CPU's scatter): these tests are about exactness, on shapes small enough to cover densely.
+CTX = PassContext(options=make_options(passes=["scatter_to_dus"], window_blend_min_bytes=0))
 SCATTERS = {P.scatter_p, P.scatter_add_p, P.scatter_mul_p, P.scatter_min_p, P.scatter_max_p}
 DTYPES = ("float32", "bfloat16", "int32", "bool")
 
@@ -48,7 +50,9 @@ def count(closed, name: str) -> int:
 
 
 def assert_exact(fn, *args):
-    return assert_equivalent(fn, *args, exact=True, passes=["scatter_to_dus"])
+    return assert_equivalent(
+        fn, *args, exact=True, passes=["scatter_to_dus"], window_blend_min_bytes=0
+    )
 
 
 def sample(rng, shape, dtype: str):
@@ -644,3 +648,29 @@ def test_a_fill_or_drop_gather_with_a_wide_index_reads_what_jax_jit_reads(index,
         np.testing.assert_array_equal(fast(x, i), jax.jit(lookup)(x, i))
         findings = fast.inspect(x, i).findings
         assert any(f.kind == "scatter_to_dus" and f.applied for f in findings)  # it rewrote
+
+
+def test_a_small_unproven_block_stays_a_scatter_by_default_and_a_large_one_is_blended():
+    def small(x, i):
+        return x.at[i + jnp.arange(8)].set(1.0)
+
+    def large(x, i):
+        return x.at[i + jnp.arange(64)].add(1.0)
+
+    ctx = PassContext(options=make_options(passes=["scatter_to_dus"]))
+    x = jnp.zeros((256, 16))
+    result = scatter_to_dus(jax.make_jaxpr(small)(x, 3), ctx)
+    (f,) = result.findings
+    assert not f.applied and "window_blend_min_bytes" in f.message
+    big = jnp.zeros((256, 2048))  # a 64 x 2048 f32 window: 512 KiB
+    result = scatter_to_dus(jax.make_jaxpr(large)(big, 3), ctx)
+    assert [f.details["guard"] for f in result.findings if f.applied] == ["blend"]
+    for i in (-70, -63, -1, 0, 100, 192, 193, 250, 300):
+        assert_equivalent(large, big, i, exact=True, passes=["scatter_to_dus"])
+
+
+def test_window_blend_min_bytes_takes_sizes_and_refuses_nonsense():
+    assert make_options(window_blend_min_bytes="1MiB").window_blend_min_bytes == 1 << 20
+    assert make_options(window_blend_min_bytes=0).window_blend_min_bytes == 0
+    with pytest.raises((TypeError, ValueError), match="window_blend_min_bytes"):
+        make_options(window_blend_min_bytes=-5)

@@ -182,25 +182,6 @@ def _check_argnums(fn: Callable, options: Options) -> None:
             )
 
 
-def _framework_check(args: tuple, kwargs: dict) -> None:
-    """Refuse framework objects whose mutations plain jax.jit would drop without a word."""
-    nnx = sys.modules.get("flax.nnx")
-    if nnx is None:
-        return
-    base = getattr(nnx, "Pytree", None) or getattr(nnx, "Object", None)
-    if base is None:
-        return
-    for i, a in enumerate(list(args) + list(kwargs.values())):
-        if isinstance(a, base):
-            raise TypeError(
-                f"Argument {i} is a flax.nnx {type(a).__name__}. Functions that mutate nnx objects "
-                "lose those updates under jax.jit and under autoopt.optimize. Split it and pass "
-                "the state: `graphdef, state = nnx.split(model)`, inside the function "
-                "`model = nnx.merge(graphdef, state)` ... `return nnx.state(model), ...`, or use "
-                "nnx.jit for functions that mutate modules in place."
-            )
-
-
 _JAX_DIR = os.path.dirname(os.path.abspath(jax.__file__)) + os.sep
 
 
@@ -257,7 +238,11 @@ class OptimizedFunction:
             if _compat.jit_disabled():
                 # jax.jit calls us eagerly under disable_jit: run the original, as jit would.
                 return fn(*args, **kwargs)
+            if _jaxpr.opaque_input(tree_util.tree_leaves((args, kwargs))) is not None:
+                return fn(*args, **kwargs)  # a hijax Variable or a jax.Ref: as plain jax.jit
             program, leaves = self._program_for_trace(args, kwargs, eager_autodiff)
+            if program.untouched is not None:  # a jax.Ref, a hijax type: as plain jax.jit
+                return fn(*args, **kwargs)
             outs = self._evaluate(program, leaves, hoisted)
             return tree_util.tree_unflatten(program.traced.out_tree, outs)
 
@@ -340,7 +325,6 @@ class OptimizedFunction:
 
     def _build(self, args: tuple, kwargs: dict, eager_autodiff: bool = False) -> Program:
         policy, caches = self._policy, self._caches
-        _framework_check(args, kwargs)
         # The user's own errors (shape mismatches, non-array outputs) propagate unchanged, as
         # from jax.jit: they are not autoopt's to swallow.
         traced = _trace.trace_program(
@@ -362,6 +346,11 @@ class OptimizedFunction:
             if forward_plannable(traced.closed):
                 caches.any_plannable = True  # (never reset: one plannable program keeps it)
             caches.watch_autodiff = caches.any_plannable
+        opaque = _jaxpr.opaque_type(traced.closed)
+        if opaque is not None:
+            program = Program(traced, None, None)
+            program.untouched = opaque
+            return program
         try:
             pipeline = run_pipeline(traced.closed, ctx)
         except PassError as e:

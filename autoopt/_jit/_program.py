@@ -47,6 +47,7 @@ class Program:
         "pipeline",
         "final",
         "fallback_reason",
+        "untouched",
         "_donatable",
         "verified",
         "_const_ids",
@@ -63,6 +64,9 @@ class Program:
         self.pipeline = pipeline
         self.final = pipeline.jaxpr if pipeline is not None else traced.closed
         self.fallback_reason = fallback_reason
+        # A program holding types the passes cannot see (``_jaxpr.opaque_type``): no pass ran,
+        # and jit traces the user's function itself, as plain jax.jit does.
+        self.untouched: str | None = None
         self._donatable: dict = {}
         self.verified = False
         self._const_ids: frozenset[int] | None = None

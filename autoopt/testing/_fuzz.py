@@ -1062,13 +1062,14 @@ def _call(f: Callable, args: tuple) -> Any:
 def check_program(
     case: FuzzCase, *, through: Callable[[Callable, tuple], Any] = _call, **options: Any
 ) -> Any:
-    """Run ``case`` under ``jax.jit`` and under ``autoopt.optimize(fallback="raise",
-    donate="off", **options)`` and assert equal outputs: bit-identical ints and bools,
-    dtype-aware float tolerance. ``through(f, args)`` says how each compiled function is called
-    (default ``f(*args)``; pass one that wraps ``f`` in ``jax.grad``/``jax.vmap``/``jax.jit`` to
-    check composition). A program ``jax.jit`` rejects must be rejected by autoopt with the same
-    exception type, unless it is a ``NotImplementedError`` (a missing JAX rule that the rewritten
-    program does not need). Returns the optimized outputs (None when jax.jit rejected it)."""
+    """Run ``case`` under ``jax.jit`` and under ``autoopt.optimize(fallback="raise", donate="off",
+    window_blend_min_bytes=0, **options)`` and assert equal outputs: bit-identical ints and
+    bools, dtype-aware float tolerance. ``through(f, args)`` says how each compiled function is
+    called (default ``f(*args)``; pass one that wraps ``f`` in
+    ``jax.grad``/``jax.vmap``/``jax.jit`` to check composition). A program ``jax.jit`` rejects
+    must be rejected by autoopt with the same exception type, unless it is a
+    ``NotImplementedError`` (a missing JAX rule that the rewritten program does not need).
+    Returns the optimized outputs (None when jax.jit rejected it)."""
     from autoopt._compare import assert_trees_equivalent
     from autoopt._jit import optimize
 
@@ -1079,6 +1080,9 @@ def check_program(
     fn = case.program.function()
     options.setdefault("fallback", "raise")
     options.setdefault("donate", "off")
+    # Every unproven block is blended, however small (by default only from 512 KiB up, where
+    # it is faster): the fuzzer's arrays are small, and the blend is what needs checking.
+    options.setdefault("window_blend_min_bytes", 0)
     try:
         expected = through(jax.jit(fn), case.args)
     except Exception as e:  # noqa: BLE001 - compare against autoopt's behaviour below

@@ -63,6 +63,7 @@ from jax.lax import GatherScatterMode
 
 from autoopt import _jaxpr
 from autoopt._finding import Finding
+from autoopt._options import Option, parse_bytes
 from autoopt.passes._base import Pass, PassContext, PassResult
 from autoopt.passes.in_place import _ranges
 
@@ -110,6 +111,21 @@ _EXACT_COMBINER_OPS = frozenset(
 )
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
+
+# A block whose bounds are not proven is blended (``_blend``) only when its window holds at least
+# this many bytes. Below it, XLA:CPU's scatter (a loop over the rows) costs no more than the
+# blend's two read-select-write passes over the window, and often less; from 512 KiB up the
+# blend won in every shape measured (benchmarks/RESULTS.md, "In-place windows").
+BLEND_MIN_BYTES = 512 * 1024
+
+
+def _check_blend_min(value) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value == 0:
+        return 0
+    size = parse_bytes(value, "window_blend_min_bytes")
+    assert size is not None
+    return size
+
 
 # Out-of-bounds behaviours handled here. PROMISE_IN_BOUNDS lowers to the same XLA scatter as
 # FILL_OR_DROP (it drops) and the same XLA gather as CLIP (it clamps); both are kept exactly.
@@ -504,7 +520,9 @@ def x_shape(eqn: JaxprEqn) -> tuple[int, ...]:
     return tuple(_jaxpr.shaped(eqn.invars[0]).shape)
 
 
-def _decide_scatter(facts: _ranges.Facts, consumes: set, backend: str, eqn: JaxprEqn) -> _Decision:
+def _decide_scatter(
+    facts: _ranges.Facts, consumes: set, backend: str, eqn: JaxprEqn, blend_min: int
+) -> _Decision:
     """How to rewrite one scatter, or ``_Decline`` with the reason."""
     mode = eqn.params["mode"]
     if mode not in _MODES:
@@ -526,6 +544,15 @@ def _decide_scatter(facts: _ranges.Facts, consumes: set, backend: str, eqn: Jaxp
             raise _Decline(
                 f"its bounds are not proven, and its axis of {n} is too long for the blend's "
                 "int32 row arithmetic"
+            )
+        nbytes = int(np.prod(w.sizes, dtype=np.int64)) * _jaxpr.shaped(eqn.invars[0]).dtype.itemsize
+        if nbytes < blend_min:
+            raise _Decline(
+                f"its bounds are not proven, and its window of {nbytes:,} bytes is below the "
+                f"{blend_min:,} from which the branch-free blend beats XLA's scatter "
+                "(window_blend_min_bytes; benchmarks/RESULTS.md). Clamp the start "
+                "(`jnp.clip(i, 0, n - k) + jnp.arange(k)`) so range analysis proves it, or "
+                "write lax.dynamic_update_slice"
             )
         return _Decision(w, "blend", combine)
     once = not facts.in_loop(eqn) and eqn.outvars[0] in consumes
@@ -614,7 +641,7 @@ def _blend(x, upd, first, last, w: _Window, shape, combine):
         # Only the start's position relative to [-k, n] matters: clamped there it fits int32.
         lo = np.asarray(-k if np.iinfo(dtype).min < 0 else 0, dtype)
         start = lax.convert_element_type(lax.clamp(lo, a, np.asarray(n, dtype)), np.int32)
-        starts = [(start, None)]
+        starts: list[tuple[Any, Any]] = [(start, None)]
         if wrapped:
             # The raw rows i + j straddle 0 when the first went through the normalization
             # (a = i + n) and the last did not (last = i + k - 1 >= 0): the run before the wrap
@@ -634,14 +661,9 @@ def _blend(x, upd, first, last, w: _Window, shape, combine):
         runs_per_dim.append((d, n, k, starts))
     base = _starts(first, w, len(shape))
     box = tuple(w.sizes)
-    # Row ``k + shift + t`` of the update stacked three times is row ``shift + t`` of the
-    # update, for every shift at which a row is written (|shift| < k).
-    stacked = upd
-    for d, _, _, _ in runs_per_dim:
-        stacked = lax.concatenate([stacked, stacked, stacked], d)
     for combo in itertools.product(*(starts for *_, starts in runs_per_dim)):
         at = list(base)
-        from_at = [np.int32(0)] * len(shape)
+        rows = upd
         valid = None
         for (d, n, k, _), (st, only_if) in zip(runs_per_dim, combo):
             s = lax.clamp(np.int32(0), st, np.int32(n - k))
@@ -652,14 +674,16 @@ def _blend(x, upd, first, last, w: _Window, shape, combine):
             if only_if is not None:
                 ok = lax.bitwise_and(ok, lax.broadcast(only_if, box))
             valid = ok if valid is None else lax.bitwise_and(valid, ok)
-            from_at[d] = lax.clamp(
-                np.int32(0), lax.add(np.int32(k), lax.sub(s, st)), np.int32(2 * k)
+            # Window row t takes the update's row s - st + t (a gather each run reads from the
+            # update itself: a shifted copy shared by two runs would be materialized).
+            take = lax.clamp(
+                np.int32(0), lax.add(lax.sub(s, st), lax.iota(np.int32, k)), np.int32(k - 1)
             )
+            rows = jax.numpy.take(rows, take, axis=d, mode="clip")
         assert valid is not None
         if not isinstance(others, np.ndarray):  # a traced check (np.asarray(True): none)
             valid = lax.bitwise_and(valid, lax.broadcast(others, box))
         cur = lax.dynamic_slice(x, at, box, allow_negative_indices=False)
-        rows = lax.dynamic_slice(stacked, from_at, box, allow_negative_indices=False)
         new = rows if combine is None else combine(cur, rows)
         x = lax.dynamic_update_slice(
             x, lax.select(valid, new, cur), at, allow_negative_indices=False
@@ -761,7 +785,9 @@ def scatter_to_dus(closed, ctx: PassContext) -> PassResult:
             continue
         if eqn.primitive in _SCATTERS:
             try:
-                plans[eqn.outvars[0]] = _decide_scatter(facts, consumes, ctx.backend, eqn)
+                plans[eqn.outvars[0]] = _decide_scatter(
+                    facts, consumes, ctx.backend, eqn, ctx.options.window_blend_min_bytes
+                )
             except _Decline as why:
                 note(eqn, False, f"{_describe_scatter(eqn)} left as scatter: {why}.")
         elif eqn.primitive is P.gather_p:
@@ -817,5 +843,14 @@ PASS = Pass(
     name="scatter_to_dus",
     run=scatter_to_dus,
     kinds=("scatter_to_dus",),
+    options=(
+        Option(
+            "window_blend_min_bytes",
+            BLEND_MIN_BYTES,
+            _check_blend_min,
+            "bytes (or '512KiB'); a block or tile whose bounds are not proven is rewritten to "
+            "the branch-free window blend from this size up (0: always)",
+        ),
+    ),
     codemod="autoopt.passes.in_place.codemod:ScatterToDUSCommand",
 )
