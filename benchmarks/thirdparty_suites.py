@@ -13,7 +13,9 @@ than 3x slower (baseline at least 0.1 s: shorter ones are noise on a shared mach
     python benchmarks/thirdparty_suites.py --fresh-wrappers   # jax.jit(f)(x) in a loop
 
 Paths that do not exist are taken relative to the installed optax package (its wheel ships
-its tests); flax's and equinox's suites are not in their wheels: pass a checkout's ``tests``.
+its tests); flax's and equinox's suites are not in their wheels: pass a checkout's ``tests``
+(at the installed release's tag). equinox's tests also need ``beartype``, flax nnx's
+``cloudpickle`` (``pip install beartype cloudpickle``).
 A suite's own pytest configuration applies (pytest finds it above the paths); the runs start
 in an empty folder so that this project's configuration does not. ``--check`` exits 1 when the
 two pass sets differ (the CI step).
