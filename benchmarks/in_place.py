@@ -95,6 +95,18 @@ def workloads(n: int, loop_n: int):
             lambda j: ((j * 37) % (n - TILE[0]), (j * 101) % (n - TILE[1])),
             50,
         ),
+        f"{TILE[0]}x{TILE[1]} tile, clamped starts (proven)": (
+            lambda x, i, k: x.at[
+                jnp.clip(i, 0, n - TILE[0]) + jnp.arange(TILE[0])[:, None],
+                jnp.clip(k, 0, n - TILE[1]) + jnp.arange(TILE[1]),
+            ].add(tile),
+            lambda x, i, k: lax.dynamic_update_slice(
+                x, lax.dynamic_slice(x, (i, k), TILE) + tile, (i, k)
+            ),
+            big,
+            lambda j: ((j * 37) % (n - TILE[0]), (j * 101) % (n - TILE[1])),
+            50,
+        ),
         "scalar `x.at[i, j].set(v)`": (
             lambda x, i, k: x.at[i, k].set(1.5),
             lambda x, i, k: lax.dynamic_update_slice(x, jnp.full((1, 1), 1.5, x.dtype), (i, k)),

@@ -674,3 +674,26 @@ def test_window_blend_min_bytes_takes_sizes_and_refuses_nonsense():
     assert make_options(window_blend_min_bytes=0).window_blend_min_bytes == 0
     with pytest.raises((TypeError, ValueError), match="window_blend_min_bytes"):
         make_options(window_blend_min_bytes=-5)
+
+
+def test_a_proven_tile_is_one_window_and_an_unproven_one_stays_a_scatter_with_the_reason():
+    n, m, k, q = 9, 7, 3, 4
+    t = -jnp.arange(k * q, dtype=jnp.float32).reshape(k, q) - 1
+
+    def clamped(x, i, j):
+        rows = jnp.clip(i, 0, n - k) + jnp.arange(k)[:, None]
+        return x.at[rows, jnp.clip(j, 0, m - q) + jnp.arange(q)].add(t)
+
+    def traced(x, i, j):
+        return x.at[i + jnp.arange(k)[:, None], j + jnp.arange(q)].add(t)
+
+    x = jnp.arange(n * m, dtype=jnp.float32).reshape(n, m)
+    for i, j in [(-4, -9), (-1, 2), (0, 0), (5, 3), (7, 6), (12, 1)]:
+        assert_exact(clamped, x, i, j)
+        assert_exact(traced, x, i, j)
+    _, result = run_pass(clamped, x, 1, 2)
+    assert remaining(result.jaxpr) == []
+    assert [f.details["window"] for f in result.findings] == [(3, 4)]
+    _, result = run_pass(traced, x, 1, 2)
+    (f,) = result.findings
+    assert not f.applied and "a tile" in f.message and "Clamp the starts" in f.message

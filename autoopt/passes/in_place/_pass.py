@@ -545,6 +545,14 @@ def _decide_scatter(
                 f"its bounds are not proven, and its axis of {n} is too long for the blend's "
                 "int32 row arithmetic"
             )
+        if len(w.blocks) > 1:
+            raise _Decline(
+                "its bounds are not proven, and a tile (a block along two or more axes) blended "
+                "without a branch takes a read-select-write pass per combination of its axes' "
+                "runs, which measured slower than XLA's scatter (benchmarks/RESULTS.md). Clamp "
+                "the starts (`jnp.clip(i, 0, n - k) + jnp.arange(k)`) so range analysis proves "
+                "them: a proven tile is one dynamic_update_slice"
+            )
         nbytes = int(np.prod(w.sizes, dtype=np.int64)) * _jaxpr.shaped(eqn.invars[0]).dtype.itemsize
         if nbytes < blend_min:
             raise _Decline(
