@@ -255,8 +255,12 @@ def _plan(
 # --- emitting --------------------------------------------------------------------------------
 
 
-def _scalar(flat, point: int, c: int):
-    return lax.reshape(lax.slice(flat, (point, c), (point + 1, c + 1)), ())
+def _scalar_at(idx, point: Sequence[int], c: int):
+    """Component ``c`` of the index vector at ``point``, sliced from the index array as it is
+    (flattening it first would make XLA build the whole array, a tile's indices, to read one
+    value: slicing lets it fold the slice into the broadcasts that built it)."""
+    start = (*point, c)
+    return lax.reshape(lax.slice(idx, start, tuple(p + 1 for p in start)), ())
 
 
 def _first_values(idx, w: _Window):
@@ -267,15 +271,16 @@ def _first_values(idx, w: _Window):
         return [np.asarray(e, idx.dtype) for e in w.exact], {}
     if w.n_points == 1 and k == 1:
         return [lax.reshape(idx, ())], {}
-    flat = lax.reshape(idx, (w.n_points, k))
+    origin = (0,) * len(w.batch)
     first = [
-        _scalar(flat, 0, c) if w.exact[c] is None else np.asarray(w.exact[c], idx.dtype)
+        _scalar_at(idx, origin, c) if w.exact[c] is None else np.asarray(w.exact[c], idx.dtype)
         for c in range(k)
     ]
     last = {}
     for a, c in w.blocks:
-        stride = int(np.prod(w.batch[a + 1 :], dtype=np.int64))
-        last[c] = _scalar(flat, (w.batch[a] - 1) * stride, c)
+        end = list(origin)
+        end[a] = w.batch[a] - 1
+        last[c] = _scalar_at(idx, end, c)
     return first, last
 
 
