@@ -278,7 +278,7 @@ def _first_values(idx, w: _Window):
     ]
     last = {}
     for a, c in w.blocks:
-        end = list(origin)
+        end: list[int] = list(origin)
         end[a] = w.batch[a] - 1
         last[c] = _scalar_at(idx, end, c)
     return first, last
