@@ -49,7 +49,6 @@ Decisions are taken before any re-trace, so a program with nothing to rewrite is
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -631,71 +630,60 @@ def _emit_scatter(eqn: JaxprEqn, invals, plan: _Decision):
 
 
 def _blend(x, upd, first, last, w: _Window, shape, combine):
-    """A block ``x.at[i + arange(k)]`` (or a tile, a block along each of several dims) whose
-    bounds are not proven, written exactly and without a branch: a window of k rows at the
-    clamped start ``s = clip(i, 0, n - k)`` blends the rows already there (``dynamic_slice`` at
-    ``s``) with the update's rows at the positions the scatter writes, ``i <= p < i + k`` (a
-    ``select``). Rows out of bounds are dropped as the scatter drops them: they are not in the
-    window. Negative indices were normalized by jnp row by row (``-1`` is row ``n - 1``): a
-    block straddling 0 writes two runs of rows, the one ending at ``n - 1`` and the one starting
-    at 0, told apart at run time by its last index and written as two blends (a tile: one per
-    combination of its dims' runs). A combiner (add, min, ...) is applied to the window's rows,
-    so positions outside the block keep their values exactly. Every other index component is
-    one value for all points: out of bounds, nothing is written.
+    """A block ``x.at[i + arange(k)]`` whose bounds are not proven, written exactly and without
+    a branch: a window of k rows at the clamped start ``s = clip(i, 0, n - k)`` blends the rows
+    already there (``dynamic_slice`` at ``s``) with the update's rows at the positions the
+    scatter writes, ``i <= p < i + k`` (a ``select``). Rows out of bounds are dropped as the
+    scatter drops them: they are not in the window. Negative indices were normalized by jnp row
+    by row (``-1`` is row ``n - 1``): a block straddling 0 writes two runs of rows, the one
+    ending at ``n - 1`` and the one starting at 0, told apart at run time by its last index and
+    written as two blends. A combiner (add, min, ...) is applied to the window's rows, so
+    positions outside the block keep their values exactly. Every other index component is one
+    value for all points: out of bounds, nothing is written. (Tiles are not blended:
+    ``_decide_scatter``.)
     """
+    assert w.block is not None
+    c = w.block[1]
+    d = w.dims[c]
+    n, k = shape[d], w.sizes[d]
+    a = first[c]
+    dtype = np.dtype(a.dtype)
+    # Only the start's position relative to [-k, n] matters: clamped there it fits int32.
+    lo = np.asarray(-k if np.iinfo(dtype).min < 0 else 0, dtype)
+    start = lax.convert_element_type(lax.clamp(lo, a, np.asarray(n, dtype)), np.int32)
+    runs: list[tuple[Any, Any]] = [(start, None)]  # (int32 start, traced bool or None)
+    if w.wrapped[0]:
+        # The raw rows i + j straddle 0 when the first went through the normalization (a = i +
+        # n) and the last did not (last = i + k - 1 >= 0): the run before the wrap ends at row
+        # n - 1 and the one after starts at 0. The first start ``a`` writes the former (its
+        # rows past n - 1 are not in a window), the second, ``a - n``, the latter. Otherwise
+        # one run at ``a``, including a raw ``i + j`` that overflowed the index dtype (its rows
+        # from the overflow on are negative, and dropped); the second run then rewrites the
+        # first one's window unchanged, while it is still in cache.
+        straddles = lax.bitwise_and(
+            lax.eq(last[c], lax.sub(lax.add(a, np.asarray(k - 1, dtype)), np.asarray(n, dtype))),
+            lax.ge(last[c], np.zeros((), dtype)),
+        )
+        runs.append((lax.select(straddles, lax.sub(start, np.int32(n)), start), straddles))
     others = _in_bounds(first, last, w, shape, skip_blocks=True)
-    # (operand dim, its length, block length, the runs: (int32 start, traced bool or None))
-    runs_per_dim = []
-    for (_, c), wrapped in zip(w.blocks, w.wrapped):
-        d = w.dims[c]
-        n, k = shape[d], w.sizes[d]
-        a = first[c]
-        dtype = np.dtype(a.dtype)
-        # Only the start's position relative to [-k, n] matters: clamped there it fits int32.
-        lo = np.asarray(-k if np.iinfo(dtype).min < 0 else 0, dtype)
-        start = lax.convert_element_type(lax.clamp(lo, a, np.asarray(n, dtype)), np.int32)
-        starts: list[tuple[Any, Any]] = [(start, None)]
-        if wrapped:
-            # The raw rows i + j straddle 0 when the first went through the normalization
-            # (a = i + n) and the last did not (last = i + k - 1 >= 0): the run before the wrap
-            # ends at row n - 1 and the one after starts at 0. The first start ``a`` writes the
-            # former (its rows past n - 1 are not in a window), the second, ``a - n``, the
-            # latter. Otherwise one run at ``a``, including a raw ``i + j`` that overflowed the
-            # index dtype (its rows from the overflow on are negative, and dropped); the second
-            # run then rewrites the first one's window unchanged, while it is still in cache.
-            straddles = lax.bitwise_and(
-                lax.eq(
-                    last[c],
-                    lax.sub(lax.add(a, np.asarray(k - 1, dtype)), np.asarray(n, dtype)),
-                ),
-                lax.ge(last[c], np.zeros((), dtype)),
-            )
-            starts.append((lax.select(straddles, lax.sub(start, np.int32(n)), start), straddles))
-        runs_per_dim.append((d, n, k, starts))
-    base = _starts(first, w, len(shape))
+    at = _starts(first, w, len(shape))
     box = tuple(w.sizes)
-    for combo in itertools.product(*(starts for *_, starts in runs_per_dim)):
-        at = list(base)
-        rows = upd
-        valid = None
-        for (d, n, k, _), (st, only_if) in zip(runs_per_dim, combo):
-            s = lax.clamp(np.int32(0), st, np.int32(n - k))
-            at[d] = s
-            pos = lax.add(s, lax.broadcasted_iota(np.int32, box, d))
-            # st <= pos < st + k, without forming st + k
-            ok = lax.bitwise_and(lax.ge(pos, st), lax.lt(lax.sub(pos, np.int32(k)), st))
-            if only_if is not None:
-                ok = lax.bitwise_and(ok, lax.broadcast(only_if, box))
-            valid = ok if valid is None else lax.bitwise_and(valid, ok)
-            # Window row t takes the update's row s - st + t (a gather each run reads from the
-            # update itself: a shifted copy shared by two runs would be materialized).
-            take = lax.clamp(
-                np.int32(0), lax.add(lax.sub(s, st), lax.iota(np.int32, k)), np.int32(k - 1)
-            )
-            rows = jax.numpy.take(rows, take, axis=d, mode="clip")
-        assert valid is not None
+    for st, only_if in runs:
+        s = lax.clamp(np.int32(0), st, np.int32(n - k))
+        at[d] = s
+        pos = lax.add(s, lax.broadcasted_iota(np.int32, box, d))
+        # st <= pos < st + k, without forming st + k
+        valid = lax.bitwise_and(lax.ge(pos, st), lax.lt(lax.sub(pos, np.int32(k)), st))
+        if only_if is not None:
+            valid = lax.bitwise_and(valid, lax.broadcast(only_if, box))
         if not isinstance(others, np.ndarray):  # a traced check (np.asarray(True): none)
             valid = lax.bitwise_and(valid, lax.broadcast(others, box))
+        # Window row t takes the update's row s - st + t (a gather each run reads from the
+        # update itself: a shifted copy shared by two runs would be materialized).
+        take = lax.clamp(
+            np.int32(0), lax.add(lax.sub(s, st), lax.iota(np.int32, k)), np.int32(k - 1)
+        )
+        rows = jax.numpy.take(upd, take, axis=d, mode="clip")
         cur = lax.dynamic_slice(x, at, box, allow_negative_indices=False)
         new = rows if combine is None else combine(cur, rows)
         x = lax.dynamic_update_slice(
