@@ -227,6 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=int, default=3600, help="seconds per pytest run")
     p.add_argument("--keep", metavar="DIR", help="keep the junit XML, logs and report here")
     p.add_argument("--fresh-wrappers", action="store_true", help="time jax.jit(f)(x) in a loop")
+    p.add_argument(
+        "--parallel",
+        action="store_true",
+        help="run the two pytest runs at once (each is mostly one core; wall times then share "
+        "the machine, so the >3x column is only comparable between the two runs)",
+    )
     ns = p.parse_args(argv)
     if ns.fresh_wrappers:
         print(fresh_wrappers())
@@ -235,8 +241,18 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="autoopt-suite-") as tmp:
         workdir = Path(ns.keep or tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        plain, wall_plain, _, _ = run_suite(paths, False, extra, workdir, ns.timeout)
-        auto, wall_auto, report, _ = run_suite(paths, True, extra, workdir, ns.timeout)
+        if ns.parallel:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(2) as pool:
+                runs = [
+                    pool.submit(run_suite, paths, auto, extra, workdir, ns.timeout)
+                    for auto in (False, True)
+                ]
+                (plain, wall_plain, _, _), (auto, wall_auto, report, _) = (r.result() for r in runs)
+        else:
+            plain, wall_plain, _, _ = run_suite(paths, False, extra, workdir, ns.timeout)
+            auto, wall_auto, report, _ = run_suite(paths, True, extra, workdir, ns.timeout)
         result = compare(ns.name, plain, auto, (wall_plain, wall_auto), report)
         sys.stdout.write(render(result, plain, auto))
         (workdir / "comparison.json").write_text(json.dumps(result, indent=1))
