@@ -72,6 +72,21 @@ def test_every_pass_runs_on_the_dtype_and_matches_jax_jit(kind, program):
     assert report.fallback is None
 
 
+@pytest.mark.parametrize("kind", KEY_IMPLS + NARROW)
+def test_a_constant_of_the_dtype_the_program_closes_over_passes_through(kind):
+    # optax's inject_hyperparams(...).init returning the key it was built with (its own
+    # test_prng_key_not_hyperparameter): the range analysis read every constant with NumPy,
+    # which cannot convert a key array
+    const, _ = _values(kind)
+
+    def init(p):
+        return const, const[2], p * 2
+
+    fast = autoopt.optimize(init, fallback="raise", verify=True)
+    x = jnp.ones(3)
+    assert_trees_equivalent(jax.jit(init)(x), fast(x), exact=True)
+
+
 @pytest.mark.parametrize("impl", KEY_IMPLS)
 def test_a_key_state_is_donated_at_a_rebinding_call(impl):
     def step(key, x):

@@ -118,6 +118,9 @@ def _fit(iv: Interval | None, dtype) -> Interval | None:
 
 
 def _values_interval(value) -> Interval | None:
+    dtype = getattr(value, "dtype", None)
+    if dtype is not None and dtype_interval(dtype) is None:
+        return None  # floats, and key arrays (which NumPy cannot even convert)
     arr = np.asarray(value)
     if dtype_interval(arr.dtype) is None:
         return None
