@@ -7,7 +7,7 @@ placement), and returns a jitted callable that computes the same numbers.
 
 from typing import TYPE_CHECKING
 
-from autoopt._errors import AutooptWarning
+from autoopt._errors import AutooptWarning, ProcessMismatchError
 from autoopt._jit import OptimizedFunction, explain, optimize
 from autoopt.patch import patch
 from autoopt.report import Finding, Report
@@ -24,6 +24,7 @@ __all__ = [
     "Report",
     "Finding",
     "AutooptWarning",
+    "ProcessMismatchError",
     "testing",
     "update_window",
 ]

@@ -15,6 +15,7 @@ from jax._src import api_util as _api_util
 from jax._src import array as _array
 from jax._src import config as _config
 from jax._src import core as _core
+from jax._src import distributed as _distributed
 from jax._src import linear_util as _lu
 from jax._src import source_info_util as _siu
 from jax._src.interpreters import ad as _ad
@@ -31,6 +32,7 @@ __all__ = [
     "jaxpr_effects",
     "jit_options",
     "infer_argnums_and_argnames",
+    "distributed_processes",
 ]
 
 # The concrete type of every jax.Array a computation returns. Named here rather than found by
@@ -224,3 +226,16 @@ def infer_argnums_and_argnames(fn: Callable, argnums: Any, argnames: Any) -> tup
         names = () if argnames is None else (argnames,) if isinstance(argnames, str) else argnames
         return tuple(nums), tuple(names)
     return _api_util.infer_argnums_and_argnames(sig, argnums, argnames)
+
+
+def distributed_processes() -> tuple[Any, int, int]:
+    """``(key-value client, number of processes, this process's index)`` of the
+    ``jax.distributed`` job, or ``(None, 1, 0)`` outside one. Reads
+    ``jax._src.distributed.global_state`` (jax has no public accessor for its key-value store);
+    initializes no backend, unlike ``jax.process_count()``."""
+    state = _distributed.global_state
+    client = state.client
+    n = state.num_processes
+    if client is None or not n or n <= 1:
+        return None, 1, 0
+    return client, int(n), int(state.process_id or 0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["AutooptWarning", "HostTransferError", "PassError"]
+__all__ = ["AutooptWarning", "HostTransferError", "PassError", "ProcessMismatchError"]
 
 
 class AutooptWarning(UserWarning):
@@ -13,6 +13,12 @@ class AutooptWarning(UserWarning):
 
 class HostTransferError(RuntimeError):
     """An implicit host-to-device transfer under ``transfer_guard="disallow"``."""
+
+
+class ProcessMismatchError(RuntimeError):
+    """The processes of a ``jax.distributed`` job did not call, decide or build alike (their
+    executables would mismatch their collectives and hang). Never turned into a fall-back: a
+    process falling back alone would hang the job."""
 
 
 class PassError(RuntimeError):

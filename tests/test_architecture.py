@@ -50,6 +50,7 @@ INFRASTRUCTURE = frozenset(
         "_compare",
         "_format",
         "_jit",
+        "_multiprocess",
     )
 )
 

@@ -558,7 +558,18 @@ def device_copies(arrays: list) -> list:
     keeps their sharding exactly (a compiled copy's sharding is XLA's choice)."""
     global _compiled_copy
     if not all(isinstance(x.sharding, jax.sharding.SingleDeviceSharding) for x in arrays):
-        return jax.device_put(arrays, may_alias=False)
+        if all(x.is_fully_addressable for x in arrays):
+            return jax.device_put(arrays, may_alias=False)
+        # A global array of a jax.distributed job: this process copies its own shards only
+        # (a device_put would be a cross-process transfer, which every process must join).
+        return [
+            jax.make_array_from_single_device_arrays(
+                x.shape,
+                x.sharding,
+                [jax.device_put(s.data, s.device, may_alias=False) for s in x.addressable_shards],
+            )
+            for x in arrays
+        ]
     key = tuple(x.aval for x in arrays)
     count = _copy_counts.get(key, 0)
     if count < COPIES_BEFORE_COMPILING:

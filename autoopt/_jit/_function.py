@@ -27,8 +27,8 @@ from typing import Any
 import jax
 from jax import tree_util
 
-from autoopt import _compat, _jaxpr, _trace
-from autoopt._errors import AutooptWarning, PassError
+from autoopt import _compat, _jaxpr, _multiprocess, _trace
+from autoopt._errors import AutooptWarning, PassError, ProcessMismatchError
 from autoopt._jit import _static_leaves
 from autoopt._jit._dispatch import Caches, CallPlan, Policy, make_dispatch, with_copies
 from autoopt._jit._inspect import Inspection
@@ -330,6 +330,10 @@ class OptimizedFunction:
         traced = _trace.trace_program(
             self.__wrapped__, args, kwargs, policy.static_argnums, policy.static_argnames
         )
+        several = _multiprocess.several()
+        if several:  # a jax.distributed job: every process must trace this signature alike
+            fn_id = f"{policy.fn_location}:{getattr(self.__wrapped__, '__qualname__', 'fn')}"
+            _multiprocess.check_signature(fn_id, traced.in_leaf_names, traced.closed.in_avals)
         ctx = PassContext(
             options=policy.options,
             in_leaf_names=traced.in_leaf_names,
@@ -358,6 +362,8 @@ class OptimizedFunction:
             program = Program(traced, None, str(e))
         else:
             program = Program(traced, pipeline, None)
+        if several:  # and build the same program from it (_multiprocess)
+            program.fingerprint = _multiprocess.check_program(fn_id, str(program.final))
         if policy.donate == "safe" and not eager_autodiff:
             self._note_aliasing(program)
         if policy.options.explain:
@@ -398,8 +404,8 @@ class OptimizedFunction:
             return _jaxpr.eval_closed(original, *leaves)
 
     def _fall_back(self, error: BaseException, where: str) -> None:
-        if self._policy.options.fallback == "raise":
-            raise error
+        if self._policy.options.fallback == "raise" or isinstance(error, ProcessMismatchError):
+            raise error  # (a process of a jax.distributed job falling back alone would hang it)
         if not self._caches.warned:
             self._caches.warned = True
             warnings.warn(

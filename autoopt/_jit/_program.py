@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import tree_util
 
-from autoopt import _compat, _jaxpr, _trace
+from autoopt import _compat, _jaxpr, _multiprocess, _trace
 from autoopt.passes import PipelineResult
 from autoopt.passes.donation import callsite
 
@@ -52,6 +52,7 @@ class Program:
         "verified",
         "_const_ids",
         "donates",
+        "fingerprint",
     )
 
     def __init__(
@@ -73,6 +74,9 @@ class Program:
         # The (positions, names) the signature's one executable donates, fixed by its first
         # call (``decide``); None until then.
         self.donates: tuple[tuple, tuple] | None = None
+        # In a jax.distributed job, a digest of the optimized program (``_build``): the scope
+        # of the decisions the processes share about it (``_multiprocess``).
+        self.fingerprint: str = ""
 
     @property
     def const_ids(self) -> frozenset[int]:
@@ -103,15 +107,34 @@ class Program:
         (``CallPlan.copies``)."""
         d = self.donates
         if d is None:
-            plain = self.arguments()
-            if intended is not None:
-                plain = (
-                    tuple(p for p in intended[0] if p in plain[0]),
-                    tuple(n for n in intended[1] if n in plain[1]),
-                )
-            d = self.donatable(*plain) if plain[0] or plain[1] else ((), ())
+            mine = self._decide(intended)
+            d = mine
+            if _multiprocess.several():
+                # The executable must be the same on every process (its aliasing is part of
+                # it): process 0's first call decides; a process whose own call site cannot
+                # donate passes copies. Asked only where something could be donated, which
+                # every process's first call asks alike (the answer for nothing aliasable is
+                # no donation on every process, without asking).
+                everything = self.donatable(*self.arguments())
+                if everything[0] or everything[1]:
+                    d = _multiprocess.shared(
+                        "donation",
+                        self.fingerprint,
+                        lambda: mine,
+                        lambda v: [list(v[0]), list(v[1])],
+                        lambda v: (tuple(v[0]), tuple(v[1])),
+                    )
             self.donates = d
         return d
+
+    def _decide(self, intended: tuple[tuple, tuple] | None) -> tuple[tuple, tuple]:
+        plain = self.arguments()
+        if intended is not None:
+            plain = (
+                tuple(p for p in intended[0] if p in plain[0]),
+                tuple(n for n in intended[1] if n in plain[1]),
+            )
+        return self.donatable(*plain) if plain[0] or plain[1] else ((), ())
 
     def arguments(self) -> tuple[tuple, tuple]:
         """(positions, names) of the arguments whose leaves are all arrays of a numeric

@@ -24,7 +24,7 @@ from typing import Any
 from jax.extend.core import ClosedJaxpr
 
 from autoopt import _finding, _jaxpr, _options
-from autoopt._errors import PassError
+from autoopt._errors import PassError, ProcessMismatchError
 from autoopt._finding import Finding
 from autoopt._options import Option, Options
 from autoopt.passes._base import Pass, PassContext, PassResult, resolve
@@ -299,6 +299,8 @@ def run_pipeline(closed: ClosedJaxpr, ctx: PassContext) -> PipelineResult:
                     raise TypeError("rewrite changed the program's input or output types")
                 if CHECK_REWRITES:
                     _jaxpr.check(result.jaxpr)
+        except ProcessMismatchError:
+            raise  # never a fall-back: one process falling back alone would hang the job
         except Exception as e:  # noqa: BLE001 - the manager adds context; the API decides fallback
             raise PassError(name, done, ctx.fn_location, e) from e
         done.append(name)

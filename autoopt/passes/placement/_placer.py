@@ -52,7 +52,7 @@ import jax
 import numpy as np
 from jax import tree_util
 
-from autoopt import _trace
+from autoopt import _multiprocess, _trace
 from autoopt._errors import AutooptWarning, HostTransferError
 from autoopt.passes.placement._hoist import (
     HOISTED,
@@ -677,7 +677,9 @@ class Placer:
                 self._static_argnums,
                 self._static_argnames,
                 nargs,
-                mode="tune" if tune else "pack",
+                # Timed calls differ between the processes of a jax.distributed job, and
+                # packing changes the executable: there, "auto" leaves host leaves to jit.
+                mode=("jit" if _multiprocess.several() else "tune") if tune else "pack",
             )
         hit = (layout, packed, left)
         self._layouts[key] = hit

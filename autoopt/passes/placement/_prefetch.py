@@ -117,10 +117,12 @@ _PREFETCH_PACK_MIN_LEAVES = 16
 _PREFETCH_PACK_MAX_MEAN_BYTES = 8 * 1024
 
 
-def place_batch(batch, sharding=None):
+def place_batch(batch, sharding=None, process_local: bool = False):
     """``batch`` with every NumPy leaf on the device (or split over ``sharding``), in one batched
     placement, from host copies private to it (the caller may overwrite its arrays as soon as
-    this returns). jax arrays and Python scalars are returned as they are."""
+    this returns). jax arrays and Python scalars are returned as they are. ``process_local``:
+    each leaf is this process's part of a global array over ``sharding``
+    (``jax.make_array_from_process_local_data``)."""
     leaves, treedef = tree_util.tree_flatten(batch)
     host = [
         i for i, x in enumerate(leaves) if type(x) in NDARRAY_TYPES or isinstance(x, np.generic)
@@ -137,7 +139,9 @@ def place_batch(batch, sharding=None):
     )
     if not packed:
         xs = [x if isinstance(x, np.generic) else _private_copy(x) for x in xs]
-    if sharding is not None:
+    if process_local:
+        placed = [jax.make_array_from_process_local_data(sharding, x) for x in xs]
+    elif sharding is not None:
         placed = jax.device_put(xs, sharding)
     elif len(xs) == 1:
         placed = [jax.device_put(xs[0])]
@@ -173,7 +177,9 @@ class _Failure:
 _END = _End()
 
 
-def _prefetch_worker(source: Iterator, q: queue.Queue, stop: threading.Event, sharding) -> None:
+def _prefetch_worker(
+    source: Iterator, q: queue.Queue, stop: threading.Event, sharding, process_local: bool
+) -> None:
     """Pull, place, enqueue; never holds a reference to the consumer's iterator object, so the
     consumer can be garbage-collected (which stops this thread)."""
 
@@ -193,7 +199,7 @@ def _prefetch_worker(source: Iterator, q: queue.Queue, stop: threading.Event, sh
             except StopIteration:
                 put(_END)
                 return
-            if not put(place_batch(batch, sharding)):
+            if not put(place_batch(batch, sharding, process_local)):
                 return
     except BaseException as e:  # noqa: BLE001 - surfaces in the consumer, with its traceback
         put(_Failure(e))
@@ -210,13 +216,13 @@ class Prefetch(Iterator):
     """The iterator ``prefetch`` returns. Iterate it; ``close()`` (or leaving a ``with`` block,
     or dropping it) stops the background thread."""
 
-    def __init__(self, source: Iterator, size: int, sharding):
+    def __init__(self, source: Iterator, size: int, sharding, process_local: bool = False):
         self._queue: queue.Queue = queue.Queue(maxsize=size)
         self._stop = threading.Event()
         self._done = False
         self.thread = threading.Thread(
             target=_prefetch_worker,
-            args=(source, self._queue, self._stop, sharding),
+            args=(source, self._queue, self._stop, sharding, process_local),
             name="autoopt-prefetch",
             daemon=True,
         )
@@ -267,7 +273,9 @@ class Prefetch(Iterator):
             stop.set()
 
 
-def prefetch(iterable: Iterable, size: int = 2, sharding=None) -> Prefetch:
+def prefetch(
+    iterable: Iterable, size: int = 2, sharding=None, *, process_local: bool = False
+) -> Prefetch:
     """Iterate ``iterable`` with its batches placed on the device ``size`` batches ahead.
 
     A background thread pulls each batch (any pytree), places its NumPy leaves in one batched
@@ -283,6 +291,11 @@ def prefetch(iterable: Iterable, size: int = 2, sharding=None) -> Prefetch:
     As flax's ``jax_utils.prefetch_to_device`` and the JAX training cookbook's input pipeline, in
     a thread: the source's own Python work (decoding, augmentation) also overlaps the step.
     Transfer guards apply as usual; note that device-to-host guards do not fire on XLA:CPU.
+
+    In a ``jax.distributed`` job, ``process_local=True`` makes each NumPy leaf this process's
+    part of a global array split over ``sharding`` (``jax.make_array_from_process_local_data``:
+    each process loads its own shard of the batch). Without it, a leaf is the whole global
+    value, identical on every process, as ``jax.device_put`` takes it.
     """
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(
@@ -294,4 +307,9 @@ def prefetch(iterable: Iterable, size: int = 2, sharding=None) -> Prefetch:
             f"prefetch(sharding={sharding!r}): pass a jax.sharding.Sharding (e.g. "
             "NamedSharding(mesh, P('data'))), a jax.Device, or None."
         )
-    return Prefetch(iter(iterable), size, sharding)
+    if process_local and not isinstance(sharding, jax.sharding.Sharding):
+        raise TypeError(
+            "prefetch(process_local=True) needs the global arrays' sharding: pass "
+            "sharding=NamedSharding(mesh, P('data')) over the job's global mesh."
+        )
+    return Prefetch(iter(iterable), size, sharding, process_local)

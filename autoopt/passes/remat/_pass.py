@@ -65,7 +65,7 @@ from typing import Any
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, jaxpr_as_fun
 
-from autoopt import _compat, _jaxpr
+from autoopt import _compat, _jaxpr, _multiprocess
 from autoopt._finding import Finding
 from autoopt._memory import CompiledMemory, compiled_memory
 from autoopt._options import Option, parse_bytes
@@ -258,6 +258,78 @@ class Decision:
 
 
 def _choose(
+    auto_order: list[Candidate],
+    front: list[Candidate],
+    measure: Callable[[ClosedJaxpr], Measured | None],
+    base_program: ClosedJaxpr,
+    budget: int | None,
+    bisect: bool = True,
+    floor_extra: list[Candidate] | None = None,
+) -> Decision:
+    """``_choose_here``, in a ``jax.distributed`` job on process 0 only: compiled memory is
+    measured per process (a fault or another XLA flag can change it), and the plan is part of
+    the program every process must build alike, so the others take process 0's decision
+    without compiling anything (``_multiprocess``)."""
+    if not _multiprocess.several():
+        return _choose_here(auto_order, front, measure, base_program, budget, bisect, floor_extra)
+    by_name = {c.name: c for c in [*auto_order, *front, *(floor_extra or [])]}
+
+    def decode(v: dict) -> Decision:
+        chosen = v["chosen"]
+        if chosen is not None and chosen not in by_name:
+            raise _multiprocess.ProcessMismatchError(
+                f"remat: process 0 chose the plan {chosen!r}, which this process did not "
+                "propose for the same program"
+            )
+        return Decision(
+            by_name[chosen] if chosen is not None else None,
+            _measured_from(v["base"]),
+            _measured_from(v["after"]),
+            v["reason"],
+            [(n, _measured_from(m)) for n, m in v["tried"]],
+            v["floor"],
+        )
+
+    def encode(d: Decision) -> dict:
+        return {
+            "chosen": d.chosen.name if d.chosen is not None else None,
+            "base": _measured_to(d.base),
+            "after": _measured_to(d.after),
+            "reason": d.reason,
+            "tried": [[n, _measured_to(m)] for n, m in d.tried],
+            "floor": d.floor,
+        }
+
+    return _multiprocess.shared(
+        "remat",
+        str(base_program),
+        lambda: _choose_here(auto_order, front, measure, base_program, budget, bisect, floor_extra),
+        encode,
+        decode,
+    )
+
+
+def _measured_to(m: Measured | None) -> list | None:
+    if m is None:
+        return None
+    mem = m.memory
+    return [
+        mem.argument_bytes,
+        mem.output_bytes,
+        mem.alias_bytes,
+        mem.temp_bytes,
+        m.flops,
+        m.seconds,
+    ]
+
+
+def _measured_from(v: list | None) -> Measured | None:
+    if v is None:
+        return None
+    return Measured(CompiledMemory(*(int(x) for x in v[:4])), float(v[4]), float(v[5]))
+
+
+def _choose_here(
     auto_order: list[Candidate],
     front: list[Candidate],
     measure: Callable[[ClosedJaxpr], Measured | None],
