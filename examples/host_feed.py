@@ -1,8 +1,10 @@
 """A host-fed loop: a data loader yields NumPy feature columns, one dictionary per step.
 
 Every call transfers each column from host memory before the step can start, one transfer per
-leaf. The expert batches the transfers and places batches ahead of the step that needs them
-(``autoopt.prefetch``), and donates the weights the loop rebinds.
+leaf. On a GPU the expert would batch the transfers and place batches ahead of the step
+(``autoopt.prefetch``, which the report suggests); on XLA:CPU a transfer is a memcpy, the loop
+is bound by making the batches in NumPy, and the expert only donates the weights the loop
+rebinds (``prefetch``'s thread measured slower here: benchmarks/RESULTS.md).
 """
 
 import jax
@@ -12,11 +14,19 @@ import numpy as np
 COLUMNS, WIDTH, BATCH = 8, 16, 256  # eight float32 columns of [256, 16] a batch
 
 
-@jax.jit
-def sgd_step(w, batch):
+def sgd_update(w, batch):
     x = jnp.concatenate([batch["columns"][k] for k in sorted(batch["columns"])], axis=1)
     grad = x.T @ (x @ w - batch["target"]) / x.shape[0]
     return w - 0.1 * grad
+
+
+@jax.jit
+def sgd_step(w, batch):
+    return sgd_update(w, batch)
+
+
+# The hand-written version on this machine: the weights donated.
+expert_step = jax.jit(sgd_update, donate_argnums=0)
 
 
 def batches(n, seed=0):
@@ -26,6 +36,13 @@ def batches(n, seed=0):
             f"c{k}": rng.standard_normal((BATCH, WIDTH), dtype=np.float32) for k in range(COLUMNS)
         }
         yield {"columns": columns, "target": columns["c0"][:, :1] * 0.5}
+
+
+def make_inputs_only(steps=64):
+    """The loop's own host work (making the batches), without the step: what the demo compares
+    the loop's time with."""
+    for _ in batches(steps):
+        pass
 
 
 def make_args():

@@ -2,7 +2,8 @@
 
 The naive version allocates new parameters every step while the old ones stay alive until the
 call returns. ``params`` is rebound by the loop, so its buffers can be donated and the update
-written in place.
+written in place: the same time on XLA:CPU, where allocating is cheap, and one copy of the
+parameters less at the peak.
 """
 
 import jax
@@ -36,6 +37,10 @@ def train_step(params, x, y):
     loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
     params = jax.tree_util.tree_map(lambda p, g: p - 0.01 * g, params, grads)
     return params, loss
+
+
+# The hand-written version: the parameters donated (the loop rebinds them).
+expert_step = jax.jit(train_step.__wrapped__, donate_argnums=0)
 
 
 def make_args():

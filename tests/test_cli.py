@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -168,12 +169,22 @@ def test_usage_errors_exit_with_two():
 def test_demo_prints_reports_and_measured_times_with_the_same_numbers():
     out = autoopt("demo", "--repeats", "1", "--scale", "0.25")
     assert out.returncode == 0, out.stderr
-    for name, fn in (
-        ("row_updates", "write_row"),
-        ("train_step", "train_step"),
-        ("host_feed", "sgd_step"),
+    lines = out.stdout.splitlines()
+    for name, fn, exact in (
+        ("row_updates", "write_row", True),
+        ("train_step", "train_step", True),
+        ("transformer", "train_step", False),
+        ("host_feed", "sgd_step", True),
     ):
         assert f"autoopt report for {fn}" in out.stdout
-        row = next(line for line in out.stdout.splitlines() if line.startswith(name + " "))
-        assert row.rstrip().endswith("yes") and row.count(" ms") == 2
+        i = next(i for i, line in enumerate(lines) if line.startswith(name + " "))
+        row, why = lines[i], lines[i + 1]
+        assert ("yes (bit-exact)" in row) if exact else ("yes (rel " in row), row
+        assert row.count(" ms") == 1 and row.count("x ") >= 2, row  # jit's time, two ratios
+        # peak MiB: jax.jit / autoopt / expert, all measured
+        assert re.search(r"\d+\.\d / \d+\.\d / \d+\.\d", row), row
+        # every row says what was applied, and where autoopt does not win, why
+        assert why.startswith("  ") and ("faster than jax.jit" in why or "no " in why), why
+        if name == "transformer":
+            assert "remat plan" in why, why
     assert "interleaved" in out.stdout and jax.default_backend() in out.stdout
