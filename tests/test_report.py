@@ -197,3 +197,53 @@ def test_a_report_keeps_no_reference_to_its_arguments_so_the_next_call_donates_t
     state = fast(state, g)
     assert state.unsafe_buffer_pointer() == before, "the first call after explain() did not donate"
     assert report.findings  # the report is still alive
+
+
+def _rows(text: str, kind: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith(kind + " ")]
+
+
+def test_a_donated_argument_has_one_row_saying_what_happened_at_its_call_site():
+    # issue 16: a "yes" row at the call site next to a "no, can be donated" row for the same
+    # argument contradicted each other; and rows for arguments nothing can reuse are noise
+    def update(params, x):
+        return jax.tree_util.tree_map(lambda p: p * 0.5 + x.sum(), params), x.mean()
+
+    fast = autoopt.optimize(update)
+    params, x = {"w": jnp.ones((64, 64)), "b": jnp.ones(64)}, jnp.ones((8, 3))
+    for _ in range(2):
+        params, _ = fast(params, x)
+    report = fast.explain(params, x)
+    text = report.render(color=False)
+    donate = _rows(text, "donate")
+    assert len(donate) == 1 and " yes " in donate[0] and "donated at this call site" in donate[0]
+    assert "16.2 KiB" in donate[0]  # the bytes the donated buffers hold
+    assert "can be donated" not in text and "`x` cannot be donated" not in text
+    assert "not shown: render(verbose=True) shows them" in text
+    full = report.render(color=False, verbose=True)
+    assert "can be donated" in full and "`x` cannot be donated" in full
+    assert not _rows(text, "transfer") and _rows(full, "transfer")  # a scan that found nothing
+
+
+def test_under_donate_auto_the_donated_argument_is_an_applied_row():
+    fast = autoopt.optimize(lambda s: s * 2.0, donate="auto")
+    s = fast(jnp.ones(16))
+    text = fast.explain(s).render(color=False)
+    [row] = _rows(text, "donate")
+    assert " yes " in row and "donated at every call" in row and "(donate='auto')" in text
+
+
+def test_repeated_findings_are_one_row_with_a_count():
+    # one in-place rewrite a layer, the same message each time: one row, with where the others
+    # are
+    def fill(bufs, i, v):
+        return [b.at[i].set(v) for b in bufs]
+
+    fast = autoopt.optimize(fill, donate="off")
+    bufs = [jnp.zeros((32, 4)) for _ in range(5)]
+    report = fast.explain(bufs, 3, jnp.ones(4))
+    rows = _rows(report.render(color=False), "scatter_to_dus")
+    assert len([f for f in report.findings if f.kind == "scatter_to_dus"]) == 5
+    assert len(rows) == 1 and "(x5)" in rows[0], rows
+    [(finding, locations)] = [r for r in report.shown() if r[0].kind == "scatter_to_dus"]
+    assert len(locations) == 5

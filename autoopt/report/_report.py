@@ -65,6 +65,23 @@ class Report:
     def by_kind(self, kind: str) -> list[Finding]:
         return [f for f in self.findings if f.kind == kind]
 
+    def shown(self, verbose: bool = False) -> list[tuple[Finding, list[str | None]]]:
+        """The findings the printed table shows, each with the locations of the findings it
+        stands for (the same kind, outcome and message, e.g. once per layer: one row with a
+        count). Unless ``verbose``, findings that changed nothing and teach nothing are left
+        out: an argument no output can reuse, a transfer scan that found no host value, and a
+        function-level "can be donated" for an argument a recorded call site did donate (its
+        row says what happened at that call)."""
+        findings = self.findings if verbose else [f for f in self.findings if not _noise(f, self)]
+        groups: dict[tuple, tuple[Finding, list[str | None]]] = {}
+        for f in findings:
+            key = (f.kind, f.applied, f.message)
+            if key in groups:
+                groups[key][1].append(f.location)
+            else:
+                groups[key] = (f, [f.location])
+        return list(groups.values())
+
     # --- building ------------------------------------------------------------------------------
 
     @classmethod
@@ -134,9 +151,12 @@ class Report:
 
     # --- rendering -----------------------------------------------------------------------------
 
-    def render(self, color: bool | None = None, width: int | None = None) -> str:
+    def render(
+        self, color: bool | None = None, width: int | None = None, verbose: bool = False
+    ) -> str:
         """The report as text. ``color=None`` colours only when stdout is a terminal (and
-        ``NO_COLOR`` is unset); otherwise the text has no escape codes at all."""
+        ``NO_COLOR`` is unset); otherwise the text has no escape codes at all. ``verbose``:
+        every finding, also those that changed nothing and teach nothing (``shown``)."""
         from rich.console import Console
 
         if color is None:
@@ -155,7 +175,7 @@ class Report:
             soft_wrap=False,
             force_jupyter=False,
         )
-        _render(self, console)
+        _render(self, console, verbose)
         text = buf.getvalue()
         if not color:  # rich pads table cells to the width; pipes and logs want no trailing blanks
             text = "\n".join(line.rstrip() for line in text.splitlines())
@@ -247,6 +267,11 @@ def _with_call_sites(findings: list[Finding], inspection) -> list[Finding]:
         for f in findings
         if f.kind == "donate" and "arg" in f.details
     }
+    nbytes = {
+        f.details.get("arg"): f.bytes_saved
+        for f in findings
+        if f.kind == "donate" and f.details.get("aliasable") is True
+    }
     useless = {
         f.details.get("arg")
         for f in findings
@@ -273,6 +298,7 @@ def _with_call_sites(findings: list[Finding], inspection) -> list[Finding]:
                         "them and nothing else refers to them)."
                     ),
                     details={"arg": key, "site": proof.location},
+                    bytes_saved=nbytes.get(key),
                 )
             )
         for key, why in proof.reasons:
@@ -342,7 +368,26 @@ def _memory_before_after(inspection, args: tuple, kwargs: dict) -> dict[str, dic
 # --- rendering ---------------------------------------------------------------------------------
 
 
-def _render(report: Report, console: Any) -> None:
+def _noise(f: Finding, report: Report) -> bool:
+    """A finding the default table leaves out (``Report.shown``)."""
+    d = f.details or {}
+    if f.kind == "donate" and not f.applied:
+        if d.get("aliasable") is False:
+            return True  # no output can reuse it: nothing to do, nothing to learn
+        if "site" not in d and "arg" in d:  # the function-level "can be donated"
+            return any(
+                g.kind == "donate"
+                and g.applied
+                and "site" in g.details
+                and g.details.get("arg") == d["arg"]
+                for g in report.findings
+            )
+    if f.kind == "transfer" and not f.applied:
+        return not d.get("before") and not d.get("implicit") and not d.get("explicit")
+    return False
+
+
+def _render(report: Report, console: Any, verbose: bool = False) -> None:
     from rich.text import Text
 
     title = Text(f"autoopt report for {report.function}", style="bold")
@@ -351,7 +396,7 @@ def _render(report: Report, console: Any) -> None:
     console.print(title)
     if report.fallback:
         console.print(Text(f"fell back to plain jax.jit: {report.fallback}", style="red"))
-    _render_summary(report, console)
+    _render_summary(report, console, verbose)
     _render_memory(report, console)
     for section in _pass_sections():  # each pass's own tables (remat's plans), in pass order
         section(report, console)
@@ -414,7 +459,7 @@ def _pass_sections() -> list:
     return report_sections()
 
 
-def _render_summary(report: Report, console: Any) -> None:
+def _render_summary(report: Report, console: Any, verbose: bool = False) -> None:
     from rich.table import Table
     from rich.text import Text
 
@@ -425,11 +470,15 @@ def _render_summary(report: Report, console: Any) -> None:
     applied = [f for f in findings if f.applied]
     saved = sum(f.bytes_saved or 0 for f in applied)
     transfers = sum(f.transfers_avoided or 0 for f in applied)
+    rows = report.shown(verbose)
     head = f"{len(findings)} findings, {len(applied)} applied"
     if saved:
         head += f"; {format_bytes(saved)} saved"
     if transfers:
         head += f"; {transfers} transfers avoided per call"
+    hidden = len(findings) - sum(len(locs) for _, locs in rows)
+    if hidden:
+        head += f" ({hidden} that change nothing not shown: render(verbose=True) shows them)"
     console.print(head)
     table = Table(box=None, pad_edge=False, expand=False, show_edge=False)
     table.add_column("kind", no_wrap=True)
@@ -440,16 +489,23 @@ def _render_summary(report: Report, console: Any) -> None:
     table.add_column("what (and why not)", overflow="fold", ratio=1)
     # What was done first, then what could be done (it has a saving), then the rest.
     order = sorted(
-        findings, key=lambda f: (not f.applied, not (f.bytes_saved or f.transfers_avoided))
+        rows, key=lambda r: (not r[0].applied, not (r[0].bytes_saved or r[0].transfers_avoided))
     )
-    for f in order:
+    for f, locs in order:
+        where = _short_loc(f.location)
+        message = f.message
+        if len(locs) > 1:
+            where += f" (x{len(locs)})"
+            others = sorted({_short_loc(loc) for loc in locs[1:]} - {_short_loc(f.location)})
+            if others:
+                message += f" (also at {', '.join(others[:6])}{', ...' if len(others) > 6 else ''})"
         table.add_row(
             f.kind,
-            _short_loc(f.location),
+            where,
             Text("yes", style="green") if f.applied else Text("no", style="yellow"),
             format_bytes(f.bytes_saved) if f.bytes_saved else "-",
             str(f.transfers_avoided) if f.transfers_avoided else "-",
-            f.message,
+            message,
         )
     console.print(table)
 

@@ -143,19 +143,23 @@ def donation(closed, ctx: PassContext) -> PassResult:
                     )
                 )
                 continue
+            outs = f"{', '.join(out_names[:4])}{', ...' if len(out_names) > 4 else ''}"
+            auto = ctx.options.donate == "auto"  # then every call donates it: applied
             findings.append(
                 Finding(
                     kind="donate",
-                    applied=False,
+                    applied=auto,
                     location=ctx.fn_location,
                     bytes_saved=total,
                     message=(
-                        f"`{root}` ({len(leaves)} leaves, {total:,} bytes) can be donated: "
-                        "every leaf "
-                        f"has an output of the same shape and dtype ({', '.join(out_names[:4])}"
-                        f"{', ...' if len(out_names) > 4 else ''}). Donated when the caller "
-                        f"rebinds it (`{root} = f({root}, ...)`) under donate='safe', always "
-                        "under donate='auto'."
+                        f"`{root}` ({len(leaves)} leaves, {total:,} bytes) donated at every "
+                        f"call (donate='auto'): every leaf has an output of the same shape and "
+                        f"dtype ({outs})."
+                        if auto
+                        else f"`{root}` ({len(leaves)} leaves, {total:,} bytes) can be donated: "
+                        f"every leaf has an output of the same shape and dtype ({outs}). "
+                        f"Donated when the caller rebinds it (`{root} = f({root}, ...)`) under "
+                        "donate='safe', always under donate='auto'."
                     ),
                     details={"arg": arg, "name": root, "leaves": leaves, "aliasable": True},
                 )
