@@ -1101,9 +1101,13 @@ def check_program(
         ) from e
     fast = optimize(fn, **options)
     got = through(fast, case.args)
-    assert_trees_equivalent(expected, got, what="optimize(program)")
-    RUNS["equal"] += 1
+    info = fast.inspect(*case.args)
+    # Bit-identical unless a remat plan may reorder floating point: one applied to the plain
+    # call, or one planned for a caller that differentiates (another route than ``_call``).
+    remat = through is not _call or any(f.kind == "remat" and f.applied for f in info.findings)
+    assert_trees_equivalent(expected, got, what="optimize(program)", exact=not remat)
+    RUNS["equal" if remat else "bit-identical"] += 1
     # Which passes changed the program, so a run says whether the passes had work to do.
-    for name in fast.inspect(*case.args).changed_by:
+    for name in info.changed_by:
         RUNS[f"rewritten by {name}"] += 1
     return got
