@@ -148,6 +148,30 @@ def _donate_outcome(calls: str):
         ("w = jnp.zeros(3)\nw = v = step(w, x)", "does not rebind `w` (alone)"),
         ("w = jnp.zeros(3)\nw = step(w, w)", "passed to another call on line 9"),
         ("def g():\n    global w\n    w = jnp.zeros(3)\n    w = step(w, x)", "global"),
+        # init functions whose result may be held elsewhere (issue 16: only provably fresh
+        # ones count)
+        (
+            "W0 = jnp.zeros(3)\ndef init():\n    return {'w': W0}\nw = init()\nw = step(w, x)",
+            "bound on line 11",
+        ),
+        (
+            "import functools\n@functools.cache\ndef init():\n    return jnp.zeros(3)\n"
+            "w = init()\nw = step(w, x)",
+            "bound on line 12",
+        ),
+        (
+            "def init():\n    s = {'w': jnp.zeros(3)}\n    KEEP.append(s)\n    return s\n"
+            "w = init()\nw = step(w, x)",
+            "bound on line 12",
+        ),
+        (
+            "def init():\n    yield jnp.zeros(3)\nw = init()\nw = step(w, x)",
+            "bound on line 10",
+        ),
+        (
+            "def init():\n    return jnp.zeros(3)\ninit = other\nw = init()\nw = step(w, x)",
+            "bound on line 11",
+        ),
     ],
 )
 def test_donation_edit_is_refused_where_the_array_may_have_a_second_holder(calls, why):
@@ -164,6 +188,14 @@ def test_donation_edit_is_refused_where_the_array_may_have_a_second_holder(calls
         "def train(xs):\n    w = jnp.full((3,), 0.5)\n    for x in xs:\n        w = step(w, x)\n"
         "    return w",
         "w = jax.random.normal(key, (3,))\nw = step(w, x)",
+        # state built by an init function of the file, or as a display of fresh arrays
+        "def init_state(key):\n    k1, k2 = jax.random.split(key)\n"
+        "    return {'w': jax.random.normal(k1, (3,)), 'b': jnp.zeros(3), 'step': 0}\n"
+        "w = init_state(key)\nfor x in xs:\n    w = step(w, x)",
+        "def zeros_like_tree():\n    return [jnp.zeros(3), (jnp.ones(2), jnp.full((2,), 0.5))]\n"
+        "def init():\n    return {'params': zeros_like_tree(), 'count': 0}\n"
+        "w = init()\nw = step(w, x)",
+        "w = {'a': jnp.zeros(3), 'b': [jnp.ones(2)]}\nw = step(w, x)",
     ],
 )
 def test_donation_edit_is_offered_where_the_file_shows_a_fresh_array_and_no_other_use(calls):

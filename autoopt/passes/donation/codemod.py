@@ -7,8 +7,10 @@ for every caller, so under ``style="jax"`` an argument is also left out unless t
 every caller's array dead after the call: every call of the function (directly, or through a
 function of this module it is passed to) rebinds the very name it passes
 (``state = step(state, batch)``), and an allow-list holds for that name (``_second_holder``):
-it is bound only to new arrays (results of the function itself, or of array constructors such
-as ``jnp.zeros`` and ``jax.random.normal``) and otherwise only read for metadata
+it is bound only to new arrays (results of the function itself, of array constructors such
+as ``jnp.zeros`` and ``jax.random.normal``, dict/list/tuple displays of those, or calls of this
+file's undecorated functions whose every ``return`` is such a value, like ``init_state()``)
+and otherwise only read for metadata
 (``w.shape``) or returned; and the function is not passed around otherwise. Anything else is
 refused with its line: ``w[:]``, ``w.T``, ``w.astype(w.dtype)``, ``jnp.reshape`` and
 ``jnp.asarray`` can all return the array itself, and a closure keeps it. The outcome says
@@ -433,6 +435,102 @@ def _fresh_call(value: cst.BaseExpression, ids: set[int], cmd) -> bool:
     return False
 
 
+def _fresh_value(value: cst.BaseExpression, ids: set[int], cmd, depth: int = 0) -> bool:
+    """Whether ``value`` holds only arrays no other name holds: a fresh call
+    (``_fresh_call``), a dict, list or tuple display of fresh values (no ``*``/``**``
+    unpacking), or a call of a fresh function of this file (``_fresh_function``), such as
+    ``state = init_state()``."""
+    if _fresh_call(value, ids, cmd) or _is_number(value):
+        return True  # (a Python number holds no device buffer)
+    if isinstance(value, cst.Dict):
+        return all(
+            isinstance(e, cst.DictElement) and _fresh_value(e.value, ids, cmd, depth)
+            for e in value.elements
+        )
+    if isinstance(value, cst.List | cst.Tuple):
+        return all(
+            isinstance(e, cst.Element) and _fresh_value(e.value, ids, cmd, depth)
+            for e in value.elements
+        )
+    if isinstance(value, cst.Call) and isinstance(value.func, cst.Name) and depth < 4:
+        return _fresh_function(value.func.value, cmd, depth + 1)
+    return False
+
+
+def _fresh_function(name: str, cmd, depth: int) -> bool:
+    """Whether ``name`` is a function defined once at the top of this file, undecorated (a
+    cache decorator would hand out one array twice), not a generator, declaring nothing
+    global, no other top-level binding of the name, and every ``return`` of it (outside
+    nested functions) returns a fresh value (``_fresh_value``): each call builds new arrays."""
+    defs = []
+    for stmt in cmd.module.body:
+        if isinstance(stmt, cst.FunctionDef) and stmt.name.value == name:
+            defs.append(stmt)
+        elif isinstance(stmt, cst.SimpleStatementLine | cst.ClassDef | cst.If | cst.Try):
+            if name in _top_level_bindings(stmt):
+                return False
+    if len(defs) != 1:
+        return False
+    fn = defs[0]
+    if fn.decorators or fn.asynchronous is not None:
+        return False
+    returns = _Returns()
+    fn.body.visit(returns)
+    if returns.other or not returns.values:
+        return False
+    return all(v is not None and _fresh_value(v, set(), cmd, depth) for v in returns.values)
+
+
+def _top_level_bindings(stmt: cst.CSTNode) -> set[str]:
+    names: set[str] = set()
+    if isinstance(stmt, cst.ClassDef):
+        names.add(stmt.name.value)
+    for node in _walk(stmt):
+        if isinstance(node, cst.AssignTarget):
+            names |= _bound_names(node.target)
+        elif isinstance(node, cst.ImportAlias):
+            alias = node.asname.name if node.asname else node.name
+            if isinstance(alias, cst.Name):
+                names.add(alias.value)
+    return names
+
+
+def _walk(node: cst.CSTNode):
+    yield node
+    for child in node.children:
+        yield from _walk(child)
+
+
+class _Returns(cst.CSTVisitor):
+    """The values of a function body's ``return`` statements (None for a bare ``return``),
+    outside nested functions; ``other`` when it yields or declares a global/nonlocal."""
+
+    def __init__(self) -> None:
+        self.values: list[cst.BaseExpression | None] = []
+        self.other = False
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        return False
+
+    def visit_Lambda(self, node: cst.Lambda) -> bool:
+        return False
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> bool:
+        return False
+
+    def visit_Return(self, node: cst.Return) -> None:
+        self.values.append(node.value)
+
+    def visit_Yield(self, node: cst.Yield) -> None:
+        self.other = True
+
+    def visit_Global(self, node: cst.Global) -> None:
+        self.other = True
+
+    def visit_Nonlocal(self, node: cst.Nonlocal) -> None:
+        self.other = True
+
+
 def _second_holder(call: cst.Call, arg, cmd, calls: list) -> str | None:
     """Why the name ``call`` donates may have a second holder, or None when it provably has
     none. An allow-list, in the scope around ``call`` (its function, or the module): the name
@@ -483,12 +581,13 @@ def _second_holder(call: cst.Call, arg, cmd, calls: list) -> str | None:
             continue
         assign = _assigned_by(ref, parent, cmd)
         if assign is not None:
-            if len(assign.targets) == 1 and _fresh_call(assign.value, ids, cmd):
+            if len(assign.targets) == 1 and _fresh_value(assign.value, ids, cmd):
                 continue
             return (
                 f"`{name}` is bound on {where} to a value that may be held elsewhere (only "
-                "results of the function and of array constructors such as jnp.zeros are "
-                "known to be new arrays)"
+                "results of the function, of array constructors such as jnp.zeros, of "
+                "displays of those, and of this file's functions that return only such "
+                "values are known to be new arrays)"
             )
         return f"`{name}` is read on {where} in a way that may keep a second reference"
     return None
