@@ -654,12 +654,21 @@ class OptimizedFunction:
         return self._aot_choice(self._program_for_call(args, kwargs), args, kwargs)[0]
 
     def trace(self, *args, **kwargs) -> jax.stages.Traced:
-        """As ``jax.jit(fn).trace``: the optimized program for these arguments."""
+        """As ``jax.jit(fn).trace``: the optimized program for these arguments, donating as
+        ``lower`` says."""
         of, args, kwargs = self._prepare(args, kwargs)
         return of._aot_jit(args, kwargs).trace(*args, **kwargs)
 
     def lower(self, *args, **kwargs) -> jax.stages.Lowered:
-        """As ``jax.jit(fn).lower``: the optimized program for these arguments."""
+        """As ``jax.jit(fn).lower``: the optimized program for these arguments.
+
+        It donates what the caller asked for, because a compiled ``Lowered`` runs without
+        autoopt's per-call checks: under ``donate="safe"`` the statement calling ``lower``
+        rebinds nothing, so nothing (``compiled(state)`` never deletes ``state``); with
+        ``donate_argnums``/``donate_argnames`` given to ``optimize``, those; under
+        ``donate="auto"``, every argument an output can reuse. The executable that calls at a
+        rebinding site run (``state = step(state, batch)``), with its aliasing, is
+        ``self.inspect(*args).jit.lower(*args)``; the report's memory table shows both."""
         of, args, kwargs = self._prepare(args, kwargs)
         return of._aot_jit(args, kwargs).lower(*args, **kwargs)
 
