@@ -403,3 +403,19 @@ def test_cli_write_through_a_symlink_and_refusing_a_read_only_file(tmp_path):
     out = _cli("rewrite", f"{link}:write_row", "--args", "make_args", "--write")
     assert out.returncode == 0, out.stderr
     assert link.is_symlink() and "dynamic_update_index_in_dim" in real.read_text()
+
+
+def test_an_edit_claiming_a_peak_is_offered_only_when_its_compile_reproduces_it():
+    # issue 16: remat edits reported savings their source form did not get; the check now
+    # compiles the rewritten function and compares its peak with the plan's measured one
+    from autoopt.codemod import EditChecker
+
+    with open(HERE) as f:
+        source = f.read()
+    x = jnp.ones((256, 256))
+    checker = EditChecker(doubled, CheckCall((x,)))
+    # the function as it is: argument 256 KiB + output 256 KiB, nothing temporary
+    assert checker.why_not(HERE, source, source, exact=True, claimed_peak=512 * 1024) is None
+    assert checker.why_not(HERE, source, source, exact=True, claimed_peak=10 * 2**20) is None
+    why = checker.why_not(HERE, source, source, exact=True, claimed_peak=100 * 1024)
+    assert why is not None and "peak is 0.5 MiB, not the 0.1 MiB measured" in why, why

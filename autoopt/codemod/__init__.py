@@ -351,7 +351,15 @@ def plan_source_edits(
                     "function's own file"
                 )
             exact = not any(local[k].kind == "remat" for k in ks)
-            return checker.why_not(path, original, code, exact=exact)
+            # A remat edit claims the plan's measured peak: its compile must reproduce it.
+            claims = [
+                local[k].details["after"]["peak_bytes"]
+                for k in ks
+                if local[k].kind == "remat" and "peak_bytes" in local[k].details.get("after", {})
+            ]
+            return checker.why_not(
+                path, original, code, exact=exact, claimed_peak=max(claims) if claims else None
+            )
 
         result = rewrite(set(range(len(idxs))))
         outcomes = {k: result.outcomes.get(k, "no codemod ran for it") for k in range(len(idxs))}

@@ -93,6 +93,35 @@ def _definitions(original: str, code: str, path: str) -> ast.Module:
     return ast.Module(body=body, type_ignores=[])
 
 
+# An edit claiming a memory figure is offered only when its compile is within this much of it.
+PEAK_SLACK = 0.10
+
+
+def _peak_mismatch(run: Callable, call: CheckCall, claimed: int) -> str | None:
+    """Why ``run`` (the rewritten function under its jit) does not compile to the claimed peak,
+    or None when it does (within ``PEAK_SLACK``, or the backend reports no figures)."""
+    try:
+        args, kwargs = _copies((call.args, call.kwargs))
+        m = run.lower(*args, **kwargs).compile().memory_analysis()
+    except Exception:  # noqa: BLE001 - no figures to compare: the numbers check stands
+        return None
+    if m is None:
+        return None
+    peak = (
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        + m.temp_size_in_bytes
+        - m.alias_size_in_bytes
+    )
+    if peak <= (1 + PEAK_SLACK) * claimed:
+        return None
+    return (
+        f"compiled with plain jax.jit, the rewritten function's peak is {peak / 2**20:.1f} MiB, "
+        f"not the {claimed / 2**20:.1f} MiB measured for the plan it writes out (XLA merges "
+        "the source form's recomputation back, or keeps other values)"
+    )
+
+
 def _first_line(e: BaseException) -> str:
     text = next((s.strip() for s in str(e).splitlines() if s.strip()), "")
     text = text if len(text) <= 200 else text[:197] + "..."
@@ -126,15 +155,24 @@ class EditChecker:
                 )
         return self._expected
 
-    def why_not(self, path: str, original: str, code: str, *, exact: bool) -> str | None:
+    def why_not(
+        self, path: str, original: str, code: str, *, exact: bool, claimed_peak: int | None = None
+    ) -> str | None:
         """None when ``code`` (the rewritten ``original`` text of ``path``, the function's file)
-        defines the function so that it gives the original's numbers; else why it does not."""
-        key = (self.fn, path, code, exact)
+        defines the function so that it gives the original's numbers and, with
+        ``claimed_peak``, compiles under plain jax.jit to at most ``PEAK_SLACK`` more than that
+        peak (argument + output + temp - alias bytes: what the report measured for the plan
+        the edit writes out); else why it does not."""
+        key = (self.fn, path, code, exact, claimed_peak)
         if key not in self.call.verdicts:
-            self.call.verdicts[key] = self._why_not(path, original, code, exact=exact)
+            self.call.verdicts[key] = self._why_not(
+                path, original, code, exact=exact, claimed_peak=claimed_peak
+            )
         return self.call.verdicts[key]
 
-    def _why_not(self, path: str, original: str, code: str, *, exact: bool) -> str | None:
+    def _why_not(
+        self, path: str, original: str, code: str, *, exact: bool, claimed_peak: int | None = None
+    ) -> str | None:
         expected, why = self._original()
         if why is not None:
             return why
@@ -179,6 +217,8 @@ class EditChecker:
                 assert_trees_equivalent(expected, got, what="the rewritten function", exact=exact)
             except AssertionError as e:
                 return f"{_first_line(e).removeprefix('AssertionError: ')}"
+            if claimed_peak is not None:
+                return _peak_mismatch(run, self.call, claimed_peak)
             return None
         finally:
             sys.modules.pop(name, None)
