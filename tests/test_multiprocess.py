@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -26,12 +27,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _job(scenario: str, **env: str) -> list[dict]:
+def _job(scenario: str, workers: tuple[Path, Path] = (WORKER, WORKER), **env: str) -> list[dict]:
     port = str(_free_port())
     full_env = {**os.environ, **env, "PYTHONPATH": str(Path(__file__).parents[1])}
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), scenario, str(pid), port],
+            [sys.executable, str(workers[pid]), scenario, str(pid), port],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -58,10 +59,15 @@ def _job(scenario: str, **env: str) -> list[dict]:
     return results
 
 
-def test_a_data_parallel_step_donates_remats_and_matches_jax_jit():
+def test_a_data_parallel_step_donates_remats_and_matches_jax_jit(tmp_path):
     # donation at the rebinding call (the old buffer holds the new parameters), a remat plan
-    # (a memory budget), batches from process-local NumPy through autoopt.prefetch
-    a, b = _job("train")
+    # (a memory budget), batches from process-local NumPy through autoopt.prefetch; the two
+    # processes run the script from different folders, as hosts with their own checkouts do
+    copies = (tmp_path / "host0" / WORKER.name, tmp_path / "host1" / WORKER.name)
+    for c in copies:
+        c.parent.mkdir()
+        shutil.copy(WORKER, c)
+    a, b = _job("train", workers=copies)
     for r in (a, b):
         assert r["losses_equal"] and r["max_abs_diff"] == 0.0, r
         assert r["donated"] == [True] * 4, r

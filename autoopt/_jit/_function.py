@@ -185,6 +185,17 @@ def _check_argnums(fn: Callable, options: Options) -> None:
 _JAX_DIR = os.path.dirname(os.path.abspath(jax.__file__)) + os.sep
 
 
+def _process_independent_id(fn: Callable) -> str:
+    """The function's name as every process of a jax.distributed job spells it: module,
+    qualified name and first line, without the file's path (hosts may hold the code in other
+    folders)."""
+    fn = inspect.unwrap(fn) if callable(fn) else fn
+    code = getattr(fn, "__code__", None)
+    line = code.co_firstlineno if code is not None else 0
+    name = getattr(fn, "__qualname__", type(fn).__name__)
+    return f"{getattr(fn, '__module__', '?')}:{name}:{line}"
+
+
 class OptimizedFunction:
     """What ``optimize`` returns: call it like the ``jax.jit`` of the original function.
 
@@ -332,7 +343,7 @@ class OptimizedFunction:
         )
         several = _multiprocess.several()
         if several:  # a jax.distributed job: every process must trace this signature alike
-            fn_id = f"{policy.fn_location}:{getattr(self.__wrapped__, '__qualname__', 'fn')}"
+            fn_id = _process_independent_id(self.__wrapped__)
             _multiprocess.check_signature(fn_id, traced.in_leaf_names, traced.closed.in_avals)
         ctx = PassContext(
             options=policy.options,
