@@ -172,6 +172,26 @@ def _donate_outcome(calls: str):
             "def init():\n    return jnp.zeros(3)\ninit = other\nw = init()\nw = step(w, x)",
             "bound on line 11",
         ),
+        (  # a parameter shadows the file's fresh init
+            "def init():\n    return jnp.zeros(3)\ndef train(init, xs):\n    w = init()\n"
+            "    for x in xs:\n        w = step(w, x)",
+            "bound on line 11",
+        ),
+        (
+            "def init():\n    return jnp.zeros(3)\nfor init in makers:\n    w = init()\n"
+            "    w = step(w, x)",
+            "bound on line 11",
+        ),
+        (
+            "def init():\n    return jnp.zeros(3)\nfrom elsewhere import *\nw = init()\n"
+            "w = step(w, x)",
+            "bound on line 11",
+        ),
+        (
+            "def helper():\n    return jnp.zeros(3)\ndef init(helper):\n    return helper()\n"
+            "w = init(held)\nw = step(w, x)",
+            "bound on line 12",
+        ),
     ],
 )
 def test_donation_edit_is_refused_where_the_array_may_have_a_second_holder(calls, why):

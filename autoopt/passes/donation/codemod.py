@@ -453,7 +453,38 @@ def _fresh_value(value: cst.BaseExpression, ids: set[int], cmd, depth: int = 0) 
             for e in value.elements
         )
     if isinstance(value, cst.Call) and isinstance(value.func, cst.Name) and depth < 4:
-        return _fresh_function(value.func.value, cmd, depth + 1)
+        name = value.func.value
+        return not _shadowed(value, name, cmd) and _fresh_function(name, cmd, depth + 1)
+    return False
+
+
+def _shadowed(call: cst.Call, name: str, cmd) -> bool:
+    """Whether ``name`` at ``call`` may mean something other than the file's top-level
+    binding: in some enclosing function (or lambda, class or comprehension) it is a
+    parameter, or appears other than as the callee of a call (an assignment, a loop target, an
+    import, a ``global``: conservatively, any other use). A star import at the top makes
+    ``_fresh_function`` refuse (it binds names the file does not show)."""
+    node = cmd.get_metadata(ParentNodeProvider, call, None)
+    while node is not None and not isinstance(node, cst.Module):
+        if isinstance(node, cst.FunctionDef | cst.Lambda):
+            params = node.params
+            every = [
+                *params.params,
+                *params.kwonly_params,
+                *params.posonly_params,
+                *([params.star_arg] if isinstance(params.star_arg, cst.Param) else []),
+                *([params.star_kwarg] if params.star_kwarg is not None else []),
+            ]
+            if any(p.name.value == name for p in every):
+                return True
+        if isinstance(node, cst.FunctionDef | cst.Lambda | cst.ClassDef | cst.BaseComp):
+            for n in _walk(node.body if not isinstance(node, cst.BaseComp) else node):
+                if isinstance(n, cst.Name) and n.value == name:
+                    parent = cmd.get_metadata(ParentNodeProvider, n, None)
+                    # (an import, a ``global``, an assignment or a loop target is a Name too)
+                    if not (isinstance(parent, cst.Call) and parent.func is n):
+                        return True
+        node = cmd.get_metadata(ParentNodeProvider, node, None)
     return False
 
 
@@ -466,9 +497,14 @@ def _fresh_function(name: str, cmd, depth: int) -> bool:
     for stmt in cmd.module.body:
         if isinstance(stmt, cst.FunctionDef) and stmt.name.value == name:
             defs.append(stmt)
-        elif isinstance(stmt, cst.SimpleStatementLine | cst.ClassDef | cst.If | cst.Try):
-            if name in _top_level_bindings(stmt):
-                return False
+            continue
+        for n in _walk(stmt):
+            if isinstance(n, cst.ImportStar):
+                return False  # binds names the file does not show
+            if isinstance(n, cst.Name) and n.value == name:
+                parent = cmd.get_metadata(ParentNodeProvider, n, None)
+                if not (isinstance(parent, cst.Call) and parent.func is n):
+                    return False  # rebound, aliased or passed around elsewhere in the file
     if len(defs) != 1:
         return False
     fn = defs[0]
@@ -479,20 +515,6 @@ def _fresh_function(name: str, cmd, depth: int) -> bool:
     if returns.other or not returns.values:
         return False
     return all(v is not None and _fresh_value(v, set(), cmd, depth) for v in returns.values)
-
-
-def _top_level_bindings(stmt: cst.CSTNode) -> set[str]:
-    names: set[str] = set()
-    if isinstance(stmt, cst.ClassDef):
-        names.add(stmt.name.value)
-    for node in _walk(stmt):
-        if isinstance(node, cst.AssignTarget):
-            names |= _bound_names(node.target)
-        elif isinstance(node, cst.ImportAlias):
-            alias = node.asname.name if node.asname else node.name
-            if isinstance(alias, cst.Name):
-                names.add(alias.value)
-    return names
 
 
 def _walk(node: cst.CSTNode):
