@@ -734,7 +734,7 @@ class OptimizedFunction:
         from autoopt.report import Report
 
         of, args, kwargs = self._prepare(args, kwargs)
-        inspection = of._inspect_prepared(args, kwargs)
+        inspection = self._sites_into(of._inspect_prepared(args, kwargs))
         placement = findings_for(inspection, args, kwargs)
         return Report.from_program(inspection, args, kwargs, extra_findings=placement)
 
@@ -744,7 +744,16 @@ class OptimizedFunction:
         Traces (never compiles) on a signature's first use. Arguments holding non-array leaves
         are described by the function made for those static leaves."""
         of, args, kwargs = self._prepare(args, kwargs)
-        return of._inspect_prepared(args, kwargs)
+        return self._sites_into(of._inspect_prepared(args, kwargs))
+
+    def _sites_into(self, inspection: Inspection) -> Inspection:
+        """``inspection`` (maybe of the function for static leaves) with this function's call
+        sites: callers call this function, so their proofs are recorded here (an equinox
+        module's step is donated at ``model = step(model, x)``, and its report says so)."""
+        own = tuple(self._caches.site_proofs.values())
+        if inspection.call_sites == own or not own:
+            return inspection
+        return dataclasses.replace(inspection, call_sites=inspection.call_sites + own)
 
     def _inspect_prepared(self, args: tuple, kwargs: dict, shift: int = 0) -> Inspection:
         program = self._program_for_call(args, kwargs)
