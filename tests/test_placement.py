@@ -538,6 +538,24 @@ def test_explain_names_numpy_and_scalar_arguments_and_recompile_triggers():
     assert site == f"{__file__}:{_line_of('# call-site marker')}"
 
 
+def test_explain_with_another_scalar_type_than_the_calls_reports_no_recompile_trigger():
+    # issue 16: the loop passes a Python int every call; explain() was given a jnp.int32, and
+    # its own trace (never compiled) was counted as a second compiled program
+    def write(buf, i, row):
+        return buf.at[i].set(row)
+
+    opt = autoopt.optimize(write)
+    buf = jnp.zeros((8, 2))
+    for i in range(3):
+        buf = opt(buf, i, jnp.ones(2))
+    report = opt.explain(buf, jnp.int32(3), jnp.ones(2))
+    assert not [f for f in report.findings if f.details.get("strategy") == "recompile"]
+    buf = opt(buf, jnp.int32(4), jnp.ones(2))  # now a call does pass it: two programs run
+    report = opt.explain(buf, 1, jnp.ones(2))
+    [trigger] = [f for f in report.findings if f.details.get("strategy") == "recompile"]
+    assert trigger.details["leaves"] == ["i"] and trigger.details["programs"] == 2
+
+
 def test_large_closed_over_constant_is_reported_at_its_line():
     big = np.ones((1024, 300), np.float32)
 

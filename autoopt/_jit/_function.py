@@ -322,6 +322,8 @@ class OptimizedFunction:
         program = programs.get(key)
         if program is not None:
             caches.tls.last_program = program
+            if not program.compiled and not getattr(caches.tls, "trace_only", False):
+                program.compiled = True
             return program, leaves
         with caches.lock:
             lock = caches.key_locks.setdefault((key, eager_autodiff), threading.RLock())
@@ -332,6 +334,8 @@ class OptimizedFunction:
                 if not program.traced.captures_tracers:
                     programs[key] = program
         caches.tls.last_program = program
+        if not getattr(caches.tls, "trace_only", False):
+            program.compiled = True
         return program, leaves
 
     def _build(self, args: tuple, kwargs: dict, eager_autodiff: bool = False) -> Program:
@@ -559,9 +563,13 @@ class OptimizedFunction:
             caches.site_proofs[proof.location] = proof
         return site
 
-    def _program_for_call(self, args: tuple, kwargs: dict) -> Program | None:
+    def _program_for_call(
+        self, args: tuple, kwargs: dict, report_only: bool = False
+    ) -> Program | None:
         """The program for concrete arguments, tracing (not compiling) on a miss; None when it
-        captured an outer tracer (never cached) or a static argument is unhashable."""
+        captured an outer tracer (never cached) or a static argument is unhashable.
+        ``report_only``: for inspect()/explain()/lower(), not a call (``Program.compiled``
+        stays as it is)."""
         policy, caches = self._policy, self._caches
         ckey = call_signature(args, kwargs, policy.static_argnums, policy.static_argnames)
         try:
@@ -586,6 +594,8 @@ class OptimizedFunction:
                 program = caches.programs.get(key) or getattr(caches.tls, "last_program", None)
             if program is not None and not program.traced.captures_tracers:
                 caches.by_call[ckey] = program
+        if program is not None and not report_only:
+            program.compiled = True
         return program
 
     def _verify(self, args: tuple, kwargs: dict) -> None:
@@ -662,7 +672,8 @@ class OptimizedFunction:
         """The jit object ``trace``/``lower`` use: the ``"auto"`` call's, else the plain one."""
         if self._policy.donate != "auto":
             return self._plain
-        return self._aot_choice(self._program_for_call(args, kwargs), args, kwargs)[0]
+        program = self._program_for_call(args, kwargs, report_only=True)
+        return self._aot_choice(program, args, kwargs)[0]
 
     def trace(self, *args, **kwargs) -> jax.stages.Traced:
         """As ``jax.jit(fn).trace``: the optimized program for these arguments, donating as
@@ -756,7 +767,7 @@ class OptimizedFunction:
         return dataclasses.replace(inspection, call_sites=inspection.call_sites + own)
 
     def _inspect_prepared(self, args: tuple, kwargs: dict, shift: int = 0) -> Inspection:
-        program = self._program_for_call(args, kwargs)
+        program = self._program_for_call(args, kwargs, report_only=True)
         if program is None:
             raise ValueError(
                 "inspect() and explain() cannot run on arguments traced by an "

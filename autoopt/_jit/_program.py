@@ -53,6 +53,7 @@ class Program:
         "_const_ids",
         "donates",
         "fingerprint",
+        "compiled",
     )
 
     def __init__(
@@ -77,6 +78,9 @@ class Program:
         # In a jax.distributed job, a digest of the optimized program (``_build``): the scope
         # of the decisions the processes share about it (``_multiprocess``).
         self.fingerprint: str = ""
+        # Whether a jit traced it to compile (a call, or lower()), not only inspect()/explain()
+        # tracing it for a report: what the recompile finding counts.
+        self.compiled = False
 
     @property
     def const_ids(self) -> frozenset[int]:

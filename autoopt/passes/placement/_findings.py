@@ -158,6 +158,8 @@ def _recompile_findings(programs, site) -> list:
     """Programs of this function that differ only in the type of scalar leaves."""
     groups: dict[tuple, list] = {}
     for key, program in list(programs.items()):
+        if not program.compiled:  # traced for a report only (explain's own arguments)
+            continue
         shapes = tuple(getattr(t, "shape", None) for t in key.types)  # key: _trace.Signature
         groups.setdefault(key._replace(types=shapes), []).append((key.types, program))
     out = []
