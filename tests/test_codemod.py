@@ -794,6 +794,33 @@ def test_host_fed_loop_is_prefetched_and_constant_placed_once():
     )
 
 
+@pytest.mark.parametrize(
+    "loop, fed",
+    [
+        # an RL loop: the environment the observations come from is stepped by the body
+        (
+            "for obs in env.observations():\n        action, w = step(w, obs)\n"
+            "        env.act(action)",
+            "env",
+        ),
+        # a generator of this file reading a name the body rebinds
+        ("for obs in rollout():\n        w = step(w, obs)\n        latest = w", "latest"),
+        ("for obs in source:\n        w = step(w, obs)\n        source.feedback(w)", "source"),
+    ],
+)
+def test_prefetch_is_not_offered_where_the_batches_depend_on_the_loop_body(loop, fed):
+    # issue 16: a prefetched batch would be made before the body's change it depends on
+    before = (
+        "import numpy as np\n\nlatest = None\n\ndef rollout():\n    while True:\n"
+        "        yield np.asarray(latest)\n\ndef train(w, env, source):\n"
+        f"    {loop}\n    return w\n"
+    )
+    line = before.splitlines().index(next(ln for ln in before.splitlines() if "step(" in ln)) + 1
+    cmd = assert_unchanged(PlacementCommand, before, [F("placement", line, arg=1)], function="step")
+    [why] = cmd.outcomes.values()
+    assert why is not None and f"changes `{fed}`" in why, cmd.outcomes
+
+
 def test_placement_finding_at_a_call_site_names_leaves_by_parameter():
     """The pass names leaves by the function's parameters (`batch['x']`); the caller passes
     `b`: ``params`` (added from the signature) maps them to positions."""

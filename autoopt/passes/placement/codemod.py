@@ -126,6 +126,27 @@ def _arguments(details: dict, call: cst.Call) -> list[cst.BaseExpression]:
     return out
 
 
+class _Touched(_Assigned):
+    """Names a block rebinds, or mutates through an attribute or item assignment or a method
+    call (``env.step(a)``, ``buf[i] = x``, ``cfg.t = 1``)."""
+
+    def _root(self, node: cst.BaseExpression) -> None:
+        while isinstance(node, cst.Attribute | cst.Subscript):
+            node = node.value
+        if isinstance(node, cst.Name):
+            self.names.add(node.value)
+
+    def _add(self, target: cst.BaseExpression) -> None:
+        super()._add(target)
+        if isinstance(target, cst.Attribute | cst.Subscript):
+            self._root(target)
+
+    def visit_Call(self, node: cst.Call) -> bool:
+        if isinstance(node.func, cst.Attribute):
+            self._root(node.func.value)
+        return True
+
+
 def _names_in(node: cst.CSTNode) -> set[str]:
     v = _Names()
     node.visit(v)
@@ -215,6 +236,8 @@ class PlacementCommand(FindingCommand):
             if action == "prefetch":
                 if self._is_prefetch(original_node.iter):
                     self.outcomes[i] = "the loop already iterates over autoopt.prefetch(...)"
+                elif (why := self._fed_back(original_node)) is not None:
+                    self.outcomes[i] = why
                 else:
                     prefetch = True
                     self.outcomes[i] = None
@@ -248,6 +271,47 @@ class PlacementCommand(FindingCommand):
         ]
         stmts[0] = stmts[0].with_changes(leading_lines=new_loop.leading_lines)
         return cst.FlattenSentinel([*stmts, new_loop.with_changes(leading_lines=[])])
+
+    def _fed_back(self, loop: cst.For) -> str | None:
+        """Why the loop's batches may depend on what its body does (prefetching would make
+        them from an earlier state: an RL loop stepping its environment, a sampler reading the
+        last parameters), or None when the file shows they cannot. The iterable's names (and,
+        for a call of a function of this file, every name that function reads) must be neither
+        rebound in the body nor mutated there: no ``x.attr = ``, ``x[i] = `` or method call
+        ``x.method(...)`` on them."""
+        reads = _names_in(loop.iter)
+        if isinstance(loop.iter, cst.Call) and isinstance(loop.iter.func, cst.Name):
+            for stmt in self.module.body if self.module is not None else ():
+                if isinstance(stmt, cst.FunctionDef) and stmt.name.value == loop.iter.func.value:
+                    reads |= _names_in(stmt.body)
+        touched = _Touched()
+        loop.body.visit(touched)
+        fed = sorted((reads & touched.names) - self._imported())
+        if fed:
+            return (
+                f"the loop body changes `{fed[0]}`, which the batches are made from: a "
+                "prefetched batch would be made before that change"
+            )
+        return None
+
+    def _imported(self) -> set[str]:
+        """Names the file's top-level imports bind (modules: ``np.mean(x)`` in the body
+        mutates nothing the batches are made from)."""
+        names: set[str] = set()
+        for stmt in self.module.body if self.module is not None else ():
+            if not isinstance(stmt, cst.SimpleStatementLine):
+                continue
+            for small in stmt.body:
+                if isinstance(small, cst.Import | cst.ImportFrom) and not isinstance(
+                    small.names, cst.ImportStar
+                ):
+                    for alias in small.names:
+                        bound = alias.asname.name if alias.asname else alias.name
+                        while isinstance(bound, cst.Attribute):  # import a.b binds a
+                            bound = bound.value
+                        if isinstance(bound, cst.Name):
+                            names.add(bound.value)
+        return names
 
     def _decide(self, details: dict, call: cst.Call, loop_vars: set, assigned: set):
         """``("prefetch", None)``, ``("device_put", name)`` or ``(None, reason)``."""
