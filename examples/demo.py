@@ -66,25 +66,6 @@ def max_relative_difference(a, b) -> float | None:
     return worst
 
 
-def same_numbers(a, b) -> bool:
-    """Integers bit-identical, floats within a few ulps (XLA may fuse differently)."""
-    import jax
-
-    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
-    if len(la) != len(lb):
-        return False
-    for x, y in zip(la, lb):
-        x, y = np.asarray(x), np.asarray(y)
-        if x.shape != y.shape or x.dtype != y.dtype:
-            return False
-        if x.dtype.kind in "biu":
-            if not np.array_equal(x, y):
-                return False
-        elif not np.allclose(x, y, rtol=2e-5, atol=1e-6, equal_nan=True):
-            return False
-    return True
-
-
 def peak_mib(jitted, args) -> float | None:
     """Compiled peak of ``jitted`` at ``args``: argument + output + temp - aliased bytes."""
     try:

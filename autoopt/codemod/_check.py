@@ -35,6 +35,7 @@ from typing import Any
 import jax
 
 from autoopt._compare import assert_trees_equivalent
+from autoopt._memory import compiled_memory
 
 __all__ = ["CheckCall", "EditChecker", "checking"]
 
@@ -102,17 +103,12 @@ def _peak_mismatch(run: Callable, call: CheckCall, claimed: int) -> str | None:
     or None when it does (within ``PEAK_SLACK``, or the backend reports no figures)."""
     try:
         args, kwargs = _copies((call.args, call.kwargs))
-        m = run.lower(*args, **kwargs).compile().memory_analysis()
+        memory = compiled_memory(run.lower(*args, **kwargs).compile())
     except Exception:  # noqa: BLE001 - no figures to compare: the numbers check stands
         return None
-    if m is None:
+    if memory is None:
         return None
-    peak = (
-        m.argument_size_in_bytes
-        + m.output_size_in_bytes
-        + m.temp_size_in_bytes
-        - m.alias_size_in_bytes
-    )
+    peak = memory.peak_bytes
     if peak <= (1 + PEAK_SLACK) * claimed:
         return None
     return (
