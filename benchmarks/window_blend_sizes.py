@@ -7,7 +7,7 @@ under ``jax.jit``, the program autoopt compiles with the blend forced
 (``window_blend_min_bytes=0``) run through plain ``jax.jit``, and the expert's
 ``dynamic_update_slice`` at a start it knows is in bounds. Interleaved rounds, medians, ratios.
 
-    python benchmarks/window_blend_sizes.py [--rounds 9] [--calls 100]
+    python benchmarks/window_blend_sizes.py [--rounds 9] [--calls 100] [--only rows|tiles]
 """
 
 from __future__ import annotations
@@ -31,6 +31,15 @@ SHAPES = [
     (1024, 16),
     (16, 16384),
 ]
+# 2-D tiles ``x.at[i + arange(k)[:, None], j + arange(m)].set(v)`` in an (n, n) buffer: (k, m, n).
+TILES = [
+    (4, 4, 64),
+    (8, 16, 256),
+    (16, 64, 1024),
+    (64, 64, 1024),
+    (32, 256, 2048),
+    (128, 1024, 4096),
+]
 
 
 def _rewritten(fn, *args):
@@ -43,19 +52,30 @@ def _rewritten(fn, *args):
     return jax.jit(program, donate_argnums=0)
 
 
-def measure(k: int, w: int, rounds: int, calls: int) -> dict[str, float]:
-    n = max(2048, 4 * k) if w <= 1024 else 1024
+def measure(k: int, w: int, rounds: int, calls: int, tile_n: int = 0) -> dict[str, float]:
+    """Rows: ``k`` rows of ``w``; a tile (``tile_n``): ``k`` x ``w`` in an (n, n) buffer."""
+    if tile_n:
+        n, shape = tile_n, (tile_n, tile_n)
+    else:
+        n = max(2048, 4 * k) if w <= 1024 else 1024
+        shape = (n, w)
     upd = jnp.full((k, w), 2.0, jnp.float32)
 
     def naive(x, i):
+        if tile_n:
+            return x.at[i + jnp.arange(k)[:, None], i // 2 + jnp.arange(w)].set(upd)
         return x.at[i + jnp.arange(k)].set(upd)
+
+    def expert(x, i):
+        return lax.dynamic_update_slice(x, upd, (i, i // 2 if tile_n else 0))
 
     fns = {
         "naive": jax.jit(naive, donate_argnums=0),
-        "blend": _rewritten(naive, jnp.zeros((n, w)), 3),
-        "expert": jax.jit(lambda x, i: lax.dynamic_update_slice(x, upd, (i, 0)), donate_argnums=0),
+        "blend": _rewritten(naive, jnp.zeros(shape), 3),
+        "expert": jax.jit(expert, donate_argnums=0),
     }
-    state = {name: f(jnp.zeros((n, w)), 3) for name, f in fns.items()}
+    state = {name: f(jnp.zeros(shape), 3) for name, f in fns.items()}
+    hi = n - max(k, w) if tile_n else n - k
 
     def loop(name):
         f = fns[name]
@@ -63,7 +83,7 @@ def measure(k: int, w: int, rounds: int, calls: int) -> dict[str, float]:
         def go():
             x = state.pop(name)
             for j in range(calls):
-                x = f(x, (j * 37) % (n - k))
+                x = f(x, (j * 37) % hi)
             x.block_until_ready()
             state[name] = x
 
@@ -77,6 +97,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--calls", type=int, default=100)
+    p.add_argument("--only", choices=("rows", "tiles"), default=None)
     a = p.parse_args()
     print(f"jax {jax.__version__}, backend {jax.default_backend()}; medians of {a.rounds} rounds\n")
     print(
@@ -84,13 +105,27 @@ def main() -> None:
         "| blend / naive | blend / expert |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for k, w in SHAPES:
+    for k, w in [] if a.only == "tiles" else SHAPES:
         m = {name: v * 1e6 for name, v in measure(k, w, a.rounds, a.calls).items()}
-        print(
-            f"| {k} | {w} | {k * w * 4:,} | {m['naive']:.1f} | {m['blend']:.1f} | "
-            f"{m['expert']:.1f} | {m['blend'] / m['naive']:.2f} | {m['blend'] / m['expert']:.2f} |",
-            flush=True,
-        )
+        _row(f"{k} | {w}", k * w * 4, m)
+    if a.only == "rows":
+        return
+    print(
+        "\n| tile k x m | buffer n x n | window bytes | naive us | blend us | expert us "
+        "| blend / naive | blend / expert |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for k, m_, n in TILES:
+        m = {name: v * 1e6 for name, v in measure(k, m_, a.rounds, a.calls, n).items()}
+        _row(f"{k} x {m_} | {n} x {n}", k * m_ * 4, m)
+
+
+def _row(what: str, nbytes: int, m: dict[str, float]) -> None:
+    print(
+        f"| {what} | {nbytes:,} | {m['naive']:.1f} | {m['blend']:.1f} | "
+        f"{m['expert']:.1f} | {m['blend'] / m['naive']:.2f} | {m['blend'] / m['expert']:.2f} |",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

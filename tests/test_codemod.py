@@ -218,6 +218,56 @@ def test_a_blended_window_becomes_one_update_window_call():
     assert cmd.outcomes == {0: None, 1: None}
 
 
+def test_a_blended_tile_becomes_one_update_window_call_with_a_start_per_axis():
+    cmd = assert_codemod(
+        ScatterToDUSCommand,
+        """\
+        import jax.numpy as jnp
+
+        def f(x, i, j, b):
+            x = x.at[i + jnp.arange(8)[:, None], j + jnp.arange(16)].add(b)
+            return x.at[(i + jnp.arange(2))[:, None], jnp.arange(3) + j].set(0.0)
+        """,
+        """\
+        import jax.numpy as jnp
+        import autoopt
+
+        def f(x, i, j, b):
+            x = autoopt.update_window(x, (i, j), b, size=(8, 16), op="add")
+            return autoopt.update_window(x, (i, j), 0.0, size=(2, 3))
+        """,
+        [F("scatter_to_dus", 4, guard="blend"), F("scatter_to_dus", 5, guard="blend")],
+    )
+    assert cmd.outcomes == {0: None, 1: None}
+
+
+def test_a_proven_tile_becomes_one_dynamic_update_slice_and_a_transposed_one_is_left():
+    cmd = assert_codemod(
+        ScatterToDUSCommand,
+        """\
+        import jax.numpy as jnp
+
+        def f(x, i, j, b):
+            x = x.at[i + jnp.arange(8)[:, None], j + jnp.arange(16)].set(b)
+            return x.at[i + jnp.arange(8), j + jnp.arange(16)[:, None]].set(b)
+        """,
+        """\
+        import jax.numpy as jnp
+        from jax import lax
+
+        def f(x, i, j, b):
+            x = lax.dynamic_update_slice(
+                x,
+                jnp.broadcast_to(b, (8, 16, *x.shape[2:])).astype(x.dtype),
+                (i, j),
+            )
+            return x.at[i + jnp.arange(8), j + jnp.arange(16)[:, None]].set(b)
+        """,
+        [F("scatter_to_dus", 4, guard="none"), F("scatter_to_dus", 5, guard="none")],
+    )
+    assert cmd.outcomes[0] is None and "several axes" in cmd.outcomes[1]
+
+
 def test_scalar_fill_is_broadcast_to_the_row_and_cast_to_the_array_dtype():
     assert_codemod(
         ScatterToDUSCommand,

@@ -247,3 +247,23 @@ def test_repeated_findings_are_one_row_with_a_count():
     assert len(rows) == 1 and "(x5)" in rows[0], rows
     [(finding, locations)] = [r for r in report.shown() if r[0].kind == "scatter_to_dus"]
     assert len(locations) == 5
+
+
+def tile_step(x, i, j, t):
+    return x.at[i + jnp.arange(32)[:, None], j + jnp.arange(256)].add(t)
+
+
+def test_a_blended_tile_shows_in_the_program_diff_and_the_source_diff_at_its_line():
+    """Issue 18: the blend (a window, a select, and the while_loop for jnp's negative-index
+    wrap) replaces the scatter at the user's `.at[...]` line; the edit is `update_window`."""
+    x, t = jnp.zeros((64, 512)), jnp.ones((32, 256))
+    report = autoopt.explain(tile_step, x, 3, 5, t)
+    line = def_line(tile_step) + 1
+    (f,) = [f for f in report.findings if f.kind == "scatter_to_dus"]
+    assert f.applied and f.details["guard"] == "blend" and f.location == f"{HERE}:{line}"
+    changed = [s for s in report.diff.splitlines() if s.lstrip().startswith(("- ", "+ "))]
+    assert any(s.lstrip().startswith("- ") and "scatter" in s for s in changed)
+    added = [s for s in changed if s.lstrip().startswith("+ ")]
+    assert any("dynamic_update_slice" in s for s in added) and any("while" in s for s in added)
+    assert all(s.endswith(f"# {HERE}:{line}") for s in changed)
+    assert 'update_window(x, (i, j), t, size=(32, 256), op="add")' in report.source_diff

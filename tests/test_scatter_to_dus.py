@@ -24,8 +24,9 @@ from autoopt.passes.in_place import _ranges
 from autoopt.passes.in_place._pass import _FALLBACK_SCOPE, scatter_to_dus
 from autoopt.testing import assert_equivalent
 
-# Blocks of every size are blended here (the default blends from 512 KiB up, where it beats
-# XLA:CPU's scatter): these tests are about exactness, on shapes small enough to cover densely.
+# Blocks and tiles of every size are blended here (the default blends from 512 KiB up for a
+# block, 32 KiB for a tile, where it beats XLA:CPU's scatter): these tests are about
+# exactness, on shapes small enough to cover densely.
 CTX = PassContext(options=make_options(passes=["scatter_to_dus"], window_blend_min_bytes=0))
 SCATTERS = {P.scatter_p, P.scatter_add_p, P.scatter_mul_p, P.scatter_min_p, P.scatter_max_p}
 DTYPES = ("float32", "bfloat16", "int32", "bool")
@@ -672,11 +673,13 @@ def test_a_small_unproven_block_stays_a_scatter_by_default_and_a_large_one_is_bl
 def test_window_blend_min_bytes_takes_sizes_and_refuses_nonsense():
     assert make_options(window_blend_min_bytes="1MiB").window_blend_min_bytes == 1 << 20
     assert make_options(window_blend_min_bytes=0).window_blend_min_bytes == 0
+    assert make_options(window_blend_min_bytes="auto").window_blend_min_bytes is None
+    assert make_options().window_blend_min_bytes is None  # auto: by kind (block, tile)
     with pytest.raises((TypeError, ValueError), match="window_blend_min_bytes"):
         make_options(window_blend_min_bytes=-5)
 
 
-def test_a_proven_tile_is_one_window_and_an_unproven_one_stays_a_scatter_with_the_reason():
+def test_a_proven_tile_is_one_window_and_an_unproven_one_is_blended():
     n, m, k, q = 9, 7, 3, 4
     t = -jnp.arange(k * q, dtype=jnp.float32).reshape(k, q) - 1
 
@@ -696,4 +699,128 @@ def test_a_proven_tile_is_one_window_and_an_unproven_one_stays_a_scatter_with_th
     assert [f.details["window"] for f in result.findings] == [(3, 4)]
     _, result = run_pass(traced, x, 1, 2)
     (f,) = result.findings
-    assert not f.applied and "a tile" in f.message and "Clamp the starts" in f.message
+    assert f.applied and f.details["guard"] == "blend" and f.details["window"] == (3, 4)
+    assert remaining(result.jaxpr) == []
+    # One pass always; the runs past the negative-index wrap in a while_loop, not a cond.
+    assert count(result.jaxpr, "cond") == 0 and count(result.jaxpr, "while") == 1
+
+
+TILE_FORMS = ("traced", "unsigned", "nonnegative", "in scan", "leading axes of 3-D", "2 of 3 axes")
+
+
+@given(st.data())
+def test_tile_update_matches_jit_bit_for_bit_at_every_start(data):
+    """A tile at starts in bounds, partly out at either end, straddling 0 through jnp's
+    negative-index wrap on one axis or both, wholly out; every op, dtype and index dtype."""
+    dtype = data.draw(st.sampled_from(DTYPES), "dtype")
+    form = data.draw(st.sampled_from(TILE_FORMS), "form")
+    n = data.draw(st.integers(1, 7), "rows")
+    m = data.draw(st.integers(1, 6), "cols")
+    k = data.draw(st.integers(1, n), "tile rows")
+    q = data.draw(st.integers(1, m), "tile cols")
+    method = data.draw(st.sampled_from(methods_for(dtype)), "method")
+    mode = data.draw(st.sampled_from([None, "drop", "promise_in_bounds"]), "mode")
+    i = data.draw(st.integers(-n - k - 1, n + 2), "row start")
+    j = data.draw(st.integers(-m - q - 1, m + 2), "col start")
+    index_dtype = data.draw(st.sampled_from(["int32", "int8", "int16"]), "index dtype")
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), "seed"))
+    shape = (n, m, 2) if form in ("leading axes of 3-D", "2 of 3 axes") else (n, m)
+    x = sample(rng, shape, dtype)
+    blk = sample(rng, (k, q, 2) if form == "leading axes of 3-D" else (k, q), dtype)
+    if mode == "promise_in_bounds":  # out of bounds it promises nothing: only in-bounds starts
+        i, j = min(max(i, 0), n - k), min(max(j, 0), m - q)
+
+    def update(x, rows, cols, b):
+        if form == "2 of 3 axes":
+            return getattr(x.at[rows, cols, 1], method)(b, mode=mode)
+        return getattr(x.at[rows, cols], method)(b, mode=mode)
+
+    def tile(x, i, j, b):
+        ar, ac = jnp.arange(k, dtype=index_dtype), jnp.arange(q, dtype=index_dtype)
+        i, j = jnp.asarray(i, index_dtype), jnp.asarray(j, index_dtype)
+        if form == "unsigned":
+            i, j = i.astype(jnp.uint8), j.astype(jnp.uint8)
+            ar, ac = ar.astype(jnp.uint8), ac.astype(jnp.uint8)
+        elif form == "nonnegative":
+            i, j = i % (n + 3), j % (m + 3)  # proven >= 0, not proven in bounds
+        return update(x, i + ar[:, None], j + ac, b)
+
+    if form == "in scan":
+
+        def fn(x, i, j):
+            def body(c, t):
+                return tile(c, i + t, j - t, blk * (t + 1).astype(blk.dtype)), None
+
+            return lax.scan(body, x, jnp.arange(3))[0]
+    else:
+
+        def fn(x, i, j):
+            return tile(x, i, j, blk)
+
+    if form == "unsigned":
+        i, j = i % 256, j % 256
+    assert_exact(fn, x, i, j)
+    _, result = run_pass(fn, x, i, j)
+    # Narrow index arithmetic (int8, uint8, ...) may overflow before jnp widens it to int32:
+    # then the indices are not provably a tile, and the scatter stays (exact either way).
+    wide = index_dtype == "int32" and form != "unsigned"
+    if k > 1 and q > 1 and mode != "promise_in_bounds" and wide:
+        assert remaining(result.jaxpr) == [], result.findings
+        assert [f.details["guard"] for f in result.findings if f.applied] == ["blend"]
+    if form == "nonnegative":  # no wrap possible: one pass, no loop
+        assert count(result.jaxpr, "while") == 0
+
+
+def test_an_unproven_tile_is_blended_from_32_kib_by_default_and_says_why_below():
+    def tile(x, i, j):
+        return x.at[i + jnp.arange(16)[:, None], j + jnp.arange(64)].add(1.0)  # 4 KiB
+
+    def big(x, i, j):
+        return x.at[i + jnp.arange(32)[:, None], j + jnp.arange(256)].set(1.0)  # 32 KiB
+
+    ctx = PassContext(options=make_options(passes=["scatter_to_dus"]))
+    x = jnp.zeros((64, 512))
+    (f,) = scatter_to_dus(jax.make_jaxpr(tile)(x, 1, 2), ctx).findings
+    assert not f.applied
+    assert "32,768" in f.message and "tile" in f.message and "Clamp the starts" in f.message
+    result = scatter_to_dus(jax.make_jaxpr(big)(x, 1, 2), ctx)
+    assert [f.details["guard"] for f in result.findings] == ["blend"]
+    for i, j in [(-40, -300), (-5, -3), (-1, 0), (0, 0), (40, 300), (63, 511)]:
+        assert_equivalent(big, x, i, j, exact=True, passes=["scatter_to_dus"])
+
+
+def test_narrow_index_arithmetic_that_overflows_before_widening_is_not_taken_for_a_block():
+    # uint8 255 + [0, 1, 2] is 255, 0, 1, widened by jnp to int32: rows 0 and 1 are written. A
+    # block at 255 would write nothing (found by the tile test: a wrong number before).
+    x, upd = jnp.zeros((4, 2)), jnp.arange(6.0).reshape(3, 2) + 1
+
+    def fn(x, i):
+        return x.at[i + jnp.arange(3, dtype=jnp.uint8)].set(upd)
+
+    i = jnp.uint8(255)
+    assert_exact(fn, x, i)
+    assert jnp.array_equal(fn(x, i)[:2], upd[1:])
+    _, result = run_pass(fn, x, i)
+    (f,) = result.findings
+    assert not f.applied and "not provably contiguous" in f.message
+
+
+def test_unsigned_indices_that_overflow_inside_the_block_write_the_rows_from_zero():
+    # uint32 indices 2**32 - 2 + [0, 1, 2] are ..., 2**32 - 1, 0: the last row lands on row 0.
+    upd = jnp.arange(6.0).reshape(3, 2) + 1
+    dn = lax.ScatterDimensionNumbers(
+        update_window_dims=(1,), inserted_window_dims=(0,), scatter_dims_to_operand_dims=(0,)
+    )
+
+    def fn(x, i):
+        idx = (i + jnp.arange(3, dtype=jnp.uint32))[:, None]
+        return lax.scatter(x, idx, upd, dn, mode=lax.GatherScatterMode.FILL_OR_DROP)
+
+    x = jnp.zeros((5, 2))
+    for i in (2**32 - 2, 2**32 - 1, 2**32 - 3, 0, 3, 4, 7):
+        assert_exact(fn, x, jnp.uint32(i))
+    _, result = run_pass(fn, x, jnp.uint32(1))
+    assert [f.details["guard"] for f in result.findings] == ["blend"]
+    # The run from row 0, after the overflow: a while_loop that runs only then, no cond.
+    assert remaining(result.jaxpr) == [] and count(result.jaxpr, "cond") == 0
+    assert count(result.jaxpr, "while") == 1

@@ -107,3 +107,88 @@ def test_a_scalar_array_or_a_float_start_is_refused_with_the_reason():
         autoopt.update_window(jnp.float32(1.0), 0, 1.0, size=1)
     with pytest.raises(ValueError, match="start must be an integer scalar"):
         autoopt.update_window(jnp.zeros((N, 2)), 1.5, 1.0, size=2)
+
+
+@functools.partial(jax.jit, static_argnames=("op", "k", "m"))
+def _tile_scatter(x, i, j, v, op, k, m):
+    return getattr(x.at[i + jnp.arange(k)[:, None], j + jnp.arange(m)], op)(v)
+
+
+@functools.partial(jax.jit, static_argnames=("op", "k", "m"))
+def _tile_window(x, i, j, v, op, k, m):
+    return autoopt.update_window(x, (i, j), v, size=(k, m), op=op)
+
+
+@given(
+    op=st.sampled_from(OPS),
+    i=st.integers(-2 * N - 3, 2 * N + 3),
+    j=st.integers(-13, 13),
+    k=st.integers(1, N),
+    m=st.integers(1, 6),
+    value=st.sampled_from(["block", "row", "scalar"]),
+    trailing=st.booleans(),
+)
+def test_a_tile_is_the_scatter_at_every_pair_of_starts(op, i, j, k, m, value, trailing):
+    shape = (N, 6, 2) if trailing else (N, 6)
+    x = jnp.arange(np.prod(shape), dtype=jnp.float32).reshape(shape) * 0.7 - 4.0
+    box = (k, m, *shape[2:])
+    v = {
+        "block": -jnp.arange(np.prod(box), dtype=jnp.float32).reshape(box) * 1.3 + 2.0,
+        "row": jnp.linspace(-1.0, 1.0, box[-1], dtype=jnp.float32),
+        "scalar": jnp.float32(3.25),
+    }[value]
+    i, j = jnp.int32(i), jnp.int32(j)
+    assert _same(_tile_scatter(x, i, j, v, op, k, m), _tile_window(x, i, j, v, op, k, m))
+
+
+@pytest.mark.parametrize("op", ["set", "add", "max"])  # .at.multiply has no gradient
+@pytest.mark.parametrize("tile", [False, True])
+def test_update_window_differentiates_and_batches_as_at_does(op, tile):
+    """Forward and reverse mode (the runs past the wrap are a while_loop in the primal, which
+    has no reverse rule: the derivative is taken of the unrolled form) and vmap."""
+    x = jnp.arange(N * 4, dtype=jnp.float32).reshape(N, 4) * 0.3 - 1.0
+    v = jnp.linspace(-2.0, 2.0, K * (2 if tile else 4)).reshape(K, 2 if tile else 4)
+
+    def at(x, v, i):
+        if tile:
+            return getattr(x.at[i + jnp.arange(K)[:, None], i + 1 + jnp.arange(2)], op)(v)
+        return getattr(x.at[i + jnp.arange(K)], op)(v)
+
+    def window(x, v, i):
+        if tile:
+            return autoopt.update_window(x, (i, i + 1), v, size=(K, 2), op=op)
+        return autoopt.update_window(x, i, v, size=K, op=op)
+
+    for start in (-K - 1, -2, 0, 3, N - 2, N + 1):
+        i = jnp.int32(start)
+
+        def loss(f, i=i):
+            return lambda x, v: jnp.sum(jnp.sin(f(x, v, i)))
+
+        want = jax.jit(jax.grad(loss(at), argnums=(0, 1)))(x, v)
+        got = jax.jit(jax.grad(loss(window), argnums=(0, 1)))(x, v)
+        for a, b in zip(want, got):
+            assert _same(a, b), (op, start)
+        tangents = (jnp.ones_like(x), jnp.full_like(v, 0.5))
+        _, want = jax.jvp(lambda x, v, i=i: at(x, v, i), (x, v), tangents)
+        _, got = jax.jvp(lambda x, v, i=i: window(x, v, i), (x, v), tangents)
+        assert _same(want, got)
+    starts = jnp.array([-K - 1, -2, 0, 3, N + 1], jnp.int32)
+    want = jax.vmap(at, in_axes=(None, None, 0))(x, v, starts)
+    got = jax.jit(jax.vmap(window, in_axes=(None, None, 0)))(x, v, starts)
+    assert _same(want, got)
+
+
+@pytest.mark.parametrize(
+    "start, size, match",
+    [
+        ((0, 0), 2, "start has 2 component"),
+        (0, (2, 2), "start has 1 component"),
+        ((0, 0), (2, 7), r"x.shape\[1\] = 6"),
+        ((0, 0, 0), (1, 1, 1), "at least 3 axes"),
+        ((0, 0), (), "start has 2"),
+    ],
+)
+def test_bad_tile_arguments_say_what_to_do(start, size, match):
+    with pytest.raises(ValueError, match=match):
+        autoopt.update_window(jnp.zeros((N, 6)), start, 1.0, size=size)

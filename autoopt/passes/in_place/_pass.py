@@ -35,8 +35,14 @@ XLA:CPU (benchmarks/RESULTS.md has the figures):
 - A block partly out of bounds must write its in-bounds rows. Every exact guard tried costs as
   much as the scatter or more: ``cond(ok, DUS, scatter)`` costs a multiple of the scatter (the
   scatter branch makes XLA copy the buffer in and out), a cond whose other branch rebuilds the
-  rows with DUSes likewise, DUS plus a scatter with masked indices about the scatter's cost. So
-  unproven blocks stay scatters, with a finding that says how to make them provable.
+  rows with DUSes likewise, DUS plus a scatter with masked indices about the scatter's cost.
+  What does pay (issue 18) is the blend, ``_blend``: one window at the clamped start that
+  selects, position by position, the block's rows where the scatter writes them and the values
+  already there elsewhere, with no branch; only jnp's negative-index wrap (a block straddling
+  row 0) needs more runs, written in a while_loop that runs no iteration otherwise. A block's
+  blend beats XLA:CPU's row loop from 512 KiB, a tile's its element loop from 32 KiB
+  (``window_blend_min_bytes``); smaller unproven blocks stay scatters, with a finding that says
+  how to make them provable.
 - Other backends get the window select (an XLA:GPU conditional reads its predicate on the
   host); no GPU figures yet, so that choice is the conservative one.
 - Known cost: under an outer ``jax.vmap`` of the optimized function a cond guard is batched into
@@ -49,14 +55,14 @@ Decisions are taken before any re-trace, so a program with nothing to rewrite is
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from jax import lax
-from jax.core import eval_jaxpr
-from jax.extend.core import ClosedJaxpr, JaxprEqn, Var
+from jax.extend.core import ClosedJaxpr, JaxprEqn, Literal, Var
 from jax.extend.core import primitives as P
 from jax.lax import GatherScatterMode
 
@@ -111,14 +117,19 @@ _EXACT_COMBINER_OPS = frozenset(
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
-# A block whose bounds are not proven is blended (``_blend``) only when its window holds at least
-# this many bytes. Below it, XLA:CPU's scatter (a loop over the rows) costs no more than the
-# blend's two read-select-write passes over the window, and often less; from 512 KiB up the
-# blend won in every shape measured (benchmarks/RESULTS.md, "In-place windows").
+# A block or tile whose bounds are not proven is blended (``_blend``) only when its window holds
+# at least this many bytes (``window_blend_min_bytes="auto"``). Below it XLA:CPU's scatter costs
+# no more than the blend's pass over the window plus, where the start may be negative, the
+# zero-trip while_loop for the negative-index wrap (a few microseconds whatever the size); from
+# there up the blend won in every shape measured (benchmarks/RESULTS.md, "In-place windows"). A
+# tile's scatter is a loop over its elements, a block's over its rows: tiles pay off sooner.
 BLEND_MIN_BYTES = 512 * 1024
+TILE_BLEND_MIN_BYTES = 32 * 1024
 
 
-def _check_blend_min(value) -> int:
+def _check_blend_min(value) -> int | None:
+    if value is None or value == "auto":
+        return None
     if isinstance(value, int) and not isinstance(value, bool) and value == 0:
         return 0
     size = parse_bytes(value, "window_blend_min_bytes")
@@ -390,7 +401,19 @@ def _combiner(eqn: JaxprEqn):
 
     def combine(cur, upd):
         def one(a, b):
-            return eval_jaxpr(jaxpr, consts, a, b)[0]
+            # Bound here rather than by eval_jaxpr, which would give each op the update
+            # computation's own (empty) source location: the rewrite's ops all point at the
+            # user's `.at[...]` line in explain's program diff.
+            env: dict = dict(zip(jaxpr.constvars, consts))
+            env.update(zip(jaxpr.invars, (a, b)))
+
+            def read(v):
+                return v.val if isinstance(v, Literal) else env[v]
+
+            for e in jaxpr.eqns:
+                outs = e.primitive.bind(*map(read, e.invars), **e.params)
+                env.update(zip(e.outvars, outs if e.primitive.multiple_results else [outs]))
+            return read(jaxpr.outvars[0])
 
         flat = jax.vmap(one)(lax.reshape(cur, (cur.size,)), lax.reshape(upd, (upd.size,)))
         return lax.reshape(flat, cur.shape)
@@ -525,7 +548,7 @@ def x_shape(eqn: JaxprEqn) -> tuple[int, ...]:
 
 
 def _decide_scatter(
-    facts: _ranges.Facts, consumes: set, backend: str, eqn: JaxprEqn, blend_min: int
+    facts: _ranges.Facts, consumes: set, backend: str, eqn: JaxprEqn, blend_min: int | None
 ) -> _Decision:
     """How to rewrite one scatter, or ``_Decline`` with the reason."""
     mode = eqn.params["mode"]
@@ -549,22 +572,19 @@ def _decide_scatter(
                 f"its bounds are not proven, and its axis of {n} is too long for the blend's "
                 "int32 row arithmetic"
             )
-        if len(w.blocks) > 1:
-            raise _Decline(
-                "its bounds are not proven, and a tile (a block along two or more axes) blended "
-                "without a branch takes a read-select-write pass per combination of its axes' "
-                "runs, which measured slower than XLA's scatter (benchmarks/RESULTS.md). Clamp "
-                "the starts (`jnp.clip(i, 0, n - k) + jnp.arange(k)`) so range analysis proves "
-                "them: a proven tile is one dynamic_update_slice"
-            )
         nbytes = int(np.prod(w.sizes, dtype=np.int64)) * _jaxpr.shaped(eqn.invars[0]).dtype.itemsize
+        tile = len(w.blocks) > 1
+        if blend_min is None:
+            blend_min = TILE_BLEND_MIN_BYTES if tile else BLEND_MIN_BYTES
         if nbytes < blend_min:
+            starts = "starts" if tile else "start"
             raise _Decline(
                 f"its bounds are not proven, and its window of {nbytes:,} bytes is below the "
-                f"{blend_min:,} from which the branch-free blend beats XLA's scatter "
-                "(window_blend_min_bytes; benchmarks/RESULTS.md). Clamp the start "
-                "(`jnp.clip(i, 0, n - k) + jnp.arange(k)`) so range analysis proves it, or "
-                "write lax.dynamic_update_slice"
+                f"{blend_min:,} from which the branch-free blend beats XLA's scatter for a "
+                f"{'tile' if tile else 'block'} (window_blend_min_bytes; "
+                f"benchmarks/RESULTS.md). Clamp the {starts} (`jnp.clip(i, 0, n - k) + "
+                f"jnp.arange(k)`) so range analysis proves {'them' if tile else 'it'}, or write "
+                "lax.dynamic_update_slice"
             )
         return _Decision(w, "blend", combine)
     once = not facts.in_loop(eqn) and eqn.outvars[0] in consumes
@@ -629,80 +649,219 @@ def _emit_scatter(eqn: JaxprEqn, invals, plan: _Decision):
     return lax.cond(ok, fast, lambda x, upd, *first: x, x, upd, *first)
 
 
-def _blend(x, upd, first, last, w: _Window, shape, combine):
-    """A block ``x.at[i + arange(k)]`` whose bounds are not proven, written exactly and without
-    a branch: a window of k rows at the clamped start ``s = clip(i, 0, n - k)`` blends the rows
-    already there (``dynamic_slice`` at ``s``) with the update's rows at the positions the
-    scatter writes, ``i <= p < i + k`` (a ``select``). Rows out of bounds are dropped as the
-    scatter drops them: they are not in the window. Negative indices were normalized by jnp row
-    by row (``-1`` is row ``n - 1``): a block straddling 0 writes two runs of rows, the one
-    ending at ``n - 1`` and the one starting at 0, told apart at run time by its last index and
-    written as two blends. A combiner (add, min, ...) is applied to the window's rows, so
-    positions outside the block keep their values exactly. Every other index component is one
-    value for all points: out of bounds, nothing is written. (Tiles are not blended:
-    ``_decide_scatter``.)
+@dataclasses.dataclass(frozen=True, eq=False)
+class _BlockAxis:
+    """One block of a window being blended: operand dim ``d`` of length ``n``, ``k`` points,
+    the int32 start of its first run (its first index, clamped to ``[-k, n]``), and where its
+    indices can continue from row 0 after the end (``wraps``) the traced bool ``straddles``, true
+    when they do, with the int32 start of that second run (``second``, negative: its rows before
+    0 are not written)."""
+
+    d: int
+    n: int
+    k: int
+    start: Any
+    straddles: Any = None
+    second: Any = None
+
+
+def _block_axes(first, last, w: _Window, shape) -> list[_BlockAxis]:
+    axes = []
+    for (_, c), wrapped in zip(w.blocks, w.wrapped):
+        d = w.dims[c]
+        n, k = shape[d], w.sizes[d]
+        a = first[c]
+        dtype = np.dtype(a.dtype)
+        info = np.iinfo(dtype)
+        # Only the start's position relative to [-k, n] matters: clamped there it fits int32.
+        lo = np.asarray(-k if info.min < 0 else 0, dtype)
+        start = lax.convert_element_type(lax.clamp(lo, a, np.asarray(n, dtype)), np.int32)
+        straddles = None
+        if wrapped:
+            # The raw rows i + j straddle 0 when the first went through the normalization (a =
+            # i + n) and the last did not (last = i + k - 1 >= 0): the run before the wrap ends
+            # at row n - 1 and the one after starts at 0. Otherwise one run at ``a``, including
+            # a raw ``i + j`` that overflowed the index dtype (its rows from the overflow on
+            # are negative even once normalized, and dropped).
+            straddles = lax.bitwise_and(
+                lax.eq(
+                    last[c], lax.sub(lax.add(a, np.asarray(k - 1, dtype)), np.asarray(n, dtype))
+                ),
+                lax.ge(last[c], np.zeros((), dtype)),
+            )
+        elif info.min == 0 and k > 1:
+            # Unsigned indices overflow to 0: rows ``a, ..., max, 0, 1, ...`` (the ones past
+            # ``max`` are out of bounds and dropped, the ones from 0 on are written).
+            straddles = lax.lt(last[c], a)
+        second = None
+        if straddles is not None:
+            # The run from row 0 ends at ``last`` (in [0, k - 2] when it exists).
+            end = lax.clamp(np.zeros((), dtype), last[c], np.asarray(k, dtype))
+            second = lax.sub(lax.convert_element_type(end, np.int32), np.int32(k - 1))
+        axes.append(_BlockAxis(d, n, k, start, straddles, second))
+    return axes
+
+
+def _blend(x, upd, first, last, w: _Window, shape, combine, extra_runs: str = "while"):
+    """A block or tile ``x.at[i + arange(k)]`` (``x.at[i + arange(k)[:, None], j +
+    arange(m)]``, ...) whose bounds are not proven, written exactly: a window of k rows at the
+    clamped start ``s = clip(i, 0, n - k)`` (per block axis) blends the values already there
+    (``dynamic_slice`` at ``s``) with the update's rows at the positions the scatter writes,
+    ``i <= p < i + k`` on every block axis (a ``select``). Rows out of bounds are dropped as the
+    scatter drops them: they are not in the window. A combiner (add, min, ...) is applied to the
+    window's values, so positions outside the block keep their values exactly. Every other
+    index component is one value for all points: out of bounds, nothing is written.
+
+    Negative indices were normalized by jnp row by row (``-1`` is row ``n - 1``): a block whose
+    raw rows straddle 0 writes two runs, the one ending at ``n - 1`` and the one starting at 0,
+    so a tile with w such axes has up to 2**w runs. The first (each axis's run from its first
+    index) is one fused pass that always runs; the others, only ever needed when some axis
+    straddles 0, are written by a ``while_loop`` that runs no iteration otherwise
+    (``extra_runs="while"``), or unrolled into passes that rewrite the first window unchanged
+    when nothing straddles (``"unrolled"``: ``update_window`` differentiates this form, a
+    while_loop has no reverse-mode rule). A ``lax.cond`` would make XLA copy the buffer.
     """
-    assert w.block is not None
-    c = w.block[1]
-    d = w.dims[c]
-    n, k = shape[d], w.sizes[d]
-    a = first[c]
-    dtype = np.dtype(a.dtype)
-    # Only the start's position relative to [-k, n] matters: clamped there it fits int32.
-    lo = np.asarray(-k if np.iinfo(dtype).min < 0 else 0, dtype)
-    start = lax.convert_element_type(lax.clamp(lo, a, np.asarray(n, dtype)), np.int32)
-    runs: list[tuple[Any, Any]] = [(start, None)]  # (int32 start, traced bool or None)
-    if w.wrapped[0]:
-        # The raw rows i + j straddle 0 when the first went through the normalization (a = i +
-        # n) and the last did not (last = i + k - 1 >= 0): the run before the wrap ends at row
-        # n - 1 and the one after starts at 0. The first start ``a`` writes the former (its
-        # rows past n - 1 are not in a window), the second, ``a - n``, the latter. Otherwise
-        # one run at ``a``, including a raw ``i + j`` that overflowed the index dtype (its rows
-        # from the overflow on are negative, and dropped); the second run then rewrites the
-        # first one's window unchanged, while it is still in cache.
-        straddles = lax.bitwise_and(
-            lax.eq(last[c], lax.sub(lax.add(a, np.asarray(k - 1, dtype)), np.asarray(n, dtype))),
-            lax.ge(last[c], np.zeros((), dtype)),
+
+    def placed(first, last):
+        return (
+            _block_axes(first, last, w, shape),
+            _in_bounds(first, last, w, shape, skip_blocks=True),
+            _starts(first, w, len(shape)),
         )
-        runs.append((lax.select(straddles, lax.sub(start, np.int32(n)), start), straddles))
-    others = _in_bounds(first, last, w, shape, skip_blocks=True)
-    at = _starts(first, w, len(shape))
-    box = tuple(w.sizes)
-    for st, only_if in runs:
-        s = lax.clamp(np.int32(0), st, np.int32(n - k))
-        at[d] = s
-        pos = lax.add(s, lax.broadcasted_iota(np.int32, box, d))
+
+    axes, others, at = placed(first, last)
+    x = _blend_pass(x, upd, at, [(ax, ax.start, None) for ax in axes], others, w.sizes, combine)
+    count = 2 ** sum(ax.straddles is not None for ax in axes)
+    if count == 1 or extra_runs == "none":
+        return x
+
+    def run(x, r, first, last):
+        """The runs numbered ``r`` (bit b: the second run of the b-th wrapped axis); a run
+        whose axis does not straddle 0 writes nothing, at the first run's window."""
+        axes, others, at = placed(first, last)
+        runs = []
+        b = 0
+        for ax in axes:
+            if ax.straddles is None:
+                runs.append((ax, ax.start, None))
+                continue
+            second = lax.eq(
+                lax.bitwise_and(lax.shift_right_logical(r, np.int32(b)), np.int32(1)), np.int32(1)
+            )
+            b += 1
+            moved = lax.bitwise_and(second, ax.straddles)
+            st = lax.select(moved, ax.second, ax.start)
+            runs.append((ax, st, lax.bitwise_or(lax.bitwise_not(second), ax.straddles)))
+        return _blend_pass(x, upd, at, runs, others, w.sizes, combine, first_run=False)
+
+    if extra_runs == "unrolled":
+        for r in range(1, count):
+            x = run(x, np.int32(r), first, last)
+        return x
+    # The loop carries the indices packed in one array (one operation builds it) and computes
+    # everything else from them inside, behind a barrier the loop counter passes through:
+    # hoisted out of the loop, each scalar would be an operation of its own on every call.
+    keys = list(last)
+
+    def unpacked(r, v):
+        r, v = lax.optimization_barrier((r, v))
+        at = [lax.index_in_dim(v, j, keepdims=False) for j in range(len(first) + len(keys))]
+        return r, at[: len(first)], dict(zip(keys, at[len(first) :]))
+
+    def more(c):
+        _, first, last = unpacked(c[0], c[2])
+        axes = _block_axes(first, last, w, shape)
+        straddles = functools.reduce(
+            lax.bitwise_or, [ax.straddles for ax in axes if ax.straddles is not None]
+        )
+        return lax.bitwise_and(lax.lt(c[0], np.int32(count)), straddles)
+
+    def body(c):
+        return (lax.add(c[0], np.int32(1)), run(c[1], *unpacked(c[0], c[2])), c[2])
+
+    packed = jax.numpy.stack([*first, *(last[c] for c in keys)])
+    return lax.while_loop(more, body, (np.int32(1), x, packed))[1]
+
+
+def _blend_pass(x, upd, at, runs, others, box, combine, first_run: bool = True):
+    """One read-select-write of the window at the clamped starts of ``runs`` (``(axis, int32
+    start, traced bool or None: write only if)`` per block axis). Window position ``t`` on a
+    block axis takes the update's row ``t + s - start``; the first run, which always runs, takes
+    the update as it is when no start was clamped, so XLA reads no shifted copy then."""
+    at = list(at)
+    box = tuple(box)
+    valid: Any = None
+    ok: Any = None
+    shifts = {}
+    for ax, st, only_if in runs:
+        s = lax.clamp(np.int32(0), st, np.int32(ax.n - ax.k))
+        at[ax.d] = s
+        pos = lax.add(s, lax.iota(np.int32, ax.k))
         # st <= pos < st + k, without forming st + k
-        valid = lax.bitwise_and(lax.ge(pos, st), lax.lt(lax.sub(pos, np.int32(k)), st))
+        v = lax.bitwise_and(lax.ge(pos, st), lax.lt(lax.sub(pos, np.int32(ax.k)), st))
         if only_if is not None:
-            valid = lax.bitwise_and(valid, lax.broadcast(only_if, box))
-        if not isinstance(others, np.ndarray):  # a traced check (np.asarray(True): none)
-            valid = lax.bitwise_and(valid, lax.broadcast(others, box))
-        # Window row t takes the update's row s - st + t (a gather each run reads from the
-        # update itself: a shifted copy shared by two runs would be materialized).
-        take = lax.clamp(
-            np.int32(0), lax.add(lax.sub(s, st), lax.iota(np.int32, k)), np.int32(k - 1)
-        )
-        rows = jax.numpy.take(upd, take, axis=d, mode="clip")
-        cur = lax.dynamic_slice(x, at, box, allow_negative_indices=False)
-        new = rows if combine is None else combine(cur, rows)
-        x = lax.dynamic_update_slice(
-            x, lax.select(valid, new, cur), at, allow_negative_indices=False
-        )
-    return x
+            v = lax.bitwise_and(v, lax.broadcast(only_if, (ax.k,)))
+        v = lax.broadcast_in_dim(v, box, (ax.d,))
+        valid = v if valid is None else lax.bitwise_and(valid, v)
+        same = lax.eq(s, st)
+        ok = same if ok is None else lax.bitwise_and(ok, same)
+        shifts[ax] = lax.sub(s, st)
+    if not isinstance(others, np.ndarray):  # a traced check (np.asarray(True): none)
+        valid = lax.bitwise_and(valid, lax.broadcast(others, box))
+        ok = lax.bitwise_and(ok, others)
+    cur = lax.dynamic_slice(x, at, box, allow_negative_indices=False)
+    rows = _shifted(upd, shifts, concatenated=first_run)
+
+    def combined(u):
+        return u if combine is None else combine(cur, u)
+
+    new = lax.select(valid, combined(rows), cur)
+    if first_run:
+        new = lax.select(lax.broadcast(ok, box), combined(upd), new)
+    return lax.dynamic_update_slice(x, new, at, allow_negative_indices=False)
 
 
-def window_of_rows(shape: Sequence[int], size: int, wrapped: bool) -> _Window:
-    """The window of ``x.at[i + arange(size)]`` on axis 0 of an array of ``shape``
-    (``window.update_window``'s)."""
+def _shifted(upd, shifts, concatenated: bool):
+    """``upd`` moved along each block axis: position ``t`` holds row ``t + shift`` (``shift``
+    in ``[-k, k]`` wherever the result is used; other positions hold some row). The first run
+    slices three copies side by side (XLA fuses it into the window's pass); the other runs, in
+    a while_loop, gather (a concatenation of loop-invariant values would be hoisted out of the
+    loop and built on every call)."""
+    if concatenated:
+        box = tuple(upd.shape)
+        starts = [np.int32(0)] * upd.ndim
+        for ax, shift in shifts.items():
+            upd = lax.concatenate([upd, upd, upd], ax.d)
+            starts[ax.d] = lax.add(np.int32(ax.k), shift)
+        return lax.dynamic_slice(upd, starts, box, allow_negative_indices=False)
+    for ax, shift in shifts.items():
+        take = lax.clamp(np.int32(0), lax.add(shift, lax.iota(np.int32, ax.k)), np.int32(ax.k - 1))
+        upd = jax.numpy.take(upd, take, axis=ax.d, mode="clip")
+    return upd
+
+
+def window_of_block(shape: Sequence[int], sizes: Sequence[int], wrapped: bool) -> _Window:
+    """The window of ``x.at[i + arange(k)[:, None], j + arange(m)]`` (one block per leading
+    axis, ``sizes`` their lengths) in an array of ``shape`` (``window.update_window``'s)."""
+    r = len(sizes)
     return _Window(
-        (size, *shape[1:]), (0,), size, ((0, 0),), (False,), (wrapped,), (None,), (size,)
+        (*sizes, *shape[r:]),
+        tuple(range(r)),
+        int(np.prod(sizes)),
+        tuple((a, a) for a in range(r)),
+        (False,) * r,
+        (wrapped,) * r,
+        (None,) * r,
+        tuple(sizes),
     )
 
 
-def blend_rows(x, upd, first, last, w: _Window, combine):
-    """``_blend`` of one block on axis 0, from its first and last (normalized) rows."""
-    return _blend(x, upd, [first], {0: last}, w, tuple(x.shape), combine)
+def blend_block(x, upd, first, last, w: _Window, combine, extra_runs: str):
+    """``_blend`` of one block per leading axis, from each one's first and last (normalized)
+    index."""
+    return _blend(
+        x, upd, list(first), dict(enumerate(last)), w, tuple(x.shape), combine, extra_runs
+    )
 
 
 def _emit_gather(eqn: JaxprEqn, invals, plan: _Decision):
@@ -847,10 +1006,11 @@ PASS = Pass(
     options=(
         Option(
             "window_blend_min_bytes",
-            BLEND_MIN_BYTES,
+            None,  # "auto"
             _check_blend_min,
             "bytes (or '512KiB'); a block or tile whose bounds are not proven is rewritten to "
-            "the branch-free window blend from this size up (0: always)",
+            "the branch-free window blend from this size up (0: always; 'auto': 512 KiB for a "
+            "block, 32 KiB for a tile)",
         ),
     ),
     codemod="autoopt.passes.in_place.codemod:ScatterToDUSCommand",

@@ -422,6 +422,10 @@ class Form:
 
     strides: tuple[int, ...]
     wrapped: bool = False
+    # Computed by arithmetic that can overflow its dtype: affine only modulo the dtype's span.
+    # The scatter/gather reading such indices sees the wrap in its own dtype and handles it
+    # there; converted to another dtype first, the wrap is baked in and the form is unknown.
+    may_overflow: bool = False
 
     @property
     def uniform(self) -> bool:
@@ -679,7 +683,7 @@ class Facts:
             for j, a in enumerate(eqn.params["broadcast_dimensions"]):
                 if _shaped(ins[0]).shape[j] == shape[a]:
                     strides[a] = f.strides[j]
-            return Form(tuple(strides), f.wrapped)
+            return dataclasses.replace(f, strides=tuple(strides))
         if prim in (P.reshape_p, P.squeeze_p):
             f = sub(ins[0])
             if f is None:
@@ -688,13 +692,17 @@ class Facts:
             if [n for n in _shaped(ins[0]).shape if n != 1] != [n for n in shape if n != 1]:
                 return None
             it = iter(src)
-            return Form(tuple(next(it) if n != 1 else 0 for n in shape), f.wrapped)
+            return dataclasses.replace(f, strides=tuple(next(it) if n != 1 else 0 for n in shape))
         if prim is P.convert_element_type_p:
             r = self.range(ins[0])
             new = dtype_interval(eqn.params["new_dtype"])
             if r is None or new is None or _bool_dtype(eqn.params["new_dtype"]):
                 return None
-            return sub(ins[0]) if r.within(new.lo, new.hi) else None
+            f = sub(ins[0])
+            src = dtype_interval(_aval_dtype(ins[0]))
+            if f is not None and f.may_overflow and not f.uniform and src != new:
+                return None  # converted after a wrap: the values' order is baked in
+            return f if r.within(new.lo, new.hi) else None
         if prim in (P.add_p, P.sub_p):
             fa, fb = sub(ins[0]), sub(ins[1])
             if fa is None or fb is None:
@@ -711,20 +719,46 @@ class Facts:
             return Form(
                 tuple(x + sign * y for x, y in zip(fa.strides, fb.strides)),
                 fa.wrapped or fb.wrapped,
+                fa.may_overflow or fb.may_overflow or self._overflows(eqn, sign),
             )
         if prim is P.neg_p:
             f = sub(ins[0])
-            return None if f is None or f.wrapped else Form(tuple(-s for s in f.strides))
+            if f is None or f.wrapped:
+                return None
+            return Form(tuple(-s for s in f.strides), False, f.may_overflow or self._overflows(eqn))
         if prim is P.mul_p:
             for x, y in ((ins[0], ins[1]), (ins[1], ins[0])):
                 c = self.range(y)
                 f = sub(x)
                 if c is not None and c.exact is not None and f is not None and not f.wrapped:
-                    return Form(tuple(s * c.exact for s in _pad(f, shape).strides))
+                    return Form(
+                        tuple(s * c.exact for s in _pad(f, shape).strides),
+                        False,
+                        f.may_overflow or self._overflows(eqn),
+                    )
             return self._uniform_op(eqn, shape)
         if prim is P.select_n_p:
             return self._select_form(eqn, shape, depth)
         return self._uniform_op(eqn, shape)
+
+    def _overflows(self, eqn: JaxprEqn, sign: int = 1) -> bool:
+        """The exact result of ``eqn`` (add, sub with ``sign=-1``, mul or neg) may leave its
+        dtype, judged from the operands' ranges."""
+        out = dtype_interval(_aval_dtype(eqn.outvars[0]))
+        ranges = [self.range(v) for v in eqn.invars]
+        rs = [r for r in ranges if r is not None]
+        if out is None or len(rs) != len(ranges):
+            return True
+        if eqn.primitive is P.neg_p:
+            lo, hi = -rs[0].hi, -rs[0].lo
+        elif eqn.primitive is P.mul_p:
+            ends = [a * b for a in (rs[0].lo, rs[0].hi) for b in (rs[1].lo, rs[1].hi)]
+            lo, hi = min(ends), max(ends)
+        elif sign > 0:
+            lo, hi = rs[0].lo + rs[1].lo, rs[0].hi + rs[1].hi
+        else:
+            lo, hi = rs[0].lo - rs[1].hi, rs[0].hi - rs[1].lo
+        return not (out.lo <= lo and hi <= out.hi)
 
     def _uniform_op(self, eqn: JaxprEqn, shape) -> Form | None:
         """An elementwise op of uniform (all-equal) operands is uniform."""
@@ -758,7 +792,7 @@ class Facts:
                 if n is not None and n > 0 and f is not None:
                     if r is not None and (r.lo >= 0 or r.hi < 0):
                         return f  # never wraps, or always wraps by the same n
-                    return Form(f.strides, True)
+                    return dataclasses.replace(f, wrapped=True)
         return self._uniform_op(eqn, shape)
 
     def components(self, indices: Atom) -> list[Component] | None:
@@ -792,7 +826,8 @@ class Facts:
         # Affine over the index-vector axis too: every component has the batch strides.
         if k > 1 and f.wrapped:
             return None
-        return [Component(Form(f.strides[:-1], f.wrapped), self.range(indices)) for _ in range(k)]
+        batch = dataclasses.replace(f, strides=f.strides[:-1])
+        return [Component(batch, self.range(indices)) for _ in range(k)]
 
 
 class _CallView(Facts):
@@ -880,7 +915,7 @@ def _exact(facts: Facts, atom: Atom) -> int | None:
 
 def _pad(f: Form, shape) -> Form:
     """A scalar operand of an elementwise op against an array: uniform over the array."""
-    return f if len(f.strides) == len(shape) else Form((0,) * len(shape), f.wrapped)
+    return f if len(f.strides) == len(shape) else dataclasses.replace(f, strides=(0,) * len(shape))
 
 
 Env = dict[Var, Interval]  # what a branch condition narrows: Var -> its interval there

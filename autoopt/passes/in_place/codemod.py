@@ -15,7 +15,10 @@ array's dtype as ``.at`` does it (``_new_value``): ``dynamic_update_slice`` does
 Handled: ``set``, ``add``, ``subtract``, ``multiply``, ``min``, ``max`` at a single index, at a
 window ``i + jnp.arange(k)`` / ``jnp.arange(i, i + k)``, and at a static slice ``a:b``; on the
 read side, a proven window ``x[i + jnp.arange(k)]`` -> ``lax.dynamic_slice_in_dim(x, i, k, 0)``.
-Left as they are, with the reason in the finding: several axes (``x.at[i, j]``), other modes,
+A tile ``x.at[i + jnp.arange(k)[:, None], j + jnp.arange(m)]`` becomes one
+``lax.dynamic_update_slice`` when proven, ``autoopt.update_window(x, (i, j), v, size=(k, m))``
+when blended. Left as they are, with the reason in the finding: several scalar axes
+(``x.at[i, j]``), other modes,
 and updates already inside a ``lax.cond`` branch (which is where the guarded form puts the
 original scatter, so a second run changes nothing).
 """
@@ -138,6 +141,54 @@ def _arange_window(index: cst.BaseExpression, imports) -> tuple | None:
     return None
 
 
+def _expansion(node: cst.BaseExpression) -> tuple[cst.BaseExpression, int, int] | None:
+    """``(inner, entries, position)`` for ``inner[:, None]``-style axis expansion (``:`` once,
+    every other entry ``None``); ``(node, 1, 0)`` for anything else."""
+    if not isinstance(node, cst.Subscript):
+        return node, 1, 0
+    colons = []
+    for j, e in enumerate(node.slice):
+        if isinstance(e.slice, cst.Slice):
+            if e.slice.lower or e.slice.upper or e.slice.step:
+                return None
+            colons.append(j)
+        elif not (
+            isinstance(e.slice, cst.Index)
+            and isinstance(e.slice.value, cst.Name)
+            and e.slice.value.value == "None"
+        ):
+            return None
+    if len(colons) != 1:
+        return None
+    return node.value, len(node.slice), colons[0]
+
+
+def _tile_axis(index: cst.BaseExpression, imports, rank: int) -> tuple | None:
+    """``(start, size, axis)`` for one index of a tile: ``i + jnp.arange(k)[:, None]``,
+    ``(i + jnp.arange(k))[:, None]``, ``jnp.arange(m) + j``; ``axis`` is the tile axis the
+    arange runs along once the indices broadcast together (right-aligned, as numpy does)."""
+    outer = _expansion(index)
+    if outer is None:
+        return None
+    inner, entries, pos = outer
+    if entries > 1:  # the whole sum expanded
+        window = _arange_window(inner, imports)
+        return None if window is None else (*window, rank - entries + pos)
+    if not (isinstance(inner, cst.BinaryOperation) and isinstance(inner.operator, cst.Add)):
+        return None
+    for start, other in ((inner.left, inner.right), (inner.right, inner.left)):
+        expanded, start_expanded = _expansion(other), _expansion(start)
+        if expanded is None or (start_expanded is not None and start_expanded[1] > 1):
+            continue
+        arange, entries, pos = expanded
+        window = _arange_window(
+            cst.BinaryOperation(left=start, operator=cst.Add(), right=arange), imports
+        )
+        if window is not None:
+            return (*window, rank - entries + pos)
+    return None
+
+
 class ScatterToDUSCommand(FindingCommand):
     DESCRIPTION = (
         "Rewrite `x.at[i].set(v)` (and add, subtract, multiply, min, max) where the "
@@ -226,6 +277,10 @@ class ScatterToDUSCommand(FindingCommand):
     # --- building the replacement -------------------------------------------------------------
 
     def _replacement(self, at: _AtUpdate, original: cst.Call, details: dict):
+        if len(at.element) > 1 and all(isinstance(e.slice, cst.Index) for e in at.element):
+            tile = self._tile(at, details)
+            if tile is not None:
+                return tile
         if len(at.element) != 1 or not isinstance(at.element[0].slice, cst.Index | cst.Slice):
             return None, (
                 "the update indexes several axes; write lax.dynamic_update_slice with "
@@ -355,7 +410,7 @@ class ScatterToDUSCommand(FindingCommand):
     def _blended_window(self, at: _AtUpdate, start, size) -> cst.BaseExpression:
         """``autoopt.update_window(x, i, v, size=k, op=...)``: the pass's branch-free blend of a
         block whose bounds are not proven, behind one readable call (the inline form is a dozen
-        lines of clamps and selects)."""
+        lines of clamps and selects); a tile's ``start`` and ``size`` are tuples."""
         op = "" if at.op == "set" else f', op="{at.op}"'
         return template(
             "{f}({x}, {i}, {v}, size={k}" + op + ")",
@@ -365,6 +420,44 @@ class ScatterToDUSCommand(FindingCommand):
             v=at.value,
             k=size,
         )
+
+    def _tile(self, at: _AtUpdate, details: dict):
+        """A tile ``x.at[i + jnp.arange(k)[:, None], j + jnp.arange(m)]``: one
+        ``dynamic_update_slice`` where the pass proved it in bounds, else
+        ``autoopt.update_window(x, (i, j), v, size=(k, m))``; None when the indices are not a
+        tile in axis order (the caller then gives its reason)."""
+        rank = len(at.element)
+        indices = [e.slice.value for e in at.element if isinstance(e.slice, cst.Index)]
+        found = [_tile_axis(index, self.imports, rank) for index in indices]
+        axes = [a for a in found if a is not None]
+        if len(axes) != rank or [a[2] for a in axes] != list(range(rank)):
+            return None
+        if at.keywords:
+            return None, "a tile update with keyword arguments; write it by hand"
+        if not _simple(at.base):
+            return None, "the updated array is an expression; assign it to a name first"
+        if not all(_simple(a[0]) and _simple(a[1]) for a in axes):
+            return None, "a tile start or size is an expression; name it first"
+        starts = cst.Tuple([cst.Element(a[0]) for a in axes])
+        sizes = cst.Tuple([cst.Element(a[1]) for a in axes])
+        guard = _guard_kind(details)
+        if guard == "blend":
+            return self._blended_window(at, starts, sizes), None
+        if guard != "none":
+            return None, "a tile whose bounds are not proven is written by the pass only"
+        old = template(
+            "{f}({x}, {i}, {k})", f=self.ref("jax.lax.dynamic_slice"), x=at.base, i=starts, k=sizes
+        )
+        shape = cst.parse_expression(
+            f"({', '.join(self.code(a[1]) for a in axes)}, *{self.code(at.base)}.shape[{rank}:])"
+        )
+        return template(
+            "{f}({x}, {v}, {i})",
+            f=self.ref("jax.lax.dynamic_update_slice"),
+            x=at.base,
+            v=self._new_value(at, old, shape),
+            i=starts,
+        ), None
 
     def _static_slice(self, at: _AtUpdate, slc: cst.Slice):
         def const(n):
