@@ -107,6 +107,29 @@ def workloads(n: int, loop_n: int):
             lambda j: ((j * 37) % (n - TILE[0]), (j * 101) % (n - TILE[1])),
             50,
         ),
+        f"{TILE[0]}x{TILE[1]} tile `.add` at traced starts, 8 in a fori_loop": (
+            lambda x, i, k: lax.fori_loop(
+                0,
+                8,
+                lambda t, x: x.at[
+                    i + 37 * t + jnp.arange(TILE[0])[:, None], k - t + jnp.arange(TILE[1])
+                ].add(tile * t),
+                x,
+            ),
+            lambda x, i, k: lax.fori_loop(
+                0,
+                8,
+                lambda t, x: lax.dynamic_update_slice(
+                    x,
+                    lax.dynamic_slice(x, (i + 37 * t, k - t), TILE) + tile * t,
+                    (i + 37 * t, k - t),
+                ),
+                x,
+            ),
+            big,
+            lambda j: ((j * 37) % (n - TILE[0] - 300), 8 + (j * 101) % (n - TILE[1] - 8)),
+            10,
+        ),
         "scalar `x.at[i, j].set(v)`": (
             lambda x, i, k: x.at[i, k].set(1.5),
             lambda x, i, k: lax.dynamic_update_slice(x, jnp.full((1, 1), 1.5, x.dtype), (i, k)),

@@ -824,3 +824,142 @@ def test_unsigned_indices_that_overflow_inside_the_block_write_the_rows_from_zer
     # The run from row 0, after the overflow: a while_loop that runs only then, no cond.
     assert remaining(result.jaxpr) == [] and count(result.jaxpr, "cond") == 0
     assert count(result.jaxpr, "while") == 1
+
+
+def test_a_normalized_index_shifted_afterwards_is_not_taken_for_a_wrapped_block():
+    # Found in review: select(r < 0, r + n, r) + 1 at i = -2 is rows n - 1, n (dropped), 1, 2;
+    # the blend's second run from row 0 wrote row 0. Exact 0 added keeps the block.
+    n, k = 10, 4
+
+    def shifted(x, i, j):
+        r = i + jnp.arange(k)
+        r = lax.select(r < 0, r + n, r) + 1
+        return x.at[r[:, None], j + jnp.arange(3)].set(-7.0), x.at[r].set(-7.0)
+
+    def plus_zero(x, i, j):
+        r = i + jnp.arange(k)
+        return x.at[lax.select(r < 0, r + n, r) + 0].set(-7.0)
+
+    x = jnp.arange(n * 5, dtype=jnp.float32).reshape(n, 5)
+    for i in (-6, -4, -3, -2, -1, 0, 3, 7, 9):
+        assert_exact(shifted, x, i, 1)
+        assert_exact(plus_zero, x, i, 1)
+    _, result = run_pass(shifted, x, -2, 1)
+    assert not any(f.applied for f in result.findings)
+    _, result = run_pass(plus_zero, x, -2, 1)
+    assert [f.details["guard"] for f in result.findings] == ["blend"]
+
+
+def test_a_complex_multiply_stays_a_scatter_with_the_reason():
+    # Found in review: a complex product written elementwise rounded differently in the last
+    # bit (XLA may contract its products and sums into fused multiply-adds in one form only).
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=8) + 1j * rng.normal(size=8), jnp.complex64)
+    v = jnp.asarray(rng.normal(size=3) + 1j * rng.normal(size=3), jnp.complex64)
+
+    def fn(x, v, i):
+        return x.at[i + jnp.arange(3)].multiply(v), x.at[i + jnp.arange(3)].add(v)
+
+    for i in (-4, -1, 0, 2, 6):
+        assert_exact(fn, x, v, i)
+    _, result = run_pass(fn, x, v, 2)
+    mul, add = result.findings
+    assert not mul.applied and "complex" in mul.message
+    assert add.applied and add.details["guard"] == "blend"
+
+
+@pytest.mark.parametrize("by", [20, 3, 7])
+def test_a_users_wrap_by_another_length_is_not_taken_for_jnps(by):
+    # Found in review: select(r < 0, r + 2 * n, r) at i = -2 writes rows 0 and 1 under jit
+    # (the others are out of bounds); the blend, assuming jnp's + n, wrote none.
+    n, k = 10, 4
+
+    def fn(x, i):
+        r = i + jnp.arange(k)
+        return x.at[lax.select(r < 0, r + by, r)].add(1.0)
+
+    x = jnp.arange(n, dtype=jnp.float32)
+    for i in range(-15, 12):
+        assert_exact(fn, x, i)
+    _, result = run_pass(fn, x, -2)
+    (f,) = result.findings
+    # jnp normalizes again, by n: two normalizations by different lengths are no block either.
+    assert not f.applied and "not provably contiguous" in f.message
+
+
+def test_narrow_signed_indices_overflowing_onto_rows_in_bounds_stay_a_scatter():
+    # Found in review: int8 30 + arange(100) overflows to -128..-99, which jnp's wrap (+127)
+    # puts on rows -1..28: rows 0..28 are written, which no window of the block covers.
+    n, k = 127, 100
+    dn = lax.ScatterDimensionNumbers((), (0,), (0,))
+
+    def fn(x, v, i):
+        r = i + jnp.arange(k, dtype=jnp.int8)
+        r = lax.select(r < 0, r + jnp.int8(n), r)
+        return lax.scatter(x, r[:, None], v, dn, mode=lax.GatherScatterMode.FILL_OR_DROP)
+
+    x, v = jnp.zeros(n), jnp.arange(1.0, k + 1)
+    for i in (-128, -5, 0, 27, 28, 30, 100, 127):  # lax.scatter: normalized once, by hand
+        assert_exact(fn, x, v, jnp.int8(i))
+    _, result = run_pass(fn, x, v, jnp.int8(30))
+    (f,) = result.findings
+    assert not f.applied and "overflow" in f.message
+
+
+def test_an_optimized_function_with_a_blend_differentiates_like_jit():
+    # Found in review: the blend's while_loop made jax.grad of the optimized function raise
+    # (reverse mode has no rule for a while_loop); its derivative is the unrolled form's.
+    def block(x, v, i):
+        return x.at[i + jnp.arange(v.shape[0])].set(v)
+
+    def tile(x, v, i):
+        return x.at[i + jnp.arange(8)[:, None], i + 1 + jnp.arange(16)].add(v)
+
+    def loss(fn):
+        return lambda *a: jnp.sum(jnp.sin(fn(*a)) ** 2)
+
+    cases = [(block, jnp.ones((1024, 256)), jnp.full((512, 256), 2.0), {})]  # 512 KiB: default
+    cases.append((tile, jnp.ones((64, 64)), jnp.full((8, 16), 2.0), {"window_blend_min_bytes": 0}))
+    for fn, x, v, options in cases:
+        fast = autoopt.optimize(fn, **options)
+        for i in (-600, -20, -2, 0, 3, 60, 900):
+            want = jax.grad(loss(jax.jit(fn)), argnums=(0, 1))(x, v, jnp.int32(i))
+            got = jax.grad(loss(fast), argnums=(0, 1))(x, v, jnp.int32(i))
+            assert all(np.array_equal(a, b) for a, b in zip(want, got)), (fn.__name__, i)
+        _, result = run_pass(fn, x, v, jnp.int32(3))
+        assert [f.details["guard"] for f in result.findings] == ["blend"]
+
+
+def test_a_wrap_by_another_length_straight_into_lax_scatter_is_declined_with_the_reason():
+    dn = lax.ScatterDimensionNumbers((1,), (0,), (0,))
+
+    def fn(x, i):
+        r = i + jnp.arange(4)
+        r = lax.select(r < 0, r + 20, r)[:, None]
+        return lax.scatter(x, r, jnp.ones((4, 2)), dn, mode=lax.GatherScatterMode.FILL_OR_DROP)
+
+    x = jnp.zeros((10, 2))
+    for i in range(-15, 12):
+        assert_exact(fn, x, i)
+    (f,) = run_pass(fn, x, -2)[1].findings
+    assert not f.applied and "adding 20" in f.message and "axis length 10" in f.message
+
+
+def test_adding_into_zeros_keeps_the_sign_of_zero_as_the_scatter_does():
+    # Found in review: XLA folds 0 + u into u once the scatter is gone, so a -0.0 update into
+    # jnp.zeros came out -0.0 where the scatter gives +0.0; gradients of x[i + arange(k)]
+    # (the transpose is zeros.at[...].add) had -0.0 where jit has +0.0.
+    def fill(i):
+        return jnp.zeros(6).at[i + jnp.arange(2)].add(jnp.array([-0.0, -0.0]))
+
+    def grad(x, i):
+        return jax.grad(lambda x: jnp.sum(x[i + jnp.arange(3)] ** 2))(x)
+
+    x = jnp.array([-0.0, 1.0, -0.0, 2.0, 3.0, -0.0, 4.0])
+    for i in range(-8, 8):
+        assert_exact(fill, i)
+        assert_exact(grad, x, i)
+        for fn, args in ((fill, (i,)), (grad, (x, i))):
+            want = jax.jit(fn)(*args)
+            got = autoopt.optimize(fn, window_blend_min_bytes=0)(*args)
+            assert np.array_equal(np.signbit(want), np.signbit(got)), (fn.__name__, i)

@@ -6,6 +6,7 @@ value form; and it is what the codemod offers for a blended block (issue 18)."""
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -58,14 +59,24 @@ def test_update_window_is_the_scatter_at_every_start(op, index_dtype, start, k, 
 
 @pytest.mark.parametrize(
     "dtype, value",
-    [("bfloat16", 1.37), ("int32", np.int32(-3)), ("float32", np.int8(5))],
+    [
+        ("bfloat16", 1.37),
+        ("int32", np.int32(-3)),
+        ("float32", np.int8(5)),
+        ("int32", np.float32(1.5)),  # found in review: .at rounds the rows it keeps too
+        ("int8", np.int32(300)),
+        ("bool", np.float32(0.5)),
+    ],
 )
 @pytest.mark.parametrize("op", OPS)
 def test_update_window_promotes_and_casts_as_at_does(dtype, value, op):
-    x = (jnp.arange(N * 2).reshape(N, 2) - 7).astype(dtype)
+    x = (jnp.arange(N * 2).reshape(N, 2) - 7 + 16777210).astype(dtype)
     for start in (-6, -2, 0, 3, 7, 12):
         i = jnp.int32(start)
-        assert _same(_scatter(x, i, value, op, K), _window(x, i, value, op, K)), (op, start)
+        with warnings.catch_warnings():  # .at warns of a cast it will refuse in a later jax
+            warnings.simplefilter("ignore", FutureWarning)
+            want = _scatter(x, i, value, op, K)
+        assert _same(want, _window(x, i, value, op, K)), (op, start)
 
 
 @pytest.mark.parametrize("start", [2**31 - 1, 2**31 - 3, -(2**31), -(2**31) + 2])
@@ -192,3 +203,23 @@ def test_update_window_differentiates_and_batches_as_at_does(op, tile):
 def test_bad_tile_arguments_say_what_to_do(start, size, match):
     with pytest.raises(ValueError, match=match):
         autoopt.update_window(jnp.zeros((N, 6)), start, 1.0, size=size)
+
+
+@pytest.mark.parametrize("tile", [False, True])
+def test_a_complex_multiply_is_the_scatter_bit_for_bit(tile):
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(N, 4)) + 1j * rng.normal(size=(N, 4)), jnp.complex64)
+    v = jnp.asarray(rng.normal(size=(K, 4)) + 1j * rng.normal(size=(K, 4)), jnp.complex64)
+    for start in (-K - 1, -2, 0, 3, N - 2):
+        i = jnp.int32(start)
+        if tile:
+            want = x.at[i + jnp.arange(K)[:, None], jnp.arange(4)].multiply(v)
+            got = jax.jit(
+                lambda x, v, i: autoopt.update_window(x, (i, 0), v, size=(K, 4), op="multiply")
+            )(x, v, i)
+        else:
+            want = _scatter(x, i, v, "multiply", K)
+            got = _window(x, i, v, "multiply", K)
+        assert want.dtype == got.dtype and np.array_equal(
+            np.asarray(want).view(np.float32), np.asarray(got).view(np.float32)
+        ), start

@@ -39,6 +39,8 @@ def _param_text(v) -> str:
     if isinstance(v, np.dtype):
         return v.name  # as jax prints it: new_dtype=int32
     text = repr(v) if not callable(v) else getattr(v, "__name__", type(v).__name__)
+    if "\n" in text:  # a multi-line repr (a wrapped function) breaks the diff's lines
+        text = type(v).__name__
     text = _ADDRESS.sub("", text)  # object addresses differ between two traces of one program
     return text if len(text) <= 80 else text[:77] + "..."
 
@@ -206,13 +208,29 @@ def diff_jaxprs(
                     rows.append((" ", head))
         else:
             rows.extend(("-", _eqn_text(e, names, "b") + _loc(e)) for e in b.eqns[i1:i2])
-            rows.extend(("+", _eqn_text(e, names, "a") + _loc(e)) for e in a.eqns[j1:j2])
+            for e in a.eqns[j1:j2]:
+                rows.append(("+", _eqn_text(e, names, "a") + _loc(e)))
+                rows.extend(_wrapped_body(e, names))
     outs_b = " ".join(names.get(v, "b") for v in b.outvars)
     outs_a = " ".join(names.get(v, "a") for v in a.outvars)
     if outs_b != outs_a:
         rows.append(("-", f"return {outs_b}"))
         rows.append(("+", f"return {outs_a}"))
     return _with_context(rows, indent)
+
+
+def _wrapped_body(eqn: JaxprEqn, names: _Names) -> list[tuple[str, str]]:
+    """An added ``custom_jvp_call`` (a rewrite made differentiable, as the in-place blend is)
+    computes its body: shown under it as added lines, named after the call's operands, so the
+    diff shows what the program does rather than one opaque call."""
+    body = eqn.params.get("call_jaxpr") if eqn.primitive.name == "custom_jvp_call" else None
+    if body is None:
+        return []
+    inner = _sub(body)
+    for outer, v in [*zip(eqn.invars, inner.invars), *zip(eqn.outvars, inner.outvars)]:
+        if not isinstance(outer, Literal) and not isinstance(v, Literal):
+            names.names[("a", v)] = names.get(outer, "a")
+    return [("+", "    " + _eqn_text(e, names, "a") + _loc(e)) for e in inner.eqns]
 
 
 def _diff_subjaxprs(eb: JaxprEqn, ea: JaxprEqn, indent: str, names: _Names) -> list[str]:

@@ -231,8 +231,24 @@ def _plan(
                 f"the block of {k} is longer than the axis of {operand_shape[d]} "
                 "it writes, so it is never wholly in bounds"
             )
-        if np.iinfo(indices.aval.dtype).max < operand_shape[d]:
+        info = np.iinfo(indices.aval.dtype)
+        if info.max < operand_shape[d]:
             raise _Decline(f"its {indices.aval.dtype} indices can wrap around inside the block")
+        form = comps[c].form
+        if form is not None and form.wrapped:
+            n = operand_shape[d]
+            if form.wrap_n != n:
+                raise _Decline(
+                    f"its indices were normalized by adding {form.wrap_n} to the negative "
+                    f"ones, not the axis length {n}: not jnp's wrap, which the blend follows"
+                )
+            if form.may_overflow and n + int(info.min) + k - 2 >= 0:
+                # Rows past the dtype's maximum overflow to its minimum; normalized (+ n) the
+                # first of them land in bounds, which no window of the block covers.
+                raise _Decline(
+                    f"its {indices.aval.dtype} indices may overflow inside the block onto rows "
+                    "in bounds once normalized"
+                )
         sizes[d] = k
         blocks.append((a, c))
     block_comps = {c for _, c in blocks}
@@ -396,6 +412,13 @@ def _combiner(eqn: JaxprEqn):
                 "its update computation multiplies then adds, which one form may "
                 "contract to a fused multiply-add and the other not"
             )
+        if e.primitive is P.mul_p and any(
+            np.issubdtype(v.aval.dtype, np.complexfloating) for v in e.invars
+        ):
+            raise _Decline(
+                "it multiplies complex numbers: four products and two sums, which one form "
+                "may contract to fused multiply-adds and the other not"
+            )
         if e.primitive is P.mul_p:
             fed_by_mul.update(e.outvars)
 
@@ -525,6 +548,10 @@ class _Decision:
     window: _Window
     guard: str  # "none" | "clamp" | "select" | "cond"
     combine: Any = None
+    # The operand is a broadcast constant that XLA could fold into the combiner (``0 + u`` ->
+    # ``u`` turns a -0.0 update into -0.0 where the scatter's 0 + -0.0 is +0.0): read it
+    # through a barrier. The transpose of a gather (``zeros.at[...].add(g)``) is this case.
+    opaque_operand: bool = False
 
 
 _WHY = {
@@ -618,9 +645,23 @@ def _decide_gather(facts: _ranges.Facts, eqn: JaxprEqn) -> _Decision | None:
     return _Decision(w, "cond")
 
 
+def _broadcast_constant(facts: _ranges.Facts, atom) -> bool:
+    """``atom`` is a literal, or a broadcast of one (``jnp.zeros``), which XLA can fold."""
+    if isinstance(atom, Literal):
+        return True
+    eqn = facts.producer(atom)
+    while eqn is not None and eqn.primitive in (P.broadcast_in_dim_p, P.convert_element_type_p):
+        if isinstance(eqn.invars[0], Literal):
+            return True
+        eqn = facts.producer(eqn.invars[0])
+    return False
+
+
 def _emit_scatter(eqn: JaxprEqn, invals, plan: _Decision):
     w, guard, combine = plan.window, plan.guard, plan.combine
     x, idx, upd = (jax.numpy.asarray(v) for v in invals)
+    if plan.opaque_operand:
+        x = lax.optimization_barrier(x)
     shape = tuple(_jaxpr.shaped(eqn.invars[0]).shape)
     first, last = _first_values(idx, w)
     upd = _update_block(eqn, w, upd)
@@ -634,7 +675,7 @@ def _emit_scatter(eqn: JaxprEqn, invals, plan: _Decision):
     if guard in ("none", "clamp"):
         return write(x, upd, _starts(first, w, len(shape), shape if guard == "clamp" else None))
     if guard == "blend":
-        return _blend(x, upd, first, last, w, shape, combine)
+        return blend_differentiable(x, upd, first, last, w, shape, combine)
     ok = _in_bounds(first, last, w, shape)
     if guard == "select":
         starts = _starts(first, w, len(shape))
@@ -783,6 +824,27 @@ def _blend(x, upd, first, last, w: _Window, shape, combine, extra_runs: str = "w
     return lax.while_loop(more, body, (np.int32(1), x, packed))[1]
 
 
+# The runs past the first are a while_loop, which has no reverse-mode rule: an optimized function
+# under jax.grad (or update_window's) is differentiated through the unrolled form, which
+# computes the same numbers with every run written out.
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5, 6))
+def blend_differentiable(x, upd, first, last, w: _Window, shape, combine):
+    """``_blend`` with its loop, differentiable."""
+    return _blend(x, upd, first, last, w, shape, combine, "while")
+
+
+@blend_differentiable.defjvp
+def _blend_jvp(w, shape, combine, primals, tangents):
+    x, upd, first, last = primals
+    out = blend_differentiable(x, upd, first, last, w, shape, combine)
+    _, dout = jax.jvp(
+        lambda x, u: _blend(x, u, first, last, w, shape, combine, "unrolled"),
+        (x, upd),
+        tuple(tangents[:2]),
+    )
+    return out, dout
+
+
 def _blend_pass(x, upd, at, runs, others, box, combine, first_run: bool = True):
     """One read-select-write of the window at the clamped starts of ``runs`` (``(axis, int32
     start, traced bool or None: write only if)`` per block axis). Window position ``t`` on a
@@ -856,11 +918,11 @@ def window_of_block(shape: Sequence[int], sizes: Sequence[int], wrapped: bool) -
     )
 
 
-def blend_block(x, upd, first, last, w: _Window, combine, extra_runs: str):
-    """``_blend`` of one block per leading axis, from each one's first and last (normalized)
-    index."""
-    return _blend(
-        x, upd, list(first), dict(enumerate(last)), w, tuple(x.shape), combine, extra_runs
+def blend_block(x, upd, first, last, w: _Window, combine):
+    """``blend_differentiable`` of one block per leading axis, from each one's first and last
+    (normalized) index."""
+    return blend_differentiable(
+        x, upd, list(first), dict(enumerate(last)), w, tuple(x.shape), combine
     )
 
 
@@ -945,9 +1007,12 @@ def scatter_to_dus(closed, ctx: PassContext) -> PassResult:
             continue
         if eqn.primitive in _SCATTERS:
             try:
-                plans[eqn.outvars[0]] = _decide_scatter(
+                plan = _decide_scatter(
                     facts, consumes, ctx.backend, eqn, ctx.options.window_blend_min_bytes
                 )
+                if plan.combine is not None and _broadcast_constant(facts, eqn.invars[0]):
+                    plan = dataclasses.replace(plan, opaque_operand=True)
+                plans[eqn.outvars[0]] = plan
             except _Decline as why:
                 note(eqn, False, f"{_describe_scatter(eqn)} left as scatter: {why}.")
         elif eqn.primitive is P.gather_p:

@@ -426,6 +426,8 @@ class Form:
     # The scatter/gather reading such indices sees the wrap in its own dtype and handles it
     # there; converted to another dtype first, the wrap is baked in and the form is unknown.
     may_overflow: bool = False
+    # With ``wrapped``: the n of ``v + n`` in the normalization (the blend assumes the axis's).
+    wrap_n: int | None = None
 
     @property
     def uniform(self) -> bool:
@@ -709,17 +711,19 @@ class Facts:
                 return self._uniform_op(eqn, shape)
             fa, fb = _pad(fa, shape), _pad(fb, shape)
             sign = 1 if prim is P.add_p else -1
-            if (
-                (fa.wrapped and not fb.uniform)
-                or (fb.wrapped and not fa.uniform)
-                or (fb.wrapped and prim is P.sub_p)
-                or (fa.wrapped and fb.wrapped)
+            # A normalized value is a block only as it comes out of the normalization: its rows
+            # run up to n - 1 and go on from 0. Shifted (``select(r < 0, r + n, r) + 1``), the
+            # jump falls elsewhere (n, dropped, then 1), which no run-time check of its first
+            # and last value tells apart: only adding an exact 0 keeps the form.
+            if (fa.wrapped and _exact(self, ins[1]) != 0) or (
+                fb.wrapped and (prim is P.sub_p or _exact(self, ins[0]) != 0)
             ):
                 return None
             return Form(
                 tuple(x + sign * y for x, y in zip(fa.strides, fb.strides)),
                 fa.wrapped or fb.wrapped,
                 fa.may_overflow or fb.may_overflow or self._overflows(eqn, sign),
+                fa.wrap_n if fa.wrapped else fb.wrap_n,
             )
         if prim is P.neg_p:
             f = sub(ins[0])
@@ -792,7 +796,9 @@ class Facts:
                 if n is not None and n > 0 and f is not None:
                     if r is not None and (r.lo >= 0 or r.hi < 0):
                         return f  # never wraps, or always wraps by the same n
-                    return dataclasses.replace(f, wrapped=True)
+                    if f.wrapped and f.wrap_n != n:
+                        return None  # normalized twice, by different lengths
+                    return dataclasses.replace(f, wrapped=True, wrap_n=n)
         return self._uniform_op(eqn, shape)
 
     def components(self, indices: Atom) -> list[Component] | None:

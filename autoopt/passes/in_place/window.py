@@ -7,7 +7,6 @@ whose bounds it could not prove. It runs the pass's own emitter, so the two cann
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -94,10 +93,22 @@ def update_window(x: Any, start: Any, values: Any, *, size: Any, op: str = "set"
         lasts.append(rows[-1])
     values = jnp.asarray(values)
     promoted = jnp.result_type(x, values)
+    if op == "multiply" and jnp.issubdtype(promoted, jnp.complexfloating):
+        # A complex product is four products and two sums: written elementwise it may be
+        # contracted into fused multiply-adds where the scatter's is not, so `.at` does it.
+        index = tuple(
+            jnp.asarray(i) + jnp.arange(k).reshape((k,) + (1,) * (len(sizes) - 1 - a))
+            for a, (i, k) in enumerate(zip(starts, sizes))
+        )
+        return x.at[index].multiply(values)
+    if promoted != x.dtype:
+        # `.at` computes in the promoted dtype over the whole array and casts back, so values
+        # it does not write round-trip too (int32 16777217 through float32 is 16777216).
+        x = lax.convert_element_type(lax.convert_element_type(x, promoted), x.dtype)
     box = (*sizes, *x.shape[len(sizes) :])
     upd = lax.convert_element_type(jnp.broadcast_to(values, box), promoted)
     window = _pass.window_of_block(x.shape, sizes, wrapped)
-    return _windowed(x, upd, tuple(firsts), tuple(lasts), window, op)
+    return _emit(x, upd, tuple(firsts), tuple(lasts), window, op)
 
 
 def _combiner(op: str, dtype, promoted):
@@ -111,27 +122,6 @@ def _combiner(op: str, dtype, promoted):
     return combine
 
 
-def _emit(x, upd, firsts, lasts, window, op, extra_runs):
+def _emit(x, upd, firsts, lasts, window, op):
     combine = _combiner(op, x.dtype, upd.dtype)
-    return _pass.blend_block(x, upd, firsts, lasts, window, combine, extra_runs)
-
-
-# The runs past the first are written in a while_loop that runs only when a block straddles 0;
-# a while_loop has no reverse-mode rule, so derivatives are taken of the unrolled form, which
-# computes the same numbers.
-@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5))
-def _windowed(x, upd, firsts, lasts, window, op):
-    return _emit(x, upd, firsts, lasts, window, op, "while")
-
-
-@_windowed.defjvp
-def _windowed_jvp(window, op, primals, tangents):
-    x, upd, firsts, lasts = primals
-    dx, dupd = tangents[:2]
-    out = _windowed(x, upd, firsts, lasts, window, op)
-    _, dout = jax.jvp(
-        lambda x, u: _emit(x, u, firsts, lasts, window, op, "unrolled"),
-        (x, upd),
-        (dx, dupd),
-    )
-    return out, dout
+    return _pass.blend_block(x, upd, firsts, lasts, window, combine)
