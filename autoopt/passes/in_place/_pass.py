@@ -552,6 +552,9 @@ class _Decision:
     # ``u`` turns a -0.0 update into -0.0 where the scatter's 0 + -0.0 is +0.0): read it
     # through a barrier. The transpose of a gather (``zeros.at[...].add(g)``) is this case.
     opaque_operand: bool = False
+    # In a loop body the blend's extra runs are unrolled passes: a nested while_loop there
+    # makes XLA build the update every iteration and costs its own overhead each time.
+    in_loop: bool = False
 
 
 _WHY = {
@@ -675,7 +678,8 @@ def _emit_scatter(eqn: JaxprEqn, invals, plan: _Decision):
     if guard in ("none", "clamp"):
         return write(x, upd, _starts(first, w, len(shape), shape if guard == "clamp" else None))
     if guard == "blend":
-        return blend_differentiable(x, upd, first, last, w, shape, combine)
+        runs = "unrolled" if plan.in_loop else "while"
+        return blend_differentiable(x, upd, first, last, w, shape, combine, runs)
     ok = _in_bounds(first, last, w, shape)
     if guard == "select":
         starts = _starts(first, w, len(shape))
@@ -827,16 +831,16 @@ def _blend(x, upd, first, last, w: _Window, shape, combine, extra_runs: str = "w
 # The runs past the first are a while_loop, which has no reverse-mode rule: an optimized function
 # under jax.grad (or update_window's) is differentiated through the unrolled form, which
 # computes the same numbers with every run written out.
-@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5, 6))
-def blend_differentiable(x, upd, first, last, w: _Window, shape, combine):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5, 6, 7))
+def blend_differentiable(x, upd, first, last, w: _Window, shape, combine, runs="while"):
     """``_blend`` with its loop, differentiable."""
-    return _blend(x, upd, first, last, w, shape, combine, "while")
+    return _blend(x, upd, first, last, w, shape, combine, runs)
 
 
 @blend_differentiable.defjvp
-def _blend_jvp(w, shape, combine, primals, tangents):
+def _blend_jvp(w, shape, combine, runs, primals, tangents):
     x, upd, first, last = primals
-    out = blend_differentiable(x, upd, first, last, w, shape, combine)
+    out = blend_differentiable(x, upd, first, last, w, shape, combine, runs)
     _, dout = jax.jvp(
         lambda x, u: _blend(x, u, first, last, w, shape, combine, "unrolled"),
         (x, upd),
@@ -886,15 +890,24 @@ def _blend_pass(x, upd, at, runs, others, box, combine, first_run: bool = True):
 def _shifted(upd, shifts, concatenated: bool):
     """``upd`` moved along each block axis: position ``t`` holds row ``t + shift`` (``shift``
     in ``[-k, k]`` wherever the result is used; other positions hold some row). The first run
-    slices three copies side by side (XLA fuses it into the window's pass); the other runs, in
-    a while_loop, gather (a concatenation of loop-invariant values would be hoisted out of the
-    loop and built on every call)."""
+    slices the update padded by k on each side (XLA fuses the pad into the window's pass; a
+    concatenation of three copies, which extended dtypes such as PRNG keys need, XLA builds on
+    its own when the update is computed in a loop body: 4.5 MiB for a 128x1024 tile); the
+    other runs, in a while_loop, gather (a padding of loop-invariant values would be hoisted
+    out of the loop and built on every call)."""
     if concatenated:
         box = tuple(upd.shape)
         starts = [np.int32(0)] * upd.ndim
-        for ax, shift in shifts.items():
-            upd = lax.concatenate([upd, upd, upd], ax.d)
-            starts[ax.d] = lax.add(np.int32(ax.k), shift)
+        if jax.numpy.issubdtype(upd.dtype, jax.dtypes.extended):
+            for ax, shift in shifts.items():
+                upd = lax.concatenate([upd, upd, upd], ax.d)
+                starts[ax.d] = lax.add(np.int32(ax.k), shift)
+        else:
+            config = [(0, 0, 0)] * upd.ndim
+            for ax, shift in shifts.items():
+                config[ax.d] = (ax.k, ax.k, 0)
+                starts[ax.d] = lax.add(np.int32(ax.k), shift)
+            upd = lax.pad(upd, np.zeros((), upd.dtype), config)
         return lax.dynamic_slice(upd, starts, box, allow_negative_indices=False)
     for ax, shift in shifts.items():
         take = lax.clamp(np.int32(0), lax.add(shift, lax.iota(np.int32, ax.k)), np.int32(ax.k - 1))
@@ -1012,6 +1025,8 @@ def scatter_to_dus(closed, ctx: PassContext) -> PassResult:
                 )
                 if plan.combine is not None and _broadcast_constant(facts, eqn.invars[0]):
                     plan = dataclasses.replace(plan, opaque_operand=True)
+                if plan.guard == "blend" and facts.in_loop(eqn):
+                    plan = dataclasses.replace(plan, in_loop=True)
                 plans[eqn.outvars[0]] = plan
             except _Decline as why:
                 note(eqn, False, f"{_describe_scatter(eqn)} left as scatter: {why}.")
