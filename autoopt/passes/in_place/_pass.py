@@ -698,9 +698,9 @@ def _emit_scatter(eqn: JaxprEqn, invals, plan: _Decision):
 class _BlockAxis:
     """One block of a window being blended: operand dim ``d`` of length ``n``, ``k`` points,
     the int32 start of its first run (its first index, clamped to ``[-k, n]``), and where its
-    indices can continue from row 0 after the end (``wraps``) the traced bool ``straddles``, true
-    when they do, with the int32 start of that second run (``second``, negative: its rows before
-    0 are not written)."""
+    indices can continue from row 0 after the end (jnp's negative-index wrap, an unsigned
+    overflow) the traced bool ``straddles``, true when they do, with the int32 start of that
+    second run (``second``, negative: its rows before 0 are not written); both None otherwise."""
 
     d: int
     n: int
@@ -763,8 +763,9 @@ def _blend(x, upd, first, last, w: _Window, shape, combine, extra_runs: str = "w
     index) is one fused pass that always runs; the others, only ever needed when some axis
     straddles 0, are written by a ``while_loop`` that runs no iteration otherwise
     (``extra_runs="while"``), or unrolled into passes that rewrite the first window unchanged
-    when nothing straddles (``"unrolled"``: ``update_window`` differentiates this form, a
-    while_loop has no reverse-mode rule). A ``lax.cond`` would make XLA copy the buffer.
+    when nothing straddles (``"unrolled"``: in loop bodies, and the form derivatives are taken
+    of, since a while_loop has no reverse-mode rule). A ``lax.cond`` would make XLA copy the
+    buffer.
     """
 
     def placed(first, last):
@@ -777,13 +778,12 @@ def _blend(x, upd, first, last, w: _Window, shape, combine, extra_runs: str = "w
     axes, others, at = placed(first, last)
     x = _blend_pass(x, upd, at, [(ax, ax.start, None) for ax in axes], others, w.sizes, combine)
     count = 2 ** sum(ax.straddles is not None for ax in axes)
-    if count == 1 or extra_runs == "none":
+    if count == 1:
         return x
 
-    def run(x, r, first, last):
+    def run(x, r, axes, others, at):
         """The runs numbered ``r`` (bit b: the second run of the b-th wrapped axis); a run
         whose axis does not straddle 0 writes nothing, at the first run's window."""
-        axes, others, at = placed(first, last)
         runs = []
         b = 0
         for ax in axes:
@@ -801,7 +801,7 @@ def _blend(x, upd, first, last, w: _Window, shape, combine, extra_runs: str = "w
 
     if extra_runs == "unrolled":
         for r in range(1, count):
-            x = run(x, np.int32(r), first, last)
+            x = run(x, np.int32(r), axes, others, at)
         return x
     # The loop carries the indices packed in one array (one operation builds it) and computes
     # everything else from them inside, behind a barrier the loop counter passes through:
@@ -822,7 +822,8 @@ def _blend(x, upd, first, last, w: _Window, shape, combine, extra_runs: str = "w
         return lax.bitwise_and(lax.lt(c[0], np.int32(count)), straddles)
 
     def body(c):
-        return (lax.add(c[0], np.int32(1)), run(c[1], *unpacked(c[0], c[2])), c[2])
+        r, first, last = unpacked(c[0], c[2])
+        return (lax.add(c[0], np.int32(1)), run(c[1], r, *placed(first, last)), c[2])
 
     packed = jax.numpy.stack([*first, *(last[c] for c in keys)])
     return lax.while_loop(more, body, (np.int32(1), x, packed))[1]
