@@ -18,6 +18,7 @@ from jax._src import core as _core
 from jax._src import distributed as _distributed
 from jax._src import linear_util as _lu
 from jax._src import source_info_util as _siu
+from jax._src import traceback_util as _tbu
 from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import partial_eval as _pe
 from jax.core import Tracer
@@ -26,6 +27,9 @@ __all__ = [
     "ARRAY_IMPL",
     "user_frame",
     "trace_closed_jaxpr",
+    "jit_debug_info",
+    "api_boundary",
+    "filter_traceback",
     "is_tracer",
     "jit_accepts_leaf",
     "debug_nans_enabled",
@@ -55,16 +59,111 @@ def user_frame(source_info) -> tuple[str, int] | None:
     return frame.file_name, frame.start_line
 
 
-def trace_closed_jaxpr(fn: Callable, in_avals: Sequence[Any], name: str = "autoopt"):
+def trace_closed_jaxpr(
+    fn: Callable, in_avals: Sequence[Any], name: str = "autoopt", debug_info: Any = None
+):
     """Trace ``fn(*flat_args)`` at abstract values ``in_avals`` to a ClosedJaxpr.
 
     As ``jax.make_jaxpr``, but takes avals directly, so weak types, tokens and extended dtypes
     round-trip exactly (``ShapeDtypeStruct`` loses some of them).
+
+    ``debug_info`` (from ``jit_debug_info``) is what JAX's errors raised while tracing name: the
+    function, its location and each flat argument. Without one they name ``fn`` itself, traced
+    for ``name``, and its arguments ``flat[i]``: right for autoopt's own re-traces of a jaxpr,
+    not for the user's function.
     """
-    dbg = _api_util.debug_info(name, fn, tuple(in_avals), {})
+    dbg = debug_info
+    if dbg is None:
+        dbg = _api_util.debug_info(name, fn, tuple(in_avals), {})
+    else:
+        dbg.assert_arg_names(len(in_avals))
     wrapped = _lu.wrap_init(fn, debug_info=dbg)
     jaxpr, _out_avals, consts = _pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
     return _core.ClosedJaxpr(jaxpr, consts)
+
+
+def jit_debug_info(
+    fn: Callable,
+    args: tuple,
+    kwargs: dict,
+    static_argnums: Sequence[int],
+    static_argnames: Sequence[str],
+    leaf_names: Sequence[str],
+) -> Any:
+    """The ``DebugInfo`` jax.jit builds for ``fn(*args, **kwargs)`` (``jax._src.pjit._infer_params``
+    calls ``jax._src.api_util.debug_info("jit", ...)``): JAX's tracing errors then read "while
+    tracing the function f at file.py:12 for jit ... the argument state['w']", as jax.jit's do.
+
+    ``args``/``kwargs`` hold the static arguments too; ``leaf_names`` (one per dynamic leaf, in
+    flattening order) replace JAX's names when JAX finds another number of leaves (a tree its
+    tracing registry flattens otherwise), so the names always line up with the leaves.
+    """
+    try:
+        dbg = _api_util.debug_info(
+            "jit",
+            fn,
+            args,
+            kwargs,
+            static_argnums=tuple(static_argnums),
+            static_argnames=tuple(static_argnames),
+        )
+    except Exception:  # noqa: BLE001 - names for error messages must never fail a trace
+        dbg = _core.DebugInfo("jit", _api_util.fun_sourceinfo(fn), None, None)
+    if dbg.arg_names is None or len(dbg.arg_names) != len(leaf_names):
+        dbg = dbg._replace(arg_names=tuple(leaf_names))
+    return dbg
+
+
+# A decorator for a public entry point: an exception raised below it carries a traceback
+# without JAX's frames and autoopt's (registered below), as jax.jit's do, under
+# JAX_TRACEBACK_FILTERING as for jax.jit. Nested boundaries (autoopt's, then jax.jit's inside)
+# filter once, at the outermost. It adds a frame: an entry point that reads its caller's frame
+# (``sys._getframe(1)``) uses ``filter_traceback`` in an ``except`` clause instead.
+api_boundary = _tbu.api_boundary
+
+
+def filter_traceback(e: BaseException) -> None:
+    """Remove JAX's and autoopt's frames from ``e``'s traceback as ``api_boundary`` would, for
+    an entry point that cannot be wrapped (it reads its caller's frame)::
+
+        def __call__(self, *args, **kwargs):
+            try:
+                ...
+            except Exception as e:
+                _compat.filter_traceback(e)
+                raise  # a bare raise: it adds no frame of ours back
+
+    As ``jax._src.traceback_util.api_boundary``'s ``reraise_with_filtered_traceback``: nothing
+    under an outer JAX boundary (that one filters) or under ``JAX_TRACEBACK_FILTERING=off``;
+    ``tracebackhide`` marks the frames for IPython; the default ``quiet_remove_frames`` filters
+    and adds JAX's note once (a jax.jit boundary inside may have added it already);
+    ``remove_frames`` keeps the whole traceback in an ``UnfilteredStackTrace`` cause.
+    """
+    tb = e.__traceback__
+    if tb is None or _tbu._is_under_reraiser(e):
+        return
+    mode = _tbu._filtering_mode()
+    if mode == "off":
+        return
+    if mode == "tracebackhide":
+        _tbu._add_tracebackhide_to_hidden_frames(tb)
+        return
+    if mode not in ("quiet_remove_frames", "remove_frames"):
+        return  # jax.jit raises its ValueError for it; ours is not the place
+    e.with_traceback(_tbu.filter_traceback(tb))
+    if mode == "quiet_remove_frames":
+        note = "--------------------\n" + _tbu._simplified_tb_msg
+        if note not in getattr(e, "__notes__", ()):
+            e.add_note(note)
+    elif not isinstance(e.__cause__, _tbu.UnfilteredStackTrace):
+        msg = f"{_tbu.format_exception_only(e)}\n\n{_tbu._jax_message_append}"
+        unfiltered = _tbu.UnfilteredStackTrace(msg)
+        unfiltered.with_traceback(_tbu._add_call_stack_frames(tb))
+        unfiltered.__cause__ = e.__cause__
+        unfiltered.__context__ = e.__context__
+        unfiltered.__suppress_context__ = e.__suppress_context__
+        e.__cause__ = unfiltered
+        e.__context__ = None
 
 
 def is_tracer(x: Any) -> bool:
@@ -122,6 +221,21 @@ def _register_own_frames() -> None:
 
 
 _register_own_frames()
+
+
+def _register_traceback_exclusion() -> None:
+    """Remove autoopt's frames from the tracebacks of errors that cross a JAX API boundary
+    (``jax._src.traceback_util.api_boundary``: jax.jit's, autoopt's own entry points), as JAX
+    removes its own. The whole package directory: the user's code never lives in it. Appends
+    a path to two lists (Python's and jaxlib's); no backend starts. Once per process."""
+    import os
+
+    pkg = os.path.dirname(os.path.abspath(__file__))
+    if pkg not in _tbu._exclude_paths:  # not again on a reload of this module
+        _tbu.register_exclusion(pkg)
+
+
+_register_traceback_exclusion()
 
 
 def flatten_one_level(tree):

@@ -176,11 +176,12 @@ def trace_program(
         out_tree_box.append(out_tree)
         return out_leaves
 
-    closed = _compat.trace_closed_jaxpr(
-        flat_fn, [leaf_type(x) for x in leaves], name=getattr(fn, "__name__", "fn")
-    )
-    out_tree = out_tree_box[-1]
     names, arg_of = leaf_names_and_args(fn, dyn_tree, statics, nargs)
+    # JAX's errors raised while tracing (a tracer converted to bool, a shape mismatch) name the
+    # function and argument of this debug info: the user's, as under jax.jit, not flat_fn's.
+    dbg = _compat.jit_debug_info(fn, args, kwargs, static_argnums, static_argnames, names)
+    closed = _compat.trace_closed_jaxpr(flat_fn, [leaf_type(x) for x in leaves], debug_info=dbg)
+    out_tree = out_tree_box[-1]
     out_paths = tree_util.tree_flatten_with_path(
         tree_util.tree_unflatten(out_tree, [0] * out_tree.num_leaves)
     )[0]

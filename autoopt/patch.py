@@ -52,6 +52,9 @@ from typing import Any
 import jax
 from jax import monitoring
 
+from autoopt._jit import RECENT as _RECENT
+from autoopt._jit import WrapperCache, options_key
+
 __all__ = ["patch", "Patch", "FunctionSummary", "summary", "real_jit", "RECENT"]
 
 # The jax.jit this process started with. autoopt.patch is imported by ``import autoopt``, before
@@ -59,7 +62,7 @@ __all__ = ["patch", "Patch", "FunctionSummary", "summary", "real_jit", "RECENT"]
 real_jit: Callable = jax.jit
 
 # Optimized functions kept alive after their wrapper is dropped (the fresh-wrapper cache).
-RECENT = 256
+RECENT = _RECENT
 
 # Callers whose jax.jit stays plain (see the module docstring).
 _PLAIN_CALLERS = ("jax", "jaxlib", "autoopt")
@@ -107,9 +110,9 @@ class _State:
         self.handles: list[Patch] = []
         self.rebound: list[tuple[dict, str, Any, Any]] = []  # (namespace, name, was, now)
         self.listening = False
-        # fn -> {options key: weakref to what jax.jit(fn, **options) returned}
-        self.by_fn: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self.recent: collections.deque = collections.deque(maxlen=RECENT)
+        # fn -> what jax.jit(fn, **options) returned (an optimized function, or the plain jit
+        # of options optimize refuses), per options
+        self.wrappers = WrapperCache(RECENT)
         self.rows: dict[tuple, FunctionSummary] = {}
         self.row_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.other_compiles: collections.Counter = collections.Counter()
@@ -158,48 +161,16 @@ def _jit_through_optimize(fun: Any, *, kwargs: dict, options: dict):
     return result
 
 
-def _freeze(value: Any) -> Any:
-    if isinstance(value, list | tuple):
-        return (type(value).__name__, *map(_freeze, value))
-    if isinstance(value, dict):
-        return ("dict", *sorted((k, _freeze(v)) for k, v in value.items()))
-    if isinstance(value, set | frozenset):
-        return frozenset(map(_freeze, value))
-    return value
-
-
 def _options_key(kwargs: dict, options: dict) -> tuple | None:
-    try:
-        key = (_freeze(kwargs), _freeze(options))
-        hash(key)
-    except TypeError:  # an unhashable option (a sharding object of some kinds): no cache
-        return None
-    return key
+    return options_key(kwargs, options)
 
 
 def _cached(fun: Any, key: tuple | None):
-    if key is None:
-        return None
-    with _state.lock:
-        try:
-            ref = _state.by_fn.get(fun, {}).get(key)
-        except TypeError:  # not weakly referenceable, or unhashable
-            return None
-        result = ref() if ref is not None else None
-        if result is not None:
-            _state.recent.append(result)
-        return result
+    return _state.wrappers.get(fun, key)
 
 
 def _remember(fun: Any, key: tuple | None, result: Any) -> None:
-    if key is None:
-        return
-    with _state.lock:
-        try:
-            _state.by_fn.setdefault(fun, {})[key] = weakref.ref(result)
-        except TypeError:
-            return
-        _state.recent.append(result)
+    _state.wrappers.put(fun, key, result)
 
 
 # --- rebinding the name in modules that took it at import ------------------------------------

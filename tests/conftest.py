@@ -16,3 +16,16 @@ settings.register_profile(
     derandomize=True,
 )
 settings.load_profile("ci")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_wrappers():
+    """Each test's ``optimize(f)`` builds its own wrapper: module-level functions are shared by
+    many tests, and ``optimize`` otherwise returns the one a previous test made (and warmed)."""
+    from autoopt.testing import forget_wrappers
+
+    forget_wrappers()
+    yield

@@ -113,8 +113,9 @@ def test_verify_runs_for_a_method_whose_instance_is_a_non_array_leaf(monkeypatch
         lambda e, g, **kw: (checked.append(1), original(e, g, **kw))[1],
     )
 
+    @dataclasses.dataclass(frozen=True)  # a value that cannot change: a static leaf
     class Plain:
-        scale = 3.0
+        scale: float = 3.0
 
         @autoopt.optimize(verify=True, donate="off", fallback="raise")
         def step(self, x):

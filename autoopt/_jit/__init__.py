@@ -1,7 +1,17 @@
 """The jit wrapper: ``optimize`` and ``OptimizedFunction``, whose call path is one story
 (``_dispatch``), and ``Inspection``, the narrow view of it."""
 
-from autoopt._jit._function import OptimizedFunction, explain, optimize
+from autoopt._jit._function import OptimizedFunction, explain, forget_wrappers, optimize
 from autoopt._jit._inspect import Inspection
+from autoopt._jit._reuse import RECENT, WrapperCache, options_key
 
-__all__ = ["Inspection", "OptimizedFunction", "explain", "optimize"]
+__all__ = [
+    "RECENT",
+    "Inspection",
+    "OptimizedFunction",
+    "WrapperCache",
+    "explain",
+    "forget_wrappers",
+    "optimize",
+    "options_key",
+]

@@ -209,7 +209,15 @@ def make_dispatch(of: OptimizedFunction) -> Callable[..., CallPlan]:
     split_if_static, fast_hit = _static_leaves.split_if_static, callsite.fast_hit
     trace_state_clean, plain_types = _compat.trace_state_clean, PLAIN_TYPES
 
+    eager_plan = CallPlan(of.__wrapped__, direct=False)
+    jit_disabled = _compat.jit_disabled
+
     def dispatch(site, args: tuple, kwargs: dict, shift: int = 0) -> CallPlan:
+        # 0. under ``jax.disable_jit()``: the function runs eagerly, as jax.jit runs it there
+        # (no trace, no argument check; the cached plans ``__call__`` takes itself run jax.jit
+        # objects, which do the same)
+        if jit_disabled():
+            return eager_plan
         # 1. under a transformation: nothing donated
         if (caches.watch_autodiff or guard) and not trace_state_clean():
             split = split_if_static(args, kwargs, static_argnums, static_argnames)
@@ -316,7 +324,7 @@ def plan_donating(
     check_refs: bool,
     fast: dict | None = None,
     bases: tuple | None = None,
-    unpack: int | None = None,
+    unpack: tuple | None = None,
 ) -> CallPlan:
     """The general donating plan: every check, then the jit object for what may be donated.
 
@@ -466,7 +474,7 @@ def remember_fast(
     program: Program | None,
     positions: tuple,
     args: tuple,
-    unpack: int | None,
+    unpack: tuple | None,
     check_refs: bool,
 ) -> None:
     """Record, for a call of positional arguments whose leaves are all jax arrays, Python

@@ -29,7 +29,7 @@ from jax import tree_util
 
 from autoopt import _compat, _jaxpr, _multiprocess, _trace
 from autoopt._errors import AutooptWarning, PassError, ProcessMismatchError
-from autoopt._jit import _static_leaves
+from autoopt._jit import _mutations, _reuse, _static_leaves
 from autoopt._jit._dispatch import Caches, CallPlan, Policy, make_dispatch, with_copies
 from autoopt._jit._inspect import Inspection
 from autoopt._jit._program import Program, Site, call_signature, kept_key, trace_signature
@@ -40,7 +40,7 @@ from autoopt.passes.donation import callsite, host_callbacks
 
 log = logging.getLogger("autoopt")
 
-__all__ = ["optimize", "explain", "OptimizedFunction"]
+__all__ = ["optimize", "explain", "OptimizedFunction", "forget_wrappers"]
 
 
 def _fn_location(fn: Callable) -> str | None:
@@ -342,8 +342,11 @@ class OptimizedFunction:
         policy, caches = self._policy, self._caches
         # The user's own errors (shape mismatches, non-array outputs) propagate unchanged, as
         # from jax.jit: they are not autoopt's to swallow.
+        fn = self.__wrapped__
+        if _mutations.holds_variables(args, kwargs):  # an assignment to one must not be lost
+            fn = _mutations.refusing_lost_updates(fn)
         traced = _trace.trace_program(
-            self.__wrapped__, args, kwargs, policy.static_argnums, policy.static_argnames
+            fn, args, kwargs, policy.static_argnums, policy.static_argnames
         )
         several = _multiprocess.several()
         if several:  # a jax.distributed job: every process must trace this signature alike
@@ -435,58 +438,66 @@ class OptimizedFunction:
     # --- the call path (see _dispatch) -----------------------------------------------------------
 
     def __call__(self, *args, **kwargs):
-        # The plans that repeat are looked up here, without a call (each lookup is the same
-        # step of ``_dispatch``, which decides everything else): a call site's cached plan for
-        # this signature (under "safe" ``Site.fast``, under "auto" ``Caches.auto_fast``), and
-        # the plain plan of a call of flat arrays and scalars where nothing is donated.
-        caches = self._caches
-        site = None
-        if not ((caches.watch_autodiff or self._guard) and not _compat.trace_state_clean()):
-            sites = self._sites
-            if sites is not None:  # "safe"
-                frame = sys._getframe(1)
-                # The code object's identity: equal code objects in two modules compare equal.
-                site = sites.get((id(frame.f_code), frame.f_lasti))
-                if site is None:
-                    site = self._prove(frame)
-                if site.donates and not site.proof.check(frame, self):
-                    site = site.withheld()  # another callee, or a thread could read a name
-                del frame
-                if site.donates:
-                    fast = site.fast
-                    if fast and not kwargs:
-                        plan = callsite.fast_hit(fast, args, True)
-                        if plan is not None:
-                            jit, placer = plan[0], plan[2]
-                            return jit(*args) if placer is None else placer(jit, args, kwargs)
-                    return self._run(self._dispatch(site, args, kwargs), args, kwargs)
-                if caches.lookup_plain:  # the signature's executable may donate
-                    if site.kept and not kwargs:
-                        key = kept_key(args)
-                        plan = site.kept.get(key) if key is not None else None
-                        if plan is not None and plan.direct:
-                            jit, placer = plan[0], plan[2]
-                            return jit(*args) if placer is None else placer(jit, args, kwargs)
-                    return self._run(self._dispatch(site, args, kwargs), args, kwargs)
-            else:
-                fast = self._auto_fast
-                if fast is not None:  # "auto"
-                    if fast and not kwargs:
-                        plan = callsite.fast_hit(fast, args, False)
-                        if plan is not None:
-                            jit, placer = plan[0], plan[2]
-                            return jit(*args) if placer is None else placer(jit, args, kwargs)
-                    return self._run(self._dispatch(None, args, kwargs), args, kwargs)
-            if self._flat_plain and not kwargs:
-                for a in args:
-                    if type(a) not in PLAIN_TYPES:
-                        break
-                else:  # no static leaf, nothing donated: the plain plan
-                    placer = self._placer
-                    return (
-                        self._plain(*args) if placer is None else placer(self._plain, args, kwargs)
-                    )
-        return self._run(self._dispatch(site, args, kwargs), args, kwargs)
+        try:
+            # The plans that repeat are looked up here, without a call (each lookup is the same
+            # step of ``_dispatch``, which decides everything else): a call site's cached plan for
+            # this signature (under "safe" ``Site.fast``, under "auto" ``Caches.auto_fast``), and
+            # the plain plan of a call of flat arrays and scalars where nothing is donated.
+            caches = self._caches
+            site = None
+            if not ((caches.watch_autodiff or self._guard) and not _compat.trace_state_clean()):
+                sites = self._sites
+                if sites is not None:  # "safe"
+                    frame = sys._getframe(1)
+                    # The code object's identity: equal code objects in two modules compare equal.
+                    site = sites.get((id(frame.f_code), frame.f_lasti))
+                    if site is None:
+                        site = self._prove(frame)
+                    if site.donates and not site.proof.check(frame, self, args, kwargs):
+                        site = site.withheld()  # another callee, or a thread could read a name
+                    del frame
+                    if site.donates:
+                        fast = site.fast
+                        if fast and not kwargs:
+                            plan = callsite.fast_hit(fast, args, True)
+                            if plan is not None:
+                                jit, placer = plan[0], plan[2]
+                                return jit(*args) if placer is None else placer(jit, args, kwargs)
+                        return self._run(self._dispatch(site, args, kwargs), args, kwargs)
+                    if caches.lookup_plain:  # the signature's executable may donate
+                        if site.kept and not kwargs:
+                            key = kept_key(args)
+                            plan = site.kept.get(key) if key is not None else None
+                            if plan is not None and plan.direct:
+                                jit, placer = plan[0], plan[2]
+                                return jit(*args) if placer is None else placer(jit, args, kwargs)
+                        return self._run(self._dispatch(site, args, kwargs), args, kwargs)
+                else:
+                    fast = self._auto_fast
+                    if fast is not None:  # "auto"
+                        if fast and not kwargs:
+                            plan = callsite.fast_hit(fast, args, False)
+                            if plan is not None:
+                                jit, placer = plan[0], plan[2]
+                                return jit(*args) if placer is None else placer(jit, args, kwargs)
+                        return self._run(self._dispatch(None, args, kwargs), args, kwargs)
+                if self._flat_plain and not kwargs:
+                    for a in args:
+                        if type(a) not in PLAIN_TYPES:
+                            break
+                    else:  # no static leaf, nothing donated: the plain plan
+                        placer = self._placer
+                        return (
+                            self._plain(*args)
+                            if placer is None
+                            else placer(self._plain, args, kwargs)
+                        )
+            return self._run(self._dispatch(site, args, kwargs), args, kwargs)
+        except Exception as e:
+            # autoopt's frames and jax's left out of the traceback, as jax.jit leaves its own
+            # (not a wrapper: the body reads its caller's frame)
+            _compat.filter_traceback(e)
+            raise
 
     def _run(self, plan: CallPlan, args: tuple, kwargs: dict):
         """Execute a plan (``__call__`` inlines the common case)."""
@@ -675,12 +686,14 @@ class OptimizedFunction:
         program = self._program_for_call(args, kwargs, report_only=True)
         return self._aot_choice(program, args, kwargs)[0]
 
+    @_compat.api_boundary
     def trace(self, *args, **kwargs) -> jax.stages.Traced:
         """As ``jax.jit(fn).trace``: the optimized program for these arguments, donating as
         ``lower`` says."""
         of, args, kwargs = self._prepare(args, kwargs)
         return of._aot_jit(args, kwargs).trace(*args, **kwargs)
 
+    @_compat.api_boundary
     def lower(self, *args, **kwargs) -> jax.stages.Lowered:
         """As ``jax.jit(fn).lower``: the optimized program for these arguments.
 
@@ -694,6 +707,7 @@ class OptimizedFunction:
         of, args, kwargs = self._prepare(args, kwargs)
         return of._aot_jit(args, kwargs).lower(*args, **kwargs)
 
+    @_compat.api_boundary
     def eval_shape(self, *args, **kwargs):
         """As ``jax.jit(fn).eval_shape``: the outputs' ``jax.ShapeDtypeStruct``s, from a trace of
         the original function (the passes keep every output's type, and tracing them would plan
@@ -739,6 +753,16 @@ class OptimizedFunction:
             if caches.auto_fast:
                 caches.auto_fast.clear()
 
+    def _cache_size(self) -> int:
+        """As ``jax.jit(fn)._cache_size()``: how many signatures have a compiled program (the
+        count libraries' tests read to check that a function compiles once)."""
+        caches = self._caches
+        with caches.lock:
+            own = sum(1 for p in list(caches.programs.values()) if p.compiled)
+            subs = list(caches.static_leaf_fns.values())
+        return own + sum(sub._cache_size() for sub in subs)
+
+    @_compat.api_boundary
     def explain(self, *args, **kwargs):
         """The Report for these arguments: findings, program diff, source edits, memory."""
         from autoopt.passes.placement import findings_for
@@ -749,6 +773,7 @@ class OptimizedFunction:
         placement = findings_for(inspection, args, kwargs)
         return Report.from_program(inspection, args, kwargs, extra_findings=placement)
 
+    @_compat.api_boundary
     def inspect(self, *args, **kwargs) -> Inspection:
         """The narrow view of what a call with these arguments runs (see ``Inspection``).
 
@@ -831,22 +856,29 @@ class _BoundOptimized:
         self._instance = instance
 
     def __call__(self, *args, **kwargs):
-        owner = self._owner
-        # A new name, so the caller's tuple stays alive exactly as in the calibrated probe.
-        full = (self._instance, *args)
-        if owner._policy.donate == "safe":
-            frame = sys._getframe(1)
-            key = ("bound", id(frame.f_code), frame.f_lasti)
-            site = owner._caches.sites.get(key)
-            if site is None:
-                site = owner._prove(frame, shift=1, key=key)
-            if site.donates and not site.proof.check(frame, owner):
-                site = site.withheld()
-            del frame
-        else:
-            site = None
-        return owner._run(owner._dispatch(site, full, kwargs, 1), full, kwargs)
+        try:
+            owner = self._owner
+            # A new name, so the caller's tuple stays alive exactly as in the calibrated probe.
+            full = (self._instance, *args)
+            if owner._policy.donate == "safe":
+                frame = sys._getframe(1)
+                key = ("bound", id(frame.f_code), frame.f_lasti)
+                site = owner._caches.sites.get(key)
+                if site is None:
+                    site = owner._prove(frame, shift=1, key=key)
+                if site.donates and not site.proof.check(frame, owner, args, kwargs):
+                    site = site.withheld()
+                del frame
+            else:
+                site = None
+            return owner._run(owner._dispatch(site, full, kwargs, 1), full, kwargs)
+        except Exception as e:
+            # autoopt's frames and jax's left out of the traceback, as jax.jit leaves its own
+            # (not a wrapper: the body reads its caller's frame)
+            _compat.filter_traceback(e)
+            raise
 
+    @_compat.api_boundary
     def inspect(self, *args, **kwargs) -> Inspection:
         """As ``OptimizedFunction.inspect``, with the instance in front."""
         of, full, kwargs = self._owner._prepare((self._instance, *args), kwargs)
@@ -877,11 +909,30 @@ def optimize(fn: Callable | None = None, /, **options: Any):
         for kw in jitted_with:
             options = _merge_jit_options(fn, options, kw)
         opts = make_options(**options)
+    key = _reuse.options_key(options)
+    made = _WRAPPERS.get(fn, key)
+    if made is not None:
+        return made
     opts = _with_inferred_argnums(fn, opts)
     _check_argnums(fn, opts)
-    return OptimizedFunction(fn, opts)
+    made = OptimizedFunction(fn, opts)
+    _WRAPPERS.put(fn, key, made)
+    return made
 
 
+# ``optimize(f)`` called again for the same function and options returns the function made the
+# first time, with its programs (``_reuse``): ``autoopt.optimize(f)(x)`` in a loop traces and
+# compiles once, as ``jax.jit(f)(x)`` does.
+_WRAPPERS = _reuse.WrapperCache()
+
+
+def forget_wrappers() -> None:
+    """Later ``optimize`` calls build new optimized functions (those already made keep their
+    programs): for tests that need a wrapper's first call, as ``jax.clear_caches()`` gives."""
+    _WRAPPERS.clear()
+
+
+@_compat.api_boundary
 def explain(fn: Callable, *args: Any, **kwargs: Any):
     """``Report`` of what ``optimize`` finds and changes for ``fn(*args, **kwargs)``.
 

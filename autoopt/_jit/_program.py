@@ -89,17 +89,14 @@ class Program:
             self._const_ids = _jaxpr.const_ids(self.traced.closed) | _jaxpr.const_ids(self.final)
         return self._const_ids
 
-    def unpacks_to(self, n: int | None) -> bool:
-        """The result unpacks into ``n`` targets (``a, b = f(x)``); True when not unpacked."""
-        if n is None:
+    def unpacks_to(self, patterns: tuple | None) -> bool:
+        """The result unpacks into every target pattern of the statement (``a, b = f(x)``,
+        ``(a, b), c = f(a, b, c)``: ``callsite.target_pattern``) at every level; True when the
+        result is not unpacked. A level that is an array (unpacked along its first axis) or
+        any other node than a tuple or list counts as not unpacking: nothing is donated."""
+        if patterns is None:
             return True
-        tree = self.traced.out_tree
-        data = tree.node_data()  # None for a single leaf
-        return (
-            data is not None
-            and issubclass(data[0], tuple | list)
-            and len(tree_util.treedef_children(tree)) == n
-        )
+        return all(_unpacks(self.traced.out_tree, p) for p in patterns)
 
     def decide(self, intended: tuple[tuple, tuple] | None = None) -> tuple[tuple, tuple]:
         """The arguments this signature's one executable donates, fixed by its first call: of
@@ -171,6 +168,16 @@ class Program:
         hit = (tuple(p for p in positions if p in chosen), tuple(n for n in names if n in chosen))
         self._donatable[key] = hit
         return hit
+
+
+def _unpacks(tree, pattern: tuple | None) -> bool:
+    if pattern is None:
+        return True
+    data = tree.node_data()  # None for a single leaf
+    if data is None or not issubclass(data[0], tuple | list):
+        return False
+    kids = tree_util.treedef_children(tree)
+    return len(kids) == len(pattern) and all(_unpacks(k, p) for k, p in zip(kids, pattern))
 
 
 def _call_leaf_type(x: Any):

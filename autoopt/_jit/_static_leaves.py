@@ -1,9 +1,16 @@
-"""Non-array leaves made static, as ``equinox.filter_jit`` does.
+"""Non-array leaves made static, as ``equinox.filter_jit`` does, when their value cannot change.
 
 Equinox modules carry activation functions, flags and other Python objects as pytree leaves;
 jax.jit refuses them. Each argument holding such leaves is passed as the same tree with those
 leaves set to None, and a function per set of static leaves (``with_static_leaves``) puts them
 back (and takes non-array leaves out of the output the same way).
+
+A static leaf is a constant of its program, found again by its hash: only a value that cannot
+change under the same identity may be one (``immutable_leaf``: numbers, strings, None, enums,
+classes, functions and partials of such, frozen dataclasses and tuples of such). Anything else
+(a plain object, a list, a bound method of one) could change between two calls and the program
+would compute with its first state: it is refused as jax.jit refuses it (``refusal``), with what
+to do instead.
 
 The leaves are inspected before jax.jit is called (``split_if_static``), so a TypeError raised by
 the user's own function is never mistaken for jax.jit refusing a leaf, and the function body
@@ -15,7 +22,10 @@ into dynamic and static parts, ``hashable_combine`` inside the traced function).
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import functools
+import types
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
@@ -53,6 +63,113 @@ def is_array_leaf(x: Any) -> bool:
     )
 
 
+# Values that cannot change under the same identity. Functions are taken as jax.jit takes a
+# static function argument (by identity: its code and closure are the user's to keep fixed).
+_IMMUTABLE_TYPES = (
+    str,
+    bytes,
+    type(None),
+    type(Ellipsis),
+    range,
+    enum.Enum,
+    type,  # classes, NumPy and jax scalar types (``jnp.float32``)
+    np.dtype,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.BuiltinMethodType,
+    types.MethodWrapperType,
+    types.WrapperDescriptorType,
+    types.MethodDescriptorType,
+    np.ufunc,
+    jax.Array,  # a concrete array nested in a partial or a frozen dataclass: immutable
+    np.generic,
+    bool,
+    int,
+    float,
+    complex,
+)
+# Callable objects of these packages' own types (``jax.custom_jvp`` activations such as
+# ``jax.nn.relu``, ``jax.jit`` wrappers such as ``jax.nn.gelu``, autoopt's own functions): what
+# jax.jit takes as static function arguments.
+_FUNCTION_MODULES = ("jax.", "jaxlib.", "autoopt.", "numpy.")
+
+
+def immutable_leaf(x: Any, _depth: int = 0) -> bool:
+    """``x`` may be a static leaf: its value cannot change while its identity stays the same."""
+    if _depth > 16:
+        return False
+    if isinstance(x, _IMMUTABLE_TYPES):
+        return True
+    t = type(x)
+    if t is object:  # a bare sentinel: it has no state to change
+        return True
+    if t is tuple or t is frozenset:
+        return all(immutable_leaf(v, _depth + 1) for v in x)
+    if t is slice:
+        return all(immutable_leaf(v, _depth + 1) for v in (x.start, x.stop, x.step))
+    if t is functools.partial:
+        return (
+            immutable_leaf(x.func, _depth + 1)
+            and all(immutable_leaf(v, _depth + 1) for v in x.args)
+            and all(immutable_leaf(v, _depth + 1) for v in x.keywords.values())
+        )
+    if t is types.MethodType:  # a bound method reads its instance, which may change
+        return immutable_leaf(x.__self__, _depth + 1) and immutable_leaf(x.__func__, _depth + 1)
+    if dataclasses.is_dataclass(x):
+        params = getattr(t, "__dataclass_params__", None)
+        return (
+            bool(params is not None and params.frozen)
+            and all(
+                immutable_leaf(getattr(x, f.name, None), _depth + 1) for f in dataclasses.fields(x)
+            )
+            and not _has_instance_dict_extras(x)
+        )
+    if callable(x) and (t.__module__ or "").startswith(_FUNCTION_MODULES):
+        return True
+    return False
+
+
+def _has_instance_dict_extras(x: Any) -> bool:
+    """A frozen dataclass's instance holds attributes besides its fields (set through
+    ``object.__setattr__``), which its equality and hash do not see."""
+    d = getattr(x, "__dict__", None)
+    if d is None:
+        return False
+    names = {f.name for f in dataclasses.fields(x)}
+    return any(k not in names for k in d)
+
+
+def refusal(where: Any, path: str, x: Any) -> TypeError:
+    """jax.jit's refusal of a non-array leaf, saying what to do instead."""
+    what = f"positional argument {where}" if isinstance(where, int) else f"argument {where!r}"
+    at = what if path == "" else f"{what} at {path}"
+    if where == "output":
+        at = f"the output at {path}" if path else "the output"
+        return TypeError(
+            f"The function returned a {type(x).__name__} ({x!r:.60}) in {at}, which is not a "
+            "valid JAX type, and not a value that cannot change (a number, a string, a "
+            "function, a frozen dataclass...), so it cannot be kept as a constant of the "
+            "program either. Return arrays, or pytrees of them (register the class with "
+            "jax.tree_util.register_dataclass, or make it an equinox Module)."
+        )
+    method_hint = (
+        " For a decorated method whose instance holds no arrays, mark it static with "
+        "static_argnums=0 (its hash then decides when to recompile)."
+        if where == 0
+        else ""
+    )
+    return TypeError(
+        f"Error interpreting {at} as an abstract array: it is a {type(x).__name__} "
+        f"({x!r:.60}), which is not a valid JAX type. jax.jit refuses it too. autoopt makes a "
+        "non-array leaf static only when its value cannot change under the same identity "
+        "(numbers, strings, None, enums, functions and partials, frozen dataclasses and tuples "
+        "of such); this one can (its attributes or items may change between calls), and a "
+        "static copy would compute with its first state forever. Pass its arrays as a pytree "
+        "(jax.tree_util.register_dataclass, a NamedTuple, an equinox Module), make it a frozen "
+        "dataclass, or mark the argument with static_argnums/static_argnames." + method_hint
+    )
+
+
 class StaticSplit(NamedTuple):
     """The arguments with their non-array leaves taken out. ``key`` (hashable) holds, for each
     argument that had some, ``(position or name, treedef, ((leaf index, leaf), ...))``."""
@@ -64,15 +181,28 @@ class StaticSplit(NamedTuple):
 
 def split_tree(where, value) -> tuple[Any, tuple | None]:
     """``(value with its non-array leaves set to None, (where, treedef, ((index, leaf), ...)))``;
-    the second is None when every leaf is an array."""
+    the second is None when every leaf is an array. A non-array leaf that may change under the
+    same identity raises ``refusal``'s TypeError."""
     leaves, treedef = tree_util.tree_flatten(value)
     fixed = tuple((j, x) for j, x in enumerate(leaves) if not is_array_leaf(x))
     if not fixed:
         return value, None
+    for j, x in fixed:
+        if not immutable_leaf(x):
+            raise refusal(where, _leaf_path(value, j), x)
     at = dict(fixed)
     return tree_util.tree_unflatten(
         treedef, [None if j in at else x for j, x in enumerate(leaves)]
     ), (where, treedef, fixed)
+
+
+def _leaf_path(value: Any, index: int) -> str:
+    """The path of leaf ``index`` of ``value``, as jax.jit's errors write it (``['w']``)."""
+    try:
+        paths = tree_util.tree_flatten_with_path(value)[0]
+        return tree_util.keystr(paths[index][0])
+    except Exception:  # noqa: BLE001 - only for the message
+        return f"leaf {index}"
 
 
 def put_back(part: tuple | None, value):

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from autoopt._compare import assert_trees_equivalent, tolerance
+from autoopt._jit import forget_wrappers
 from autoopt.testing._callers import (
     CallerResult,
     build_program,
@@ -33,6 +34,7 @@ from autoopt.testing._fuzz import (
 
 __all__ = [
     "assert_equivalent",
+    "forget_wrappers",
     "assert_trees_equivalent",
     "tolerance",
     "arrays",

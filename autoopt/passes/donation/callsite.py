@@ -43,6 +43,7 @@ from autoopt._compat import (
     is_tracer,
     jit_accepts_leaf,
 )
+from autoopt.passes.donation import _frames
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,19 +61,21 @@ class CallSiteProof:
     # number of positional arguments, the keyword names.
     n_positional: int | None = None
     keywords: frozenset[str] | None = None
-    # ``a, b = f(x)``: the number of targets, so the result's tree can be checked before
-    # donating (a failed unpacking would leave ``x`` bound to the donated array).
-    unpack: int | None = None
+    # ``a, b = f(x)``, ``(a, b), c = f(a, b, c)``: the shape of each unpacking target (see
+    # ``target_pattern``), so the result's tree can be checked at every level before donating
+    # (an unpacking that fails after the call leaves the names bound to the donated arrays).
+    unpack: tuple | None = None
     # The code object the proof is about: the site cache keys on its identity, and this
     # reference keeps that identity from being reused by another code object.
     code: Any = dataclasses.field(default=None, repr=False, compare=False)
-    # ``check(frame, callee) -> bool``, run on every call of a site that donates, before
-    # anything is donated: this call is the call the proof is about. The statement's callee
-    # expression still evaluates to ``callee`` (a name rebound to ``functools.partial(sorted,
-    # key=f)``, or to a builtin calling back, reaches ``f`` from the same instruction), and no
-    # donated name is reachable by another running thread. Never raises.
-    check: Callable[[Any, Any], bool] = dataclasses.field(
-        default=lambda frame, callee: False, repr=False, compare=False
+    # ``check(frame, callee, args, kwargs) -> bool``, run on every call of a site that
+    # donates, before anything is donated: this call is the call the proof is about. The
+    # statement's callee expression still evaluates to ``callee`` (a name rebound to
+    # ``functools.partial(sorted, key=f)``, or to a builtin calling back, reaches ``f`` from the
+    # same instruction), each donated name still holds the argument received, and no donated
+    # name is reachable by another running thread. Never raises.
+    check: Callable[[Any, Any, tuple, dict], bool] = dataclasses.field(
+        default=lambda frame, callee, args, kwargs: False, repr=False, compare=False
     )
 
     @property
@@ -101,6 +104,15 @@ def _plain_targets(target: ast.AST) -> set[str] | None:
                 return None
             out |= names
         return out
+    return None
+
+
+def target_pattern(target: ast.AST) -> tuple | None:
+    """The shape an assignment target unpacks its value into: None for a name (any value), a
+    tuple of the elements' patterns for a tuple or list target (``(a, b), c`` -> ``((None,
+    None), None)``). Only for targets ``_plain_targets`` accepts."""
+    if isinstance(target, ast.Tuple | ast.List):
+        return tuple(target_pattern(e) for e in target.elts)
     return None
 
 
@@ -145,16 +157,10 @@ def _name_scope(name: str, code) -> str:
 
 
 def _read_local(frame, name: str) -> Any:
-    """A function's local or cell variable. Before Python 3.13 ``f_locals`` is a snapshot dict
-    the frame keeps, holding a reference to every local: emptied right after, or every later
-    reference count taken in this call of the function would be one too high (the next access,
-    ``locals()`` included, fills it again). From 3.13 it is a view that holds nothing."""
-    ns = frame.f_locals
-    try:
-        return ns.get(name, _MISSING)
-    finally:
-        if type(ns) is dict:
-            ns.clear()
+    """A function's local or cell variable, read without touching the frame's dicts (a
+    ``snap = locals()`` of the caller stays as it was; see ``_frames``), or ``_MISSING``."""
+    value = _frames.read_local(frame, name)
+    return _MISSING if value is _frames.MISSING else value
 
 
 def _static_attr(value: Any, attr: str) -> Any:
@@ -179,31 +185,63 @@ def _callee_path(expr: ast.AST) -> tuple[str, tuple[str, ...]] | None:
 
 
 def _make_check(
-    root: str, scope: str, chain: tuple[str, ...], shared: bool, module_level: bool
+    root: str,
+    scope: str,
+    chain: tuple[str, ...],
+    shared: bool,
+    module_level: bool,
+    bound: tuple[tuple[Any, str, str], ...],
+    code: Any,
 ) -> Callable:
     """The per-call half of the proof (``CallSiteProof.check``): re-read the callee expression
-    (a global costs one dict lookup; a local or cell, a snapshot of the frame's variables), and
-    with ``shared`` (a donated name is a global or a cell) require that no other thread runs,
-    since another thread could read the name while the call runs, after its array is donated.
-    ``module_level``: the same code object may run again with separate locals (``exec(code,
-    globals, {})``), where the name it reads is not the one it binds: checked on each call."""
+    and every donated name (a global costs one dict lookup; a local or cell, one read of the
+    frame's own slot: ``_frames``), and require that each name still holds the very object the
+    call received (``x = step(x, take())`` where ``take()`` moves the old ``x`` into another name
+    and rebinds ``x``: the reference counts are unchanged, the identity is not). ``bound``:
+    ``(position or keyword, name, scope)`` of each donated argument. With ``shared`` (a donated
+    name is a global or a cell) no other thread may run, since another thread could read the
+    name while the call runs, after its array is donated. ``module_level``: the same code object
+    may run again with separate locals (``exec(code, globals, {})``), where the name it reads is
+    not the one it binds: checked on each call."""
     if scope == "global" and not chain and not shared:
+        # every donated name is a local (``shared`` is False): its slot, found once
+        slots = tuple((key, _frames.slot_of(code, name)) for key, name, _ in bound)
+        if any(slot is None for _, slot in slots):
+            return lambda frame, callee, args, kwargs: False  # no way to read it: no donation
+        read_slot = _frames.read_slot
 
-        def check_global(frame, callee) -> bool:
+        def check_global(frame, callee, args, kwargs) -> bool:
             value = frame.f_globals.get(root, _MISSING)
             if value is _MISSING:
                 value = frame.f_builtins.get(root, _MISSING)
-            return value is callee
+            if value is not callee:
+                return False
+            for key, slot in slots:
+                if read_slot(frame, slot) is not (
+                    args[key] if type(key) is int else kwargs.get(key, _MISSING)
+                ):
+                    return False
+            return True
 
         return check_global
 
-    def check(frame, callee) -> bool:
+    def check(frame, callee, args, kwargs) -> bool:
         if shared and threading.active_count() > 1:
             return False
         if module_level and frame.f_locals is not frame.f_globals:
             return False
         try:
-            return _resolve(frame, root, scope, chain) is callee
+            if _resolve(frame, root, scope, chain) is not callee:
+                return False
+            for key, name, where in bound:
+                value = (
+                    frame.f_globals.get(name, _MISSING)
+                    if where == "global"
+                    else _read_local(frame, name)
+                )
+                if value is not (args[key] if type(key) is int else kwargs.get(key, _MISSING)):
+                    return False
+            return True
         except Exception:  # noqa: BLE001 - an unreadable callee proves nothing
             return False
 
@@ -307,8 +345,8 @@ def prove_call_site(frame, callee: Any = None) -> CallSiteProof:
                     code,
                 )
             targets |= names
-            if isinstance(t, ast.Tuple | ast.List):
-                unpack = len(t.elts)
+            if isinstance(t, ast.Tuple | ast.List):  # ``a = (b, c) = f(x)``: every one
+                unpack = (*(unpack or ()), target_pattern(t))
     elif isinstance(parent, ast.AnnAssign) and parent.value is node:
         if not isinstance(parent.target, ast.Name):
             return _refuse(
@@ -360,6 +398,9 @@ def prove_call_site(frame, callee: Any = None) -> CallSiteProof:
         else:
             reasons.append((kw.arg, why))
     shared = any(_name_scope(n, code) != "local" for n in donated)
+    bound = tuple(
+        (key, name, _name_scope(name, code)) for key, name in zip([*positions, *names], donated)
+    )
     return CallSiteProof(
         tuple(positions),
         tuple(names),
@@ -371,7 +412,13 @@ def prove_call_site(frame, callee: Any = None) -> CallSiteProof:
         unpack=unpack,
         code=code,
         check=_make_check(
-            root, scope, chain, shared, module_level=not code.co_flags & inspect.CO_OPTIMIZED
+            root,
+            scope,
+            chain,
+            shared,
+            module_level=not code.co_flags & inspect.CO_OPTIMIZED,
+            bound=bound,
+            code=code,
         ),
     )
 

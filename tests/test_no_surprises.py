@@ -1,0 +1,462 @@
+"""Nothing autoopt does on its own may differ from jax.jit where a user can see it.
+
+Each test is one reproduction of the no-surprises issue, written against jax.jit's behaviour
+for the same code: wrong numbers from a stale static leaf, a lost nnx update, arrays deleted by
+a failed nested unpacking or by an argument expression that rebinds the name, a caller's
+``locals()`` snapshot emptied, tracing under ``disable_jit``, ``_cache_size``, and a new wrapper
+per call tracing every time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import gc
+import operator
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import autoopt
+
+# --- 1. non-array leaves: static only when their value cannot change ----------------------
+
+
+def test_a_decorated_method_of_a_mutable_instance_is_refused_as_jax_jit_refuses_it():
+    class Trainer:
+        def __init__(self):
+            self.lr = 0.1
+
+        @autoopt.optimize
+        def step(self, w, g):
+            return w - self.lr * g
+
+        @jax.jit
+        def plain_step(self, w, g):
+            return w - self.lr * g
+
+    t, w, g = Trainer(), jnp.ones(3), jnp.ones(3)
+    with pytest.raises(TypeError):
+        t.plain_step(w, g)
+    with pytest.raises(TypeError, match="static_argnums"):
+        t.step(w, g)
+
+
+def test_a_plain_mutable_object_argument_is_refused_not_frozen_at_its_first_state():
+    class Config:
+        gain = 2.0
+
+    @autoopt.optimize
+    def scale(cfg, x):
+        return cfg.gain * x
+
+    with pytest.raises(TypeError, match="abstract array"):
+        jax.jit(lambda cfg, x: cfg.gain * x)(Config(), jnp.ones(2))
+    with pytest.raises(TypeError, match="its first state"):
+        scale(Config(), jnp.ones(2))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Frozen:
+    gain: float
+    act: object = jax.nn.relu
+
+
+class _Mode(enum.Enum):
+    DOUBLE = 2
+    TRIPLE = 3
+
+
+def test_values_that_cannot_change_stay_static_and_each_value_gets_its_program():
+    @autoopt.optimize(fallback="raise")
+    def f(cfg, mode, name, act, x):
+        return cfg.act(cfg.gain * x) * mode.value + len(name) + act(x)
+
+    x = jnp.linspace(-1.0, 1.0, 5)
+    for cfg, mode, name, act in [
+        (_Frozen(2.0), _Mode.DOUBLE, "ab", jnp.sin),
+        (_Frozen(3.0), _Mode.TRIPLE, "abc", functools.partial(jax.nn.gelu, approximate=False)),
+        (_Frozen(3.0, jnp.tanh), _Mode.DOUBLE, "", jax.nn.relu),
+    ]:
+        expected = cfg.act(cfg.gain * x) * mode.value + len(name) + act(x)
+        np.testing.assert_array_equal(f(cfg, mode, name, act, x), expected)
+
+
+def test_a_frozen_dataclass_holding_a_mutable_value_is_refused():
+    @dataclasses.dataclass(frozen=True)
+    class Holder:
+        items: list
+
+    with pytest.raises(TypeError, match="not a valid JAX type"):
+        autoopt.optimize(lambda h, x: x * len(h.items))(Holder([1]), jnp.ones(2))
+
+
+def test_a_partial_over_a_mutable_object_is_refused():
+    class Box:
+        k = 2.0
+
+    def mul(box, x):
+        return box.k * x
+
+    with pytest.raises(TypeError, match="not a valid JAX type"):
+        autoopt.optimize(lambda f, x: f(x))(functools.partial(mul, Box()), jnp.ones(2))
+
+
+def test_a_mutable_non_array_output_beside_static_leaves_is_refused():
+    @autoopt.optimize
+    def f(act, x):
+        return act(x), _Mutable(1)
+
+    with pytest.raises(TypeError, match="returned a _Mutable"):
+        f(jnp.sin, jnp.ones(2))
+
+
+class _Mutable:
+    def __init__(self, k):
+        self.k = k
+
+
+_LEAF_KINDS = {
+    "frozen": lambda k: _Frozen(float(k)),
+    "enum": lambda k: _Mode.DOUBLE if k % 2 else _Mode.TRIPLE,
+    "string": lambda k: "s" * k,
+    "partial": lambda k: functools.partial(operator.mul, float(k)),
+    "mutable": lambda k: _Mutable(k),
+    "list": lambda k: [k],
+    "tuple of frozen": lambda k: (_Frozen(float(k)), "x"),
+}
+
+
+def _value_of(leaf) -> float:
+    if isinstance(leaf, _Frozen):
+        return leaf.gain
+    if isinstance(leaf, _Mode):
+        return float(leaf.value)
+    if isinstance(leaf, str):
+        return float(len(leaf))
+    if isinstance(leaf, functools.partial):
+        return float(leaf(1.0))
+    if isinstance(leaf, _Mutable):
+        return float(leaf.k)
+    if isinstance(leaf, list):
+        return float(leaf[0])
+    return _value_of(leaf[0])
+
+
+@pytest.mark.parametrize("mutate", [True, False])
+@pytest.mark.parametrize("kind", sorted(_LEAF_KINDS))
+@given(ks=st.lists(st.integers(1, 4), min_size=2, max_size=4, unique=True))
+def test_a_leaf_is_refused_or_computes_with_its_current_value(kind, mutate, ks):
+    """Whatever the leaf: a TypeError (as jax.jit's), or the value the eager function gives
+    for the leaf as it is now, after any mutation of the same object."""
+    f = autoopt.optimize(lambda leaf, x: _value_of(leaf) * x)
+    x = jnp.ones(2)
+    leaf = _LEAF_KINDS[kind](ks[0])
+    for k in ks:
+        if mutate and isinstance(leaf, _Mutable | list):
+            if isinstance(leaf, list):
+                leaf[0] = k
+            else:
+                leaf.k = k
+        else:
+            leaf = _LEAF_KINDS[kind](k)
+        try:
+            got = f(leaf, x)
+        except TypeError:
+            assert kind in ("mutable", "list")
+            continue
+        np.testing.assert_array_equal(got, _value_of(leaf) * x)
+
+
+def test_equinox_modules_activation_leaves_stay_static():
+    eqx = pytest.importorskip("equinox")
+    mlp = eqx.nn.MLP(3, 2, 4, 2, key=jax.random.key(0))
+    x = jnp.linspace(0.0, 1.0, 3)
+    expected = eqx.filter_jit(lambda m, x: m(x))(mlp, x)
+    np.testing.assert_array_equal(autoopt.optimize(lambda m, x: m(x))(mlp, x), expected)
+
+
+# --- 3. nnx Variables assigned inside ---------------------------------------------------------
+
+
+def _nnx_counter():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Counter(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones(3))
+            self.count = nnx.Variable(jnp.zeros(()))
+
+    return nnx, Counter()
+
+
+def test_an_assignment_to_an_nnx_variable_of_an_argument_raises_instead_of_being_lost():
+    _, m = _nnx_counter()
+
+    def f(m, x):
+        m.count[...] = m.count[...] + 1
+        return x * m.w[...]
+
+    jax.jit(f)(m, jnp.ones(3))
+    assert float(m.count[...]) == 0.0  # jax.jit drops it without a word
+    with pytest.raises(TypeError, match=r"nnx Variable at args\[0\]\.count.*nnx\.jit"):
+        autoopt.optimize(f)(m, jnp.ones(3))
+
+
+def test_reading_nnx_variables_is_not_refused():
+    _, m = _nnx_counter()
+    out = autoopt.optimize(lambda m, x: x * m.w[...] + m.count[...])(m, jnp.full(3, 2.0))
+    np.testing.assert_array_equal(out, jnp.full(3, 2.0))
+
+
+def test_nnx_jit_under_the_patch_carries_its_updates_as_nnx_jit_does():
+    nnx, _ = _nnx_counter()
+
+    def run():
+        class Counter(nnx.Module):
+            def __init__(self):
+                self.count = nnx.Variable(jnp.zeros(()))
+
+        @nnx.jit
+        def bump(m, x):
+            m.count[...] = m.count[...] + x
+            return m.count[...] * 2
+
+        m = Counter()
+        outs = [bump(m, jnp.float32(i)) for i in range(3)]
+        return [float(o) for o in outs], float(m.count[...])
+
+    expected = run()
+    with autoopt.patch():
+        assert run() == expected
+
+
+# --- 4. every level of an unpacking target -----------------------------------------------
+
+
+def test_a_nested_target_that_fails_to_unpack_deletes_nothing():
+    @autoopt.optimize
+    def step(a, b, c):
+        return (a + 1, b + 1, c + 1), c * 2  # the first element has three values
+
+    def caller():
+        a, b, c = jnp.ones(3), jnp.full(3, 2.0), jnp.full(3, 3.0)
+        for _ in range(3):
+            with pytest.raises(ValueError):
+                (a, b), c = step(a, b, c)
+        return a, b, c
+
+    for arr, value in zip(caller(), (1.0, 2.0, 3.0)):
+        assert not arr.is_deleted()
+        np.testing.assert_array_equal(arr, value)
+
+
+def test_a_nested_target_that_unpacks_still_donates():
+    @autoopt.optimize
+    def step(a, b, c):
+        return (a + 1, b + 1), c * 2
+
+    def caller():
+        a, b, c = jnp.ones(3), jnp.ones(3), jnp.ones(3)
+        reused = []
+        for _ in range(3):
+            before = a.unsafe_buffer_pointer()
+            (a, b), c = step(a, b, c)
+            reused.append(a.unsafe_buffer_pointer() == before)
+        return reused, a
+
+    reused, a = caller()
+    assert reused[-1]
+    np.testing.assert_array_equal(a, 4.0)
+
+
+def test_a_target_level_that_is_a_dict_or_an_array_is_not_trusted():
+    @autoopt.optimize
+    def as_dict(a, b):
+        return {"a": a + 1, "b": b + 1, "c": a * b}  # unpacks to its three keys
+
+    @autoopt.optimize
+    def as_array(a, b):
+        return jnp.stack([a, b, a])
+
+    def caller(step):
+        a, b = jnp.ones(3), jnp.ones(3)
+        with pytest.raises(ValueError):
+            a, b = step(a, b)  # three keys, or three rows: too many values
+        return a, b
+
+    for step in (as_dict, as_array):
+        for arr in caller(step):
+            assert not arr.is_deleted()
+
+
+# --- 5. the argument passed is the one the name holds -----------------------------------------
+
+_moved: list = []
+x_global = None
+
+
+@autoopt.optimize
+def _add(x, y):
+    return x + y
+
+
+def _take():
+    """Moves the old ``x_global`` into another name and rebinds ``x_global``."""
+    global x_global
+    _moved.append(x_global)
+    x_global = jnp.zeros(3)
+    return jnp.ones(3)
+
+
+def test_an_argument_expression_that_rebinds_a_global_name_keeps_the_old_array_alive():
+    global x_global
+    _moved.clear()
+    x_global = jnp.ones(3)
+    for _ in range(3):
+        x_global = _add(x_global, _take())
+    for i, old in enumerate(_moved):
+        assert not old.is_deleted()
+        np.testing.assert_array_equal(old, 1.0 + i)
+
+
+def test_an_argument_expression_that_rebinds_a_closure_cell_keeps_the_old_array_alive():
+    x = jnp.ones(3)
+    held = []
+
+    def take():
+        nonlocal x
+        held.append(x)
+        x = jnp.zeros(3)
+        return jnp.ones(3)
+
+    for _ in range(3):
+        x = _add(x, take())
+    assert held and not any(h.is_deleted() for h in held)
+
+
+# --- 6. the caller's frame and its dicts are never written --------------------------------
+
+
+def test_a_locals_snapshot_of_the_caller_stays_as_it_was_and_its_array_alive():
+    def caller():
+        step = _add  # the callee is a local: read on every call
+        x = jnp.ones(3)
+        snap = locals()
+        keys = sorted(snap)
+        for _ in range(3):
+            x = step(x, jnp.ones(3))
+        return keys, snap, x
+
+    keys, snap, x = caller()
+    assert sorted(snap) == keys
+    assert not snap["x"].is_deleted()  # the snapshot holds the first x: never donated
+    np.testing.assert_array_equal(snap["x"], 1.0)
+    np.testing.assert_array_equal(x, 4.0)
+
+
+def test_a_callee_held_in_a_local_still_donates():
+    def caller():
+        step = _add
+        x = jnp.ones(3)
+        reused = []
+        for _ in range(3):
+            before = x.unsafe_buffer_pointer()
+            x = step(x, jnp.ones(3))
+            reused.append(x.unsafe_buffer_pointer() == before)
+        return reused
+
+    assert caller()[-1]
+
+
+# --- 7. disable_jit on every route --------------------------------------------------------
+
+
+def test_every_route_runs_eagerly_under_disable_jit():
+    @autoopt.optimize
+    def step(x):
+        return x * 2
+
+    @autoopt.optimize
+    def concrete(x):
+        return x + float(x[0])  # only possible when run eagerly
+
+    class Plain:  # a mutable instance: jax.jit under disable_jit calls the function as it is
+        k = 3.0
+
+        @autoopt.optimize
+        def method(self, x):
+            return x * float(self.k)
+
+    x = jnp.ones(3)
+    x = step(x)  # a rebinding site: its signature's executable donates
+    with jax.disable_jit():
+        z = step(x)  # the kept route at another site
+        np.testing.assert_array_equal(z, 4.0)
+        np.testing.assert_array_equal(concrete(x), 4.0)
+        np.testing.assert_array_equal(concrete(x=jnp.ones(2)), 2.0)
+        np.testing.assert_array_equal(Plain().method(x), 6.0)
+        x = step(x)
+        np.testing.assert_array_equal(x, 4.0)
+
+
+# --- 9. what jax.jit's wrapper offers ----------------------------------------------------------
+
+
+def test_cache_size_counts_signatures_as_jax_jit_does():
+    def f(x, n):
+        return x * n
+
+    jitted = jax.jit(f, static_argnums=1)
+    fast = autoopt.optimize(f, static_argnums=1)
+    for args in [(jnp.ones(3), 2), (jnp.ones(3), 2), (jnp.ones(4), 2), (jnp.ones(3), 3)]:
+        jitted(*args)
+        fast(*args)
+        assert fast._cache_size() == jitted._cache_size()
+    with autoopt.patch():
+        patched = jax.jit(lambda x: x + 1)
+        patched(jnp.ones(2))
+        assert patched._cache_size() == 1
+
+
+# --- 10. a new wrapper per call -----------------------------------------------------------------
+
+
+def test_a_new_wrapper_per_call_traces_once():
+    traces = []
+
+    def f(x):
+        traces.append(1)
+        return x * 3.0
+
+    x = jnp.ones(8)
+    for _ in range(20):
+        autoopt.optimize(f)(x)
+    assert len(traces) == 1
+    assert autoopt.optimize(f) is autoopt.optimize(f)
+    assert autoopt.optimize(f) is not autoopt.optimize(f, donate="off")
+
+
+def test_the_wrapper_cache_keeps_no_function_alive():
+    from autoopt._jit import RECENT
+
+    def make():
+        def f(x):
+            return x + 1
+
+        return f
+
+    f = make()
+    alive = weakref.ref(f)
+    autoopt.optimize(f)(jnp.ones(2))
+    del f
+    for _ in range(RECENT):  # newer wrappers push it out of the strongly held ones
+        autoopt.optimize(make())
+    gc.collect()
+    assert alive() is None
