@@ -189,3 +189,53 @@ def test_a_pooled_buffer_a_device_array_still_holds_is_never_handed_out_again():
     assert b is not held
     del b
     assert pool.get() is not held
+
+
+def test_a_loader_of_ever_new_layouts_compiles_nothing_a_layout_and_keeps_caches_bounded():
+    # Bucketed lengths, a last partial batch: a layout's first batch must not leave a compiled
+    # executable or a buffer pool behind, or memory grows with the layouts seen (issue 27, 11).
+    compiles = []
+
+    def on_event(name, _secs, **_kw):
+        if name == "/jax/core/compile/backend_compile_duration":
+            compiles.append(name)
+
+    layouts = 40
+    src = (
+        {"x": np.full((3, k + 1), k, np.float32), "y": np.arange(k + 7, dtype=np.int32)}
+        for k in range(layouts)
+    )
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        got = list(autoopt.prefetch(src, size=2))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)
+    for k, b in enumerate(got):
+        assert b["x"].shape == (3, k + 1) and float(b["x"][0, 0]) == k
+        assert int(b["y"][-1]) == k + 6
+    assert compiles == []  # each layout seen once: placed through device_put, nothing compiled
+    sizes = autoopt.prefetch([]).cache_sizes()
+    for name in ("unpackers", "layouts", "pools"):
+        assert sizes[name] <= sizes[f"{name}_max"]
+
+
+def test_a_repeating_layout_is_compiled_once_and_pooled():
+    compiles = []
+
+    def on_event(name, _secs, **_kw):
+        if name == "/jax/core/compile/backend_compile_duration":
+            compiles.append(name)
+
+    src = [
+        {"x": np.full((5, 3), i, np.float32), "y": np.arange(4, dtype=np.int32) + i}
+        for i in range(12)
+    ]
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        got = list(autoopt.prefetch(iter(src), size=2))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)
+    for b, expected in zip(got, src):
+        assert_trees_equivalent(expected, b, exact=True)
+    assert len(compiles) <= 1  # the layout's identity, from its second batch on
+    assert autoopt.prefetch([]).cache_sizes()["pooled_bytes"] > 0

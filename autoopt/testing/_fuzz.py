@@ -430,6 +430,7 @@ class _Builder:
             "at_update",
             "at_update",
             "dynamic_update_slice",
+            "window_chain",
         ]
         if self.depth < 2:
             kinds += [
@@ -730,6 +731,35 @@ class _Builder:
             index = self.index(a, allow_empty=False) if form == "array" else self.dyn_scalar()
             self.bind("gather", (), f"{x}[{index}]")
 
+    def op_window_chain(self):
+        """Floating-point arithmetic feeding a window at a traced start (a read ``t[i +
+        jnp.arange(k)]``, a block or row ``.at[...]`` update) feeding more arithmetic: the shape
+        in which a rewrite that moves a fusion boundary (a ``lax.cond`` guard, a
+        ``dynamic_update_slice`` fused where the scatter is not) changes rounding through
+        FMA contraction."""
+        x = self.pick(lambda a: a.ndim >= 1 and a.dtype in _FLOATS and a.shape[0] >= 2)
+        if x is None:
+            return self.op_unary()
+        a = self.env[x]
+        y = self.operand(a)
+        pre = self.choice(["{x} * {y}", "jnp.sin({x}) * {y}", "{x} * {y} + {y}", "{x} + {y}"])
+        t = "(" + pre.format(x=x, y=y) + ")"
+        n = a.shape[0]
+        form = self.choice(["read", "block", "row"])
+        k = self.integers(1, n) if form != "row" else 1
+        i = self.dyn_scalar(n)
+        idx = i if form == "row" else f"{i} + jnp.arange({k})"
+        win = Aval(a.shape[1:] if form == "row" else (k,) + a.shape[1:], a.dtype)
+        u, v = self.operand(win), self.operand(win)
+        if form == "read":
+            expr = f"{t}[{idx}] * {u} + {v}"
+        else:
+            methods = ["set", "add", "min", "max"] + ([] if self.under_grad else ["multiply"])
+            method = self.choice(methods)
+            out = self.choice(["* {y} + {x}", "+ {x} * {y}", "* {y}"]).format(x=x, y=y)
+            expr = f"jnp.sin({t}.at[{idx}].{method}({u} * {v} + {u}) {out})"
+        self.bind("window_chain", (), expr)
+
     def _starts(self, a: Aval) -> str:
         starts = [
             self.dyn_scalar() if self.boolean() else str(self.integers(-2, n + 1)) for n in a.shape
@@ -966,10 +996,16 @@ def _in_aval(draw) -> Aval:
     return Aval(tuple(shape), dtype)
 
 
-def programs(max_ops: int = 6, max_params: int = 3):
+# Shapes of the float arrays a window-chain program starts from: long enough that a window at a
+# traced start is in bounds, out of bounds and negative, and that FMA contraction shows.
+_WINDOW_SHAPES = ((12,), (16, 8), (8,), (6, 4))
+
+
+def programs(max_ops: int = 6, max_params: int = 3, first: str | None = None):
     """Strategy for random ``Program``s of up to ``max_ops`` top-level statements (nested
     blocks get fewer) over up to ``max_params`` parameters, each an array or a dict/tuple of
-    arrays."""
+    arrays. ``first``: an op every program starts with (``"window_chain"``: its first
+    parameter is then a float32 array of one of ``_WINDOW_SHAPES``)."""
     st, _ = hypothesis_modules()
 
     @st.composite
@@ -981,8 +1017,12 @@ def programs(max_ops: int = 6, max_params: int = 3):
             pname = f"x{p}"
             params.append(pname)
             form = draw(st.sampled_from(["array", "dict", "tuple"]))
+            if first == "window_chain" and p == 0:
+                form = "array"
             if form == "array":
                 a = _in_aval(draw)
+                if first == "window_chain" and p == 0:
+                    a = Aval(draw(st.sampled_from(_WINDOW_SHAPES)), "float32")
                 v = names.var()
                 unpack.append(f"{v} = {pname}")
                 env[v] = a
@@ -1002,7 +1042,9 @@ def programs(max_ops: int = 6, max_params: int = 3):
                     )
                 in_avals.append(dict(zip(keys, avals)) if form == "dict" else tuple(avals))
         b = _Builder(draw, names, env, depth=0, under_grad=False, max_ops=max_ops)
-        for _ in range(draw(st.integers(1, max_ops))):
+        if first is not None:
+            getattr(b, "op_" + first)()
+        for _ in range(draw(st.integers(0 if first else 1, max_ops))):
             b.step()
         # Outputs: a few variables (the last one first, so shrinking keeps it), as a pytree.
         outs = [b.pick_result() for _ in range(draw(st.integers(1, 3)))]
@@ -1026,8 +1068,18 @@ def _leaf_values(aval: Aval):
         # Small integers: used as indices they land in bounds, out of bounds and negative.
         strat = hnp.arrays(np.int32, aval.shape, elements=st.integers(-6, 6))
     else:
-        strat = hnp.arrays(
-            np.float32, aval.shape, elements=st.floats(-4, 4, width=32, allow_subnormal=False)
+        strat = st.one_of(
+            hnp.arrays(
+                np.float32, aval.shape, elements=st.floats(-4, 4, width=32, allow_subnormal=False)
+            ),
+            # Random normal values (hypothesis's arrays repeat a few simple ones): every
+            # product rounds, so a multiply-add contracted in one program and not the other
+            # shows in the last bit.
+            st.integers(0, 2**32 - 1).map(
+                lambda seed: (
+                    np.random.default_rng(seed).standard_normal(aval.shape).astype(np.float32)
+                )
+            ),
         )
     return strat.map(lambda v: jnp.asarray(v, dtype=aval.dtype))
 
@@ -1043,12 +1095,38 @@ def program_args(program: Program):
     )
 
 
-def fuzz_cases(max_ops: int = 6, max_params: int = 3):
-    """Strategy for ``FuzzCase``: a random program and arguments for it."""
+def fuzz_cases(max_ops: int = 6, max_params: int = 3, first: str | None = None):
+    """Strategy for ``FuzzCase``: a random program and arguments for it (``first``: see
+    ``programs``)."""
     st, _ = hypothesis_modules()
-    return programs(max_ops, max_params).flatmap(
+    return programs(max_ops, max_params, first).flatmap(
         lambda p: program_args(p).map(lambda args: FuzzCase(p, args))
     )
+
+
+def assert_bitwise(expected: Any, got: Any, *, what: str = "optimized result") -> None:
+    """Every float leaf of ``got`` has ``expected``'s bits (-0.0 is not 0.0); NaN matches any
+    NaN (XLA does not promise which operand's payload a NaN result carries)."""
+    for e, g in zip(jax.tree_util.tree_leaves(expected), jax.tree_util.tree_leaves(got)):
+        if not (hasattr(e, "dtype") and jnp.issubdtype(e.dtype, jnp.inexact)):
+            continue
+        e, g = np.asarray(e), np.asarray(g)
+        if e.dtype != g.dtype or e.shape != g.shape:
+            raise AssertionError(
+                f"{what}: {g.dtype}{g.shape} where jax.jit gives {e.dtype}{e.shape}"
+            )
+        view = {2: np.uint16, 4: np.uint32, 8: np.uint64, 16: np.uint64}[e.dtype.itemsize]
+        eb = e.reshape(-1).view(view) if e.dtype.itemsize != 16 else e.view(np.uint64)
+        gb = g.reshape(-1).view(view) if g.dtype.itemsize != 16 else g.view(np.uint64)
+        nan = np.isnan(e.reshape(-1)) & np.isnan(g.reshape(-1))
+        if nan.shape != eb.shape:  # complex: two words an element
+            nan = np.repeat(nan, eb.size // max(nan.size, 1))
+        bad = (eb != gb) & ~nan
+        if bad.any():
+            raise AssertionError(
+                f"{what}: {int(bad.sum())} of {bad.size} elements differ from jax.jit's in "
+                f"their bits (largest difference {np.max(np.abs(e.astype(np.complex128) - g)):.3g})"
+            )
 
 
 # How many programs ``check_program`` ran in this process, by outcome (tests report it).
@@ -1064,12 +1142,14 @@ def check_program(
 ) -> Any:
     """Run ``case`` under ``jax.jit`` and under ``autoopt.optimize(fallback="raise", donate="off",
     window_blend_min_bytes=0, **options)`` and assert equal outputs: bit-identical ints and
-    bools, dtype-aware float tolerance. ``through(f, args)`` says how each compiled function is
+    bools, floats bit for bit unless a remat plan may apply (then a dtype-aware tolerance).
+    ``through(f, args)`` says how each compiled function is
     called (default ``f(*args)``; pass one that wraps ``f`` in
     ``jax.grad``/``jax.vmap``/``jax.jit`` to check composition). A program ``jax.jit`` rejects
     must be rejected by autoopt with the same exception type, unless it is a
     ``NotImplementedError`` (a missing JAX rule that the rewritten program does not need).
-    Returns the optimized outputs (None when jax.jit rejected it)."""
+    Returns the optimized outputs (None when jax.jit rejected it). With ``remat="off"`` every
+    route (``jax.grad`` included) is compared bit for bit."""
     from autoopt._compare import assert_trees_equivalent
     from autoopt._jit import optimize
 
@@ -1103,11 +1183,93 @@ def check_program(
     got = through(fast, case.args)
     info = fast.inspect(*case.args)
     # Bit-identical unless a remat plan may reorder floating point: one applied to the plain
-    # call, or one planned for a caller that differentiates (another route than ``_call``).
-    remat = through is not _call or any(f.kind == "remat" and f.applied for f in info.findings)
+    # call, or one planned for a caller that differentiates (another route than ``_call``),
+    # which ``remat="off"`` rules out.
+    remat = (through is not _call and options.get("remat") != "off") or any(
+        f.kind == "remat" and f.applied for f in info.findings
+    )
     assert_trees_equivalent(expected, got, what="optimize(program)", exact=not remat)
+    if not remat:
+        assert_bitwise(expected, got, what=f"optimize(program)\n{case!r}")
     RUNS["equal" if remat else "bit-identical"] += 1
     # Which passes changed the program, so a run says whether the passes had work to do.
     for name in info.changed_by:
         RUNS[f"rewritten by {name}"] += 1
+    if any(f.details.get("reason") == "rounding" for f in info.findings):
+        RUNS["a rewrite refused for rounding"] += 1
     return got
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m autoopt.testing._fuzz --minutes 10``: random programs (window-chain ones and
+    general ones), forward and under ``jax.grad``, against ``jax.jit`` bit for bit with
+    ``remat="off"``, until the time is up; prints the counts."""
+    import argparse
+    import time
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--chunk", type=int, default=25)
+    ns = p.parse_args(argv)
+
+    def grad_route(case):
+        floats = tuple(
+            i
+            for i, spec in enumerate(case.program.in_avals)
+            if all(
+                a.dtype in _FLOATS
+                for a in jax.tree_util.tree_leaves(spec, is_leaf=lambda x: isinstance(x, Aval))
+            )
+        )
+
+        def through(f, args):
+            def loss(*a):
+                leaves = [
+                    x
+                    for x in jax.tree_util.tree_leaves(f(*a))
+                    if jnp.issubdtype(x.dtype, jnp.floating)
+                ]
+                return sum((jnp.sum(x.astype(jnp.float32)) for x in leaves), jnp.float32(0))
+
+            if not floats:
+                return loss(*args)
+            return jax.grad(loss, argnums=floats)(*args)
+
+        return through
+
+    @settings(
+        max_examples=ns.chunk,
+        deadline=None,
+        database=None,
+        derandomize=False,
+        suppress_health_check=tuple(HealthCheck.all()),
+    )
+    @given(
+        st.one_of(fuzz_cases(max_ops=4, first="window_chain"), fuzz_cases(max_ops=4)),
+        st.sampled_from(["plain", "grad"]),
+    )
+    def one(case, route):
+        RUNS["programs"] += 1
+        through = _call if route == "plain" else grad_route(case)
+        check_program(case, through=through, remat="off")
+
+    end = time.monotonic() + 60 * ns.minutes
+    start = time.monotonic()
+    failures = 0
+    while time.monotonic() < end:
+        try:
+            one()
+        except Exception as e:  # noqa: BLE001 - a finding: report it (shrunk) and go on
+            failures += 1
+            print(f"FINDING {failures}: {type(e).__name__}: {e}", flush=True)
+        print(f"{time.monotonic() - start:7.0f}s {dict(RUNS)}", flush=True)
+    print(f"done: {dict(RUNS)}, findings: {failures}")
+    if failures:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

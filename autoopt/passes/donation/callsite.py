@@ -205,8 +205,9 @@ def _make_check(
     not the one it binds: checked on each call."""
     if scope == "global" and not chain and not shared:
         # every donated name is a local (``shared`` is False): its slot, found once
-        slots = tuple((key, _frames.slot_of(code, name)) for key, name, _ in bound)
-        if any(slot is None for _, slot in slots):
+        found = tuple((key, _frames.slot_of(code, name)) for key, name, _ in bound)
+        slots = tuple((key, slot) for key, slot in found if slot is not None)
+        if len(slots) < len(found):
             return lambda frame, callee, args, kwargs: False  # no way to read it: no donation
         read_slot = _frames.read_slot
 

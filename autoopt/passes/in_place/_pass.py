@@ -70,7 +70,7 @@ from autoopt import _jaxpr
 from autoopt._finding import Finding
 from autoopt._options import Option, parse_bytes
 from autoopt.passes._base import Pass, PassContext, PassResult
-from autoopt.passes.in_place import _ranges
+from autoopt.passes.in_place import _ranges, _rounding
 
 _SCATTERS = (P.scatter_p, P.scatter_add_p, P.scatter_mul_p, P.scatter_min_p, P.scatter_max_p)
 _METHOD = {
@@ -565,12 +565,30 @@ _WHY = {
     "blend": "a window at the clamped start blends the block's rows in where the scatter "
     "writes them (rows out of bounds dropped, as the scatter drops them)",
 }
+# Why a floating-point write is left alone (``_rounding``): with an arithmetic combiner
+# (add, multiply, apply), without one (set, min, max).
+_ROUNDING_WHY = {
+    True: "once rewritten, its combiner would run fused with the floating-point arithmetic that "
+    "produces its operand or update, or consumes its result, where XLA's scatter runs apart, "
+    "which can change rounding (FMA contraction) from jax.jit's",
+    False: "once rewritten, the window it writes would fuse floating-point arithmetic that "
+    "produces its operand or update with arithmetic that consumes its result, which XLA's "
+    "scatter keeps apart: that can change rounding (FMA contraction) from jax.jit's",
+}
 _GATHER_WHY = {
     "none": "bounds proven by range analysis",
     "clamp": "the gather clamps its start exactly as dynamic_slice does",
     "select": "a select supplies the fill value out of bounds, as jax's own lowering",
     "cond": "guarded by lax.cond (out of bounds keeps the original gather)",
 }
+
+
+def _combines_arithmetic(eqn: JaxprEqn, plan: _Decision) -> bool:
+    """The rewritten write computes with the window's values: a combiner other than a plain
+    set, ``.min`` or ``.max`` (which only choose one of two values, as a select does)."""
+    if plan.combine is None:
+        return False
+    return eqn.primitive not in (P.scatter_min_p, P.scatter_max_p)
 
 
 def x_shape(eqn: JaxprEqn) -> tuple[int, ...]:
@@ -1013,6 +1031,14 @@ def scatter_to_dus(closed, ctx: PassContext) -> PassResult:
             ),
         )
 
+    graph: _rounding.Graph | None = None
+
+    def rounding_graph() -> _rounding.Graph:
+        nonlocal graph
+        if graph is None:
+            graph = _rounding.Graph(closed)
+        return graph
+
     for site in _jaxpr.iter_eqns(closed):
         eqn = site.eqn
         if eqn.primitive not in _SCATTERS and eqn.primitive is not P.gather_p:
@@ -1024,15 +1050,37 @@ def scatter_to_dus(closed, ctx: PassContext) -> PassResult:
                 plan = _decide_scatter(
                     facts, consumes, ctx.backend, eqn, ctx.options.window_blend_min_bytes
                 )
+                arith = _combines_arithmetic(eqn, plan)
+                if _rounding.floating_window(eqn) and _rounding.write_risk(
+                    rounding_graph(), eqn, arith
+                ):
+                    raise _Decline(_ROUNDING_WHY[arith])
                 if plan.combine is not None and _broadcast_constant(facts, eqn.invars[0]):
                     plan = dataclasses.replace(plan, opaque_operand=True)
                 if plan.guard == "blend" and facts.in_loop(eqn):
                     plan = dataclasses.replace(plan, in_loop=True)
                 plans[eqn.outvars[0]] = plan
             except _Decline as why:
-                note(eqn, False, f"{_describe_scatter(eqn)} left as scatter: {why}.")
+                extra = {"reason": "rounding"} if str(why) in _ROUNDING_WHY.values() else {}
+                note(eqn, False, f"{_describe_scatter(eqn)} left as scatter: {why}.", **extra)
         elif eqn.primitive is P.gather_p:
             plan = _decide_gather(facts, eqn)
+            if plan is not None and _rounding.read_risk(rounding_graph(), eqn):
+                why = (
+                    "its bounds are not proven, and a guarded window read (lax.cond) would put "
+                    "a fusion boundary between the floating-point arithmetic around it"
+                    if plan.guard == "cond"
+                    else "a dynamic_slice fuses with the floating-point arithmetic around it "
+                    "otherwise than XLA's gather (measured under jax.grad)"
+                )
+                note(
+                    eqn,
+                    False,
+                    f"gather on {eqn.invars[0].aval.str_short()} left as a gather: {why}, which "
+                    "can change rounding (FMA contraction) from jax.jit's",
+                    reason="rounding",
+                )
+                plan = None
             if plan is not None:
                 plans[eqn.outvars[0]] = plan
     if not plans:

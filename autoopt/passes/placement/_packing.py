@@ -68,7 +68,7 @@ class Pool:
 
     def get(self) -> np.ndarray:
         """A buffer no computation is reading: a pooled free one, or a fresh one (kept in the
-        pool up to ``_POOL_SIZE`` buffers and ``_POOL_MAX_BYTES``)."""
+        pool up to ``_POOL_SIZE`` buffers and ``POOL_MAX_BYTES``)."""
         with self.lock:  # two threads never get the same free buffer
             for buf in self.bufs:
                 # jax may hold the array itself (its C++ dispatch path) or a view of it, whose
@@ -79,7 +79,7 @@ class Pool:
                 ):
                     return buf
             buf = aligned_empty(self.total, self.dtype)
-            if (len(self.bufs) + 1) * buf.nbytes <= _POOL_MAX_BYTES and len(self.bufs) < self.size:
+            if (len(self.bufs) + 1) * buf.nbytes <= POOL_MAX_BYTES and len(self.bufs) < self.size:
                 self.bufs.append(buf)
             return buf
 
@@ -99,7 +99,7 @@ _POOL_FREE_REFS, _POOL_FREE_BASE_REFS = _calibrate_pool_refs()
 # Buffers a pool keeps: as many as steps a loop that never blocks keeps in flight (with fewer, a
 # 64-leaf feed still page-faults on most calls), capped in bytes so a large batch keeps fewer.
 _POOL_SIZE = 16
-_POOL_MAX_BYTES = 256 << 20
+POOL_MAX_BYTES = 256 << 20
 
 # placement="auto" times both ways of feeding a layout on its first calls (see Layout.strategy):
 # runs of _TUNE_RUN calls, alternating jit and pack; one warm-up run each (it compiles), then

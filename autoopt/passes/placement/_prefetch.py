@@ -17,8 +17,10 @@ memcpy a leaf, on the worker thread, while the consumer's step runs. Blocking un
 transfer completes instead would not stop XLA:CPU's aliasing; copying on the consumer's side
 would put the copy on the step's critical path.
 
-The jitted unpackers (one a packed layout) are kept in a small LRU (``_UNPACKERS_MAX``), the
-host pools in a bounded dict: a loader of ever new layouts does not grow memory without bound.
+What prefetch keeps a batch layout is bounded whatever the number of layouts it sees: the jitted
+placers (an unpacker a packed layout, an identity a layout seen twice) in a small LRU, the host
+pools in an LRU bounded in count and bytes, made only for a layout seen before; a layout's first
+batch compiles nothing and pools nothing (``cache_sizes``, benchmarks/prefetch_memory.py).
 
 NB: the analogues are flax's ``jax_utils.prefetch_to_device`` and the JAX training cookbook's
 double-buffered input pipeline.
@@ -36,65 +38,117 @@ import jax
 import numpy as np
 from jax import tree_util
 
-from autoopt.passes.placement._host_arrays import NDARRAY_TYPES
-from autoopt.passes.placement._packing import Pool
+from autoopt.passes.placement._host_arrays import NDARRAY_TYPES, aligned_empty
+from autoopt.passes.placement._packing import POOL_MAX_BYTES, Pool
 
 __all__ = ["prefetch", "Prefetch", "place_batch"]
 
 
-# One jitted identity places every host leaf of a batch in one dispatch through jit's C++ argument
-# path, several times cheaper a leaf than jax.device_put(list) on XLA:CPU.
-_identity = jax.jit(lambda *xs: xs)
+# A jitted identity places every host leaf of a batch in one dispatch through jit's C++ argument
+# path, several times cheaper a leaf than jax.device_put(list) on XLA:CPU; one jitted unpacker
+# slices a packed buffer back into its leaves. Each holds a compiled executable a layout (the
+# leaves' shapes and dtypes), and an executable, once compiled, costs memory that freeing gives
+# back only to later compiles: so they are jit objects a layout in one small LRU (``_PLACERS``),
+# and an identity is compiled only for a layout seen before (``_seen``); a layout's first batch
+# goes through jax.device_put(list), which compiles nothing. A loader of ever new layouts then
+# compiles nothing, and a repeating layout keeps its executable.
+_PLACERS_MAX = 16
+_PLACERS: OrderedDict[tuple, Any] = OrderedDict()
+# Layouts seen once (keys only: shapes and dtypes), so that the second batch of one compiles.
+_SEEN_MAX = 256
+_SEEN: OrderedDict[tuple, None] = OrderedDict()
+# A small ring of host buffers a layout (packed, or one leaf's private copy), reused once jax has
+# let go of them (Pool): a fresh buffer a batch costs page faults on every batch. A pool is made
+# for a layout seen before only (a layout's first batch copies into a fresh buffer nothing
+# keeps), least recently used dropped first beyond ``_PREFETCH_POOLS_MAX`` pools or beyond the
+# bytes they may hold: ``_PREFETCH_POOLS_BATCHES`` times the batch being placed (a loop that
+# alternates a few layouts keeps all of theirs), at least ``_PREFETCH_POOLS_MIN_BYTES``.
+_PREFETCH_POOLS: OrderedDict[tuple, Pool] = OrderedDict()
+_PREFETCH_POOLS_MAX = 64  # one a packed layout or a leaf shape: a batch of many shapes fits
+_PREFETCH_POOL_SIZE = 4
+_PREFETCH_POOLS_BATCHES = 8
+_PREFETCH_POOLS_MIN_BYTES = 64 << 20
+_POOL_BYTES: dict[tuple, int] = {}  # the most each pool may hold (Pool's own caps)
+_CACHE_LOCK = threading.Lock()  # several prefetch threads may place at once
 
 
-def _unpacker(members: tuple):
-    """A jitted function slicing one packed buffer back into its leaves (an LRU of layouts)."""
+def _seen(key: tuple) -> bool:
+    """Whether ``key`` was seen before (recently); records it. Call with ``_CACHE_LOCK`` held."""
+    if key in _SEEN:
+        _SEEN.move_to_end(key)
+        return True
+    _SEEN[key] = None
+    if len(_SEEN) > _SEEN_MAX:
+        _SEEN.popitem(last=False)
+    return False
+
+
+def _cached_placer(key: tuple, make, first_too: bool):
+    """The jitted placer of layout ``key`` (``make()`` builds it), from the LRU; None for a
+    layout's first batch unless ``first_too``."""
     with _CACHE_LOCK:
-        fn = _UNPACKERS.get(members)
+        fn = _PLACERS.get(key)
         if fn is not None:
-            _UNPACKERS.move_to_end(members)
+            _PLACERS.move_to_end(key)
             return fn
+        if not first_too and not _seen(key):
+            return None
+    fn = make()
+    with _CACHE_LOCK:
+        _PLACERS[key] = fn
+        while len(_PLACERS) > _PLACERS_MAX:
+            _PLACERS.popitem(last=False)  # its compiled executable goes with the jit object
+    return fn
 
+
+def _make_identity():
+    return jax.jit(lambda *xs: xs)
+
+
+def _make_unpacker(members: tuple):
     def split(buf):
         return tuple(
             jax.lax.slice(buf, (off,), (off + size,)).reshape(shape)
             for _i, off, size, shape in members
         )
 
-    fn = jax.jit(split)
-    with _CACHE_LOCK:
-        _UNPACKERS[members] = fn
-        while len(_UNPACKERS) > _UNPACKERS_MAX:
-            _UNPACKERS.popitem(last=False)  # its compiled executable goes with the jit object
-    return fn
+    return lambda: jax.jit(split)
 
 
-# Each unpacker holds a compiled executable: bounded, least recently used dropped first.
-_UNPACKERS_MAX = 16
-_UNPACKERS: OrderedDict[tuple, Any] = OrderedDict()
-# A small ring of host buffers a layout (packed, or one leaf's private copy), reused once jax has
-# let go of them (Pool): a fresh buffer a batch costs page faults on every batch.
-_PREFETCH_POOLS: dict[tuple, Pool] = {}
-_PREFETCH_POOLS_MAX = 64  # one a packed layout or a leaf shape: a batch of many shapes fits
-_PREFETCH_POOL_SIZE = 4
-_CACHE_LOCK = threading.Lock()  # several prefetch threads may place at once
-
-
-def _prefetch_pool(members: tuple, dtype, total: int) -> Pool:
+def _host_buffer(members: tuple, dtype, total: int, batch_bytes: int) -> np.ndarray:
+    """An aligned host buffer of ``total`` elements nothing else writes: from the layout's pool,
+    or a fresh one for a layout's first batch. ``batch_bytes``: the bytes of the batch."""
     key = (members, np.dtype(dtype))
     with _CACHE_LOCK:
         pool = _PREFETCH_POOLS.get(key)
-        if pool is None:
-            if len(_PREFETCH_POOLS) >= _PREFETCH_POOLS_MAX:  # ever new layouts: stay bounded
-                _PREFETCH_POOLS.clear()
-            pool = _PREFETCH_POOLS[key] = Pool(dtype, total, _PREFETCH_POOL_SIZE)
+        if pool is not None:
+            _PREFETCH_POOLS.move_to_end(key)
+        elif _seen(key):
+            pool = _new_pool(key, total, batch_bytes)
+    if pool is None:
+        return aligned_empty(total, dtype)
+    return pool.get()
+
+
+def _new_pool(key: tuple, total: int, batch_bytes: int) -> Pool:
+    """A pool for ``key``, least recently used ones dropped to stay in bounds (lock held)."""
+    dtype = key[1]
+    nbytes = total * dtype.itemsize
+    cap = nbytes * min(_PREFETCH_POOL_SIZE, POOL_MAX_BYTES // nbytes) if nbytes else 0
+    budget = max(_PREFETCH_POOLS_MIN_BYTES, _PREFETCH_POOLS_BATCHES * batch_bytes)
+    held = sum(_POOL_BYTES.values())
+    while _PREFETCH_POOLS and (len(_PREFETCH_POOLS) >= _PREFETCH_POOLS_MAX or held + cap > budget):
+        old, _ = _PREFETCH_POOLS.popitem(last=False)  # its buffers go once jax lets go of them
+        held -= _POOL_BYTES.pop(old)
+    pool = _PREFETCH_POOLS[key] = Pool(dtype, total, _PREFETCH_POOL_SIZE)
+    _POOL_BYTES[key] = cap
     return pool
 
 
-def _private_copy(x: np.ndarray) -> np.ndarray:
-    """``x`` copied into a pooled buffer nothing else writes (aligned, so XLA:CPU aliases the
-    copy instead of copying again; the pool hands it out again only once jax let go of it)."""
-    buf = _prefetch_pool(("copy", x.shape), x.dtype, int(x.size)).get()
+def _private_copy(x: np.ndarray, batch_bytes: int) -> np.ndarray:
+    """``x`` copied into a buffer nothing else writes (aligned, so XLA:CPU aliases the copy
+    instead of copying again; a pool hands it out again only once jax let go of it)."""
+    buf = _host_buffer(("copy", x.shape), x.dtype, int(x.size), batch_bytes)
     out = buf.reshape(x.shape)
     del buf  # the pool's free test counts references
     np.copyto(out, x, casting="no")
@@ -102,13 +156,22 @@ def _private_copy(x: np.ndarray) -> np.ndarray:
 
 
 def cache_sizes() -> dict[str, int]:
-    """How many jitted unpackers and host buffer pools prefetch keeps, and their bounds."""
+    """What prefetch keeps, shared by every prefetch, and the bounds: ``unpackers`` (jitted
+    placers, one a batch layout: unpackers of packed layouts and identities of layouts seen
+    twice), ``layouts`` (layouts remembered as seen, shapes and dtypes only), ``pools`` (host
+    buffer pools, one a repeating packed layout or leaf shape) and ``pooled_bytes`` (the host
+    memory they hold)."""
     with _CACHE_LOCK:
         return {
-            "unpackers": len(_UNPACKERS),
-            "unpackers_max": _UNPACKERS_MAX,
+            "unpackers": len(_PLACERS),
+            "unpackers_max": _PLACERS_MAX,
+            "layouts": len(_SEEN),
+            "layouts_max": _SEEN_MAX,
             "pools": len(_PREFETCH_POOLS),
             "pools_max": _PREFETCH_POOLS_MAX,
+            "pooled_bytes": sum(
+                sum(b.nbytes for b in pool.bufs) for pool in _PREFETCH_POOLS.values()
+            ),
         }
 
 
@@ -131,32 +194,39 @@ def place_batch(batch, sharding=None, process_local: bool = False):
         return batch
     # NumPy scalars are immutable; every array is copied, unless packed (the packing copies it).
     xs = [leaves[i] for i in host]
+    batch_bytes = sum(x.nbytes for x in xs)
+
     packed = (
         sharding is None
         and len(xs) >= _PREFETCH_PACK_MIN_LEAVES
-        and sum(x.nbytes for x in xs) / len(xs) <= _PREFETCH_PACK_MAX_MEAN_BYTES
+        and batch_bytes / len(xs) <= _PREFETCH_PACK_MAX_MEAN_BYTES
         and len({x.dtype for x in xs}) == 1
     )
-    if not packed:
-        xs = [x if isinstance(x, np.generic) else _private_copy(x) for x in xs]
-    if process_local:
-        placed = [jax.make_array_from_process_local_data(sharding, x) for x in xs]
-    elif sharding is not None:
-        placed = jax.device_put(xs, sharding)
-    elif len(xs) == 1:
-        placed = [jax.device_put(xs[0])]
-    elif packed:
+    if packed:
         members, off = [], 0
         for i, x in enumerate(xs):
             members.append((i, off, int(x.size), tuple(x.shape)))
             off += int(x.size)
         members = tuple(members)
-        buf = _prefetch_pool(members, xs[0].dtype, off).get()
+        buf = _host_buffer(members, xs[0].dtype, off, batch_bytes)
         np.concatenate(xs, axis=None, out=buf)
-        placed = _unpacker(members)(buf)
+        key = ("unpack", members, buf.dtype)
+        unpacker = _cached_placer(key, _make_unpacker(members), first_too=True)
+        assert unpacker is not None  # first_too: made on a miss
+        placed = unpacker(buf)
         del buf  # the pool's free test counts references
     else:
-        placed = _identity(*xs)
+        xs = [x if isinstance(x, np.generic) else _private_copy(x, batch_bytes) for x in xs]
+        if process_local:
+            placed = [jax.make_array_from_process_local_data(sharding, x) for x in xs]
+        elif sharding is not None:
+            placed = jax.device_put(xs, sharding)
+        elif len(xs) == 1:
+            placed = [jax.device_put(xs[0])]
+        else:
+            key = ("identity", *[(x.shape, x.dtype) for x in xs])
+            identity = _cached_placer(key, _make_identity, first_too=False)
+            placed = jax.device_put(xs) if identity is None else identity(*xs)
     del xs  # the private copies now belong to the placed arrays (the pools count references)
     for i, p in zip(host, placed):
         leaves[i] = p
@@ -246,9 +316,10 @@ class Prefetch(Iterator):
 
     @staticmethod
     def cache_sizes() -> dict[str, int]:
-        """What every prefetch keeps compiled and pooled, shared by all of them: ``unpackers``
-        (one jitted unpacker a packed batch layout, least recently used dropped beyond
-        ``unpackers_max``) and ``pools`` (host buffer pools, at most ``pools_max``)."""
+        """What every prefetch keeps compiled and pooled, shared by all of them (the module's
+        ``cache_sizes``): ``unpackers`` (jitted placers, one a batch layout, least recently used
+        dropped beyond ``unpackers_max``), ``layouts`` (layouts remembered as seen), ``pools``
+        (host buffer pools, at most ``pools_max``) and ``pooled_bytes``."""
         return cache_sizes()
 
     def close(self) -> None:

@@ -1,0 +1,253 @@
+"""Whether rewriting one floating-point scatter/gather could change rounding from ``jax.jit``'s.
+
+XLA:CPU contracts a multiply feeding an add into a fused multiply-add (one rounding instead of
+two) when both sit in one fusion. The rewrites of ``_pass`` move fusion boundaries: a
+``lax.cond`` guard (a conditional is a computation of its own) separates a window read from the
+arithmetic around it, which jax.jit's gather had fused (measured: 1 ulp on some elements of
+``(x * y)[i + jnp.arange(4)] + z``); and a ``dynamic_update_slice`` fuses where XLA:CPU's scatter
+does not, so a combiner (``DS(x) + u``) or the written window contracts with arithmetic that
+produced the operand or the update, or that consumes the result (measured: ``(x * y).at[i].add(u
+* v)`` with a proven ``i``, the transposes of window reads under ``jax.grad``).
+
+The rule, conservative: a value "meets arithmetic" when, looking through data movement
+(reshapes, slices, selects, converts, ...) and calls that XLA inlines (``jit``, ``custom_jvp``,
+``checkpoint``), it is produced or consumed by any floating-point operation other than data
+movement; a parameter, a constant, a loop carry or a branch's operand is a fusion boundary
+already, and whatever the walk cannot follow counts as arithmetic.
+
+- a window read is refused when its operand and its result both meet arithmetic (a
+  contraction needs a multiply on one side and an add on the other): under a ``cond`` guard
+  for the boundary; unguarded too, because a ``dynamic_slice`` was measured to fuse otherwise
+  than the gather in the backward pass (the transposes around it);
+- a write with no arithmetic combiner (``.set``, ``.min``, ``.max``: they only choose values)
+  when its operand or update meets arithmetic and so does its result;
+- a write with an arithmetic combiner (``.add``, ``.multiply``, ``.apply``) when any of them
+  does (the combiner is the add or the multiply of a contraction).
+
+Integer, boolean and key windows never round.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
+
+from autoopt import _jaxpr
+
+# Primitives that only move or select values: a multiply and an add on either side can meet
+# through them in one fusion, so the walk continues through them.
+_MOVES = frozenset(
+    {
+        "reshape",
+        "broadcast_in_dim",
+        "squeeze",
+        "expand_dims",
+        "transpose",
+        "slice",
+        "dynamic_slice",
+        "dynamic_update_slice",
+        "gather",
+        "scatter",
+        "concatenate",
+        "pad",
+        "select_n",
+        "convert_element_type",
+        "copy",
+        "copy_p",
+        "rev",
+        "optimization_barrier",
+        "reduce_precision",
+        "device_put",
+    }
+)
+# Calls XLA inlines: their bodies are one fusion region with the caller.
+_INLINED = frozenset(
+    {
+        "pjit",
+        "jit",
+        "closed_call",
+        "core_call",
+        "custom_jvp_call",
+        "custom_vjp_call",
+        "custom_vjp_call_jaxpr",
+        "checkpoint",
+        "remat",
+        "remat2",
+        "custom_lin",
+    }
+)
+# Control flow whose bodies are computations of their own: a fusion boundary.
+_BOUNDARY = frozenset({"cond", "while", "scan"})
+
+_LIMIT = 400  # nodes visited per question; past it the answer is "meets arithmetic"
+
+_BOUND = ("boundary",)
+_UNKNOWN = ("unknown",)
+
+
+def _floating(atom: Any) -> bool:
+    aval = getattr(atom, "aval", None)
+    dtype = getattr(aval, "dtype", None)
+    if dtype is None:
+        return False
+    try:
+        return bool(np.issubdtype(dtype, np.inexact))
+    except TypeError:  # an extended dtype (PRNG keys)
+        return False
+
+
+def _moves(eqn: JaxprEqn) -> bool:
+    """``eqn`` only moves or selects values (a ``.set`` scatter, not ``.apply``'s)."""
+    if eqn.primitive.name == "scatter":
+        return eqn.params.get("update_jaxpr") is None
+    return eqn.primitive.name in _MOVES
+
+
+class Graph:
+    """Producers and consumers of every ``Var`` of a program, calls inlined."""
+
+    def __init__(self, closed: ClosedJaxpr) -> None:
+        self.prod: dict[Var, tuple] = {}
+        self.uses: dict[Var, list[tuple]] = {}
+        j = closed.jaxpr
+        for v in (*j.invars, *j.constvars):
+            self.prod[v] = _BOUND
+        self._walk(j, top=True)
+        for v in j.outvars:
+            if isinstance(v, Var):
+                self.uses.setdefault(v, []).append(_BOUND)
+
+    def _use(self, v: Any, what: tuple) -> None:
+        if isinstance(v, Var):
+            self.uses.setdefault(v, []).append(what)
+
+    def _walk(self, j: Jaxpr, top: bool) -> None:
+        for eqn in j.eqns:
+            name = eqn.primitive.name
+            subs = _jaxpr.subjaxprs(eqn)
+            if not subs:
+                for v in eqn.invars:
+                    self._use(v, ("eqn", eqn))
+                for v in eqn.outvars:
+                    self.prod[v] = ("eqn", eqn)
+                continue
+            if name in _INLINED and len(subs) >= 1:
+                sub = subs[0][2]
+                inner = sub.jaxpr if isinstance(sub, ClosedJaxpr) else sub
+                if len(inner.invars) == len(eqn.invars) and len(inner.outvars) == len(eqn.outvars):
+                    for outer, v in zip(eqn.invars, inner.invars):
+                        self._use(outer, ("alias", v))
+                        self.prod[v] = ("alias", outer) if isinstance(outer, Var) else _BOUND
+                    for v in inner.constvars:
+                        self.prod[v] = _BOUND
+                    self._walk(inner, top=False)
+                    for v, outer in zip(inner.outvars, eqn.outvars):
+                        self._use(v, ("alias", outer))
+                        self.prod[outer] = ("alias", v) if isinstance(v, Var) else _BOUND
+                    # The other sub-jaxprs (a custom rule's) are walked as opaque bodies.
+                    for _, _, other in subs[1:]:
+                        self._opaque(other)
+                    continue
+            what = _BOUND if name in _BOUNDARY else _UNKNOWN
+            for v in eqn.invars:
+                self._use(v, what)
+            for v in eqn.outvars:
+                self.prod[v] = what
+            for _, _, sub in subs:
+                if name in _BOUNDARY:
+                    self._body(sub, _BOUND)
+                else:
+                    self._opaque(sub)
+
+    def _body(self, sub, what: tuple) -> None:
+        inner = sub.jaxpr if isinstance(sub, ClosedJaxpr) else sub
+        for v in (*inner.invars, *inner.constvars):
+            self.prod[v] = what
+        self._walk(inner, top=False)
+        for v in inner.outvars:
+            self._use(v, what)
+
+    def _opaque(self, sub) -> None:
+        self._body(sub, _UNKNOWN)
+
+    # --- questions ----------------------------------------------------------------------------
+
+    def upstream_arith(self, atom: Any) -> bool:
+        """``atom`` is (through data movement) computed by floating-point arithmetic."""
+        seen: set = set()
+        todo = [atom]
+        while todo:
+            a = todo.pop()
+            if isinstance(a, Literal) or not isinstance(a, Var) or id(a) in seen:
+                continue
+            seen.add(id(a))
+            if len(seen) > _LIMIT:
+                return True
+            p = self.prod.get(a, _UNKNOWN)
+            if p is _BOUND:
+                continue
+            if p is _UNKNOWN:
+                if _floating(a):
+                    return True
+                continue
+            if p[0] == "alias":
+                todo.append(p[1])
+                continue
+            eqn: JaxprEqn = p[1]
+            if _moves(eqn):
+                todo.extend(v for v in eqn.invars if _floating(v))
+                continue
+            return True
+        return False
+
+    def downstream_arith(self, atom: Any) -> bool:
+        """``atom`` is (through data movement) consumed by floating-point arithmetic."""
+        seen: set = set()
+        todo = [atom]
+        while todo:
+            a = todo.pop()
+            if not isinstance(a, Var) or id(a) in seen:
+                continue
+            seen.add(id(a))
+            if len(seen) > _LIMIT:
+                return True
+            for u in self.uses.get(a, ()):
+                if u is _BOUND:
+                    continue
+                if u is _UNKNOWN:
+                    return True
+                if u[0] == "alias":
+                    todo.append(u[1])
+                    continue
+                eqn: JaxprEqn = u[1]
+                if _moves(eqn):
+                    todo.extend(v for v in eqn.outvars if _floating(v))
+                    continue
+                if any(_floating(v) for v in eqn.outvars):
+                    return True
+        return False
+
+
+def floating_window(eqn: JaxprEqn) -> bool:
+    """The scatter/gather moves floating-point (or complex) values."""
+    return _floating(eqn.invars[0])
+
+
+def read_risk(graph: Graph, eqn: JaxprEqn) -> bool:
+    """Rewriting the read ``eqn`` (a gather) could change rounding."""
+    if not floating_window(eqn):
+        return False
+    return graph.upstream_arith(eqn.invars[0]) and graph.downstream_arith(eqn.outvars[0])
+
+
+def write_risk(graph: Graph, eqn: JaxprEqn, combined: bool) -> bool:
+    """Rewriting the scatter ``eqn`` (``combined``: with an arithmetic combiner) could change
+    rounding."""
+    if not floating_window(eqn):
+        return False
+    up = graph.upstream_arith(eqn.invars[0]) or graph.upstream_arith(eqn.invars[2])
+    if combined:
+        return up or graph.downstream_arith(eqn.outvars[0])
+    return up and graph.downstream_arith(eqn.outvars[0])
