@@ -221,3 +221,23 @@ def test_generated_programs_type_check_as_declared(pa):
     )
     assert shapes == declared
     jax.eval_shape(program.function(), *args)
+
+
+@fuzz_settings
+@given(fuzz_cases(max_ops=3, first="window_chain"), st.sampled_from(["call", "grad"]))
+def test_arithmetic_around_a_window_keeps_jax_jits_bits(case, route):
+    # Arithmetic -> a window at a traced start -> arithmetic: where a rewrite moves a fusion
+    # boundary, XLA contracts (or stops contracting) a multiply-add and the last bit changes.
+    # remat="off": every route is compared bit for bit (check_program).
+    note(repr(case))
+    if route == "call":
+        check_program(case, remat="off")
+        return
+    argnums = _float_params(case.program) or None
+
+    def through(f, args):
+        if argnums is None:
+            return _loss(f)(*args)
+        return jax.grad(_loss(f), argnums=argnums)(*args)
+
+    check_program(case, through=through, remat="off")
