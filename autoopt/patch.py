@@ -161,6 +161,121 @@ def _jit_through_optimize(fun: Any, *, kwargs: dict, options: dict):
     return result
 
 
+# --- equinox.filter_jit ----------------------------------------------------------------------
+# ``eqx.filter_jit`` calls ``jax.jit`` from its own frame, so the donation proof of a jax.jit
+# routed through optimize would read equinox's statement, never the user's. Under the patch,
+# ``filter_jit`` itself returns ``_jit._equinox.EquinoxJit``, whose call is the user's
+# statement. A ``filter_jit`` with ``donate=`` other than "none", or with jax.jit keywords,
+# stays equinox's own (the user chose its donation); so does one called from equinox itself.
+
+_EQX_PLAIN_CALLERS = (*_PLAIN_CALLERS, "equinox")
+
+
+def _real_filter_jit() -> Callable | None:
+    mod = sys.modules.get("equinox._jit")
+    return getattr(mod, "filter_jit", None) if mod is not None else None
+
+
+_real_filter_jit_fn: Callable | None = None
+
+
+def _patched_filter_jit(fun: Any = _NOT_GIVEN, /, *, donate: Any = "none", **jitkwargs: Any):
+    real = _real_filter_jit_fn
+    assert real is not None  # installed only once equinox is imported
+    if fun is _NOT_GIVEN:  # @eqx.filter_jit(donate=...)
+        return functools.partial(_patched_filter_jit, donate=donate, **jitkwargs)
+    caller = sys._getframe(1).f_globals.get("__name__", "")
+    try:
+        options = _state.handles[-1].options
+    except IndexError:
+        options = None
+    if (
+        options is None
+        or caller.split(".", 1)[0] in _EQX_PLAIN_CALLERS
+        or donate != "none"
+        or jitkwargs
+    ):
+        return real(fun, donate=donate, **jitkwargs)
+    okey = _options_key({}, options)
+    key = ("equinox.filter_jit", okey) if okey is not None else None
+    cached = _cached(fun, key)
+    if cached is not None:
+        _row(getattr(cached, "_inner", cached)).jit_calls += 1
+        return cached
+    from autoopt._jit import EquinoxJit
+
+    try:
+        result = EquinoxJit(fun, _LazyFilterJit(real, fun), options)
+        refused = None
+    except Exception as e:  # noqa: BLE001 - autoopt cannot route it: equinox's own
+        result, refused = real(fun), e
+    row = _row_for(fun, getattr(result, "_inner", result))
+    row.jit_calls += 1
+    if refused is not None:
+        _count_fallback(row, "options", f"{type(refused).__name__}: {refused}")
+    _remember(fun, key, result)
+    return result
+
+
+class _LazyFilterJit:
+    """Equinox's own wrapper of ``fun``, made on first use (``lower``): making it builds a
+    jax.jit, which under the patch would be one more function in the summary."""
+
+    def __init__(self, real: Callable, fun: Any):
+        self._real, self._fun, self._made = real, fun, None
+
+    def __getattr__(self, name: str) -> Any:
+        if self._made is None:
+            self._made = self._real(self._fun)
+        return getattr(self._made, name)
+
+
+class _PostImport:
+    """A ``sys.meta_path`` finder that patches a framework when it is imported after the patch
+    began (``autoopt run`` patches before the script imports anything)."""
+
+    names = ("equinox",)
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in self.names:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        original = loader.exec_module
+
+        def exec_module(module):
+            original(module)
+            with _state.lock:
+                if _state.handles:
+                    _state.rebound += _rebind_modules()
+
+        spec.loader = _ExecThen(loader, exec_module)  # pyright: ignore[reportAttributeAccessIssue]
+        return spec
+
+
+class _ExecThen:
+    def __init__(self, loader, exec_module):
+        self._loader, self.exec_module = loader, exec_module
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+
+_post_import = _PostImport()
+
+
 def _options_key(kwargs: dict, options: dict) -> tuple | None:
     return options_key(kwargs, options)
 
@@ -176,13 +291,21 @@ def _remember(fun: Any, key: tuple | None, result: Any) -> None:
 # --- rebinding the name in modules that took it at import ------------------------------------
 
 
-def _is_jit_binding(value: Any) -> bool:
+def _replacement(value: Any) -> Any:
+    """What a module's binding of ``value`` becomes under the patch, or None to keep it."""
     if value is real_jit:
-        return True
-    return isinstance(value, functools.partial) and value.func is real_jit
+        return _patched_jit
+    if value is not None and value is _real_filter_jit_fn:
+        return _patched_filter_jit
+    if isinstance(value, functools.partial) and value.func is real_jit:
+        return functools.partial(_patched_jit, *value.args, **value.keywords)
+    return None
 
 
 def _rebind_modules() -> list[tuple[dict, str, Any, Any]]:
+    global _real_filter_jit_fn
+    if _real_filter_jit_fn is None:
+        _real_filter_jit_fn = _real_filter_jit()
     done = []
     for name, module in list(sys.modules.items()):
         if not isinstance(module, types.ModuleType) or name.split(".", 1)[0] in _PLAIN_CALLERS:
@@ -192,15 +315,11 @@ def _rebind_modules() -> list[tuple[dict, str, Any, Any]]:
             continue
         for attr, value in list(namespace.items()):
             try:
-                hit = _is_jit_binding(value)
+                replacement = _replacement(value)
             except Exception:  # noqa: BLE001 - an object whose comparison raises: not jit
                 continue
-            if not hit:
+            if replacement is None:
                 continue
-            if value is real_jit:
-                replacement = _patched_jit
-            else:
-                replacement = functools.partial(_patched_jit, *value.args, **value.keywords)
             namespace[attr] = replacement
             done.append((namespace, attr, value, replacement))
     return done
@@ -264,6 +383,8 @@ def patch(**options: Any) -> Patch:
 def _install() -> None:
     jax.jit = _patched_jit
     _state.rebound = _rebind_modules()
+    if _post_import not in sys.meta_path:
+        sys.meta_path.insert(0, _post_import)
     if not _state.listening:
         monitoring.register_event_duration_secs_listener(_on_duration)
         _state.listening = True
@@ -272,6 +393,8 @@ def _install() -> None:
 def _uninstall() -> None:
     if jax.jit is _patched_jit:
         jax.jit = real_jit
+    if _post_import in sys.meta_path:
+        sys.meta_path.remove(_post_import)
     for namespace, attr, original, replacement in _state.rebound:
         if namespace.get(attr) is replacement:  # not rebound by someone else since
             namespace[attr] = original
