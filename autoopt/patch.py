@@ -87,6 +87,8 @@ class FunctionSummary:
     fallbacks: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     fallback_reasons: dict = dataclasses.field(default_factory=dict)  # pass -> first reason
     _seen: set = dataclasses.field(default_factory=set, repr=False)
+    # the optimized functions of this row, read at summary time for what was not applied
+    _fns: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet, repr=False)
 
     def as_dict(self) -> dict:
         return {
@@ -101,6 +103,7 @@ class FunctionSummary:
                 {"pass": p, "count": n, "reason": self.fallback_reasons.get(p, "")}
                 for p, n in sorted(self.fallbacks.items())
             ],
+            "not_applied": _not_applied(self),
         }
 
 
@@ -419,6 +422,7 @@ def _row_for(fun: Any, result: Any) -> FunctionSummary:
             row = _state.rows[(name, location)] = FunctionSummary(name, location)
         try:
             _state.row_of[result] = row
+            row._fns.add(result)
         except TypeError:
             pass
     return row
@@ -493,6 +497,76 @@ def _record_program(row: FunctionSummary, fn: Any, args: tuple, kwargs: dict) ->
             row.bytes_saved += f.bytes_saved or 0
 
 
+# Per function, at most this many "not applied" lines in the exit summary (the JSON has all).
+NOT_APPLIED_LINES = 4
+
+
+def _not_applied(row: FunctionSummary) -> list[dict]:
+    """What the passes considered for this row's programs and did not apply, each with why:
+    a finding not applied (its message), or an argument a program could donate that its
+    executable does not (the call sites' reasons, or why the executable was fixed without it).
+    Read from the functions' caches when the summary is made, so call sites seen after the
+    compile count too. Never raises."""
+    out: dict[tuple, dict] = {}
+    try:
+        for fn in list(row._fns):
+            _not_applied_of(fn, out)
+    except Exception as e:  # noqa: BLE001 - the summary must never break the exit
+        out[("?", "?")] = {"kind": "?", "what": "?", "reason": f"(summary error: {e})"}
+    return list(out.values())
+
+
+def _not_applied_of(fn: Any, out: dict) -> None:
+    caches = getattr(fn, "_caches", None)
+    if caches is None:
+        return
+    subs = list(caches.static_leaf_fns.values())
+    shift = getattr(fn, "_proof_shift", 0)  # positions of the caller's arguments (equinox)
+    proofs = list(caches.site_proofs.values())
+    for program in list(caches.programs.values()):
+        if program.pipeline is None:
+            continue
+        donates = program.donates or ((), ())
+        for f in program.pipeline.findings:
+            d = f.details or {}
+            if f.kind == "donate":
+                arg, name = d.get("arg"), d.get("name")
+                if arg in donates[0] or arg in donates[1]:
+                    continue
+                names = getattr(fn, "_proof_names", None)
+                if shift and names and isinstance(arg, int) and 0 <= arg - shift < len(names):
+                    name = names[arg - shift]
+                what = f"`{name}`" if name else f"argument {arg}"
+                reason = _donation_reason(proofs, arg, shift, program.donates is None)
+            elif f.applied:
+                continue
+            else:
+                what, reason = (f.location or ""), f.message
+            out.setdefault((f.kind, what, reason), {"kind": f.kind, "what": what, "reason": reason})
+    for sub in subs:
+        _not_applied_of(sub, out)
+
+
+def _donation_reason(proofs: list, arg: Any, shift: int, undecided: bool) -> str:
+    """Why an argument an output can alias is not donated, from the call sites' proofs."""
+    if undecided:
+        return "no call of this signature has run (traced for a report only)"
+    key = arg - shift if isinstance(arg, int) else arg
+    why = [f"{p.location}: {r}" for p in proofs for k, r in p.reasons if k == key or k == "*"]
+    proven = any(key in p.positions or key in p.names for p in proofs)
+    if why and not proven:
+        return "; ".join(dict.fromkeys(why))
+    if proven:
+        return "; ".join(
+            [
+                *dict.fromkeys(why),
+                "a call site rebinds it, but the signature's one executable was fixed by an "
+                "earlier call that could not donate it (its calls pass copies)",
+            ]
+        )
+    return "no call site proved it dead (a call from inside a transformation or a framework)"
+
+
 def summary() -> dict:
     """The per-function figures so far: ``{"functions": [...], "other_compiles": {...}}``."""
     with _state.lock:
@@ -529,6 +603,10 @@ def format_summary(data: dict, limit: int = 40) -> str:
             f"  {r['name'][:32]:<32} {r['jit_calls']:>6} {r['compiles']:>8} {r['signatures']:>5}  "
             f"{r['bytes_saved']:>12,}  {what}"
         )
+        for n in r.get("not_applied", [])[:NOT_APPLIED_LINES]:
+            lines.append(f"      not applied: {n['kind']} {n['what']}: {n['reason'][:110]}")
+        if len(r.get("not_applied", [])) > NOT_APPLIED_LINES:
+            lines.append(f"      ... {len(r['not_applied']) - NOT_APPLIED_LINES} more not applied")
     if len(rows) > limit:
         lines.append(f"  ... {len(rows) - limit} more (--report FILE.json has them all)")
     other = data["other_compiles"]

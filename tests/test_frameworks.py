@@ -211,3 +211,25 @@ def test_autoopt_run_routes_filter_jit_imported_after_the_patch(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert "EquinoxJit True 3.0" in out.stdout
+
+
+def test_the_summary_lists_what_was_considered_and_why_it_was_not_applied():
+    from autoopt.patch import format_summary, summary
+
+    eqx, init, make_step_fn, x, y = _eqx_setup()
+    with autoopt.patch():
+        make_step = eqx.filter_jit(make_step_fn)
+        model, opt_state = init()
+        for _ in range(2):
+            model, opt_state, loss = make_step(model, opt_state, x, y)
+        data = summary()
+        text = format_summary(data)
+    (row,) = [
+        r
+        for r in data["functions"]
+        if r["name"].endswith("make_step_fn") and __file__ in (r["location"] or "")
+    ]
+    assert row["applied"].get("donate", 0) >= 2  # the model and the optimizer state (rows add up)
+    refused = {n["what"]: n["reason"] for n in row["not_applied"] if n["kind"] == "donate"}
+    assert "`x`" in refused and "the statement rebinds" in refused["`x`"]
+    assert "not applied: donate `x`" in text

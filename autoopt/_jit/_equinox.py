@@ -90,6 +90,9 @@ class EquinoxJit:
         policy = Policy.build(opts, fn_location_of(fun))
         self._donate = policy.donate  # "safe", "auto" or "off"
         self._inner = OptimizedFunction(_inner_function(name, qualname), opts, policy)
+        # the caller's argument i is the inner function's FIRST_ARG + i (the summary's reasons)
+        self._inner._proof_shift = FIRST_ARG  # pyright: ignore[reportAttributeAccessIssue]
+        self._inner._proof_names = list(self._signature.parameters)  # pyright: ignore[reportAttributeAccessIssue]
         self._sites: dict = {}
 
     # --- the call --------------------------------------------------------------------------
