@@ -279,3 +279,14 @@ def test_an_nnx_jit_loop_under_the_patch_matches_plain_and_keeps_held_arrays():
     _assert_same_arrays(want, got)
     _assert_same_arrays(expected, nnx.state(model))
     assert not held.is_deleted() and not shared["bias"].get_value().is_deleted()
+
+
+def test_undoing_the_patch_gives_equinox_its_filter_jit_back():
+    eqx = pytest.importorskip("equinox")
+    import equinox._jit as eqx_jit
+
+    original = eqx.filter_jit
+    with autoopt.patch():
+        assert eqx.filter_jit is not original
+    assert eqx.filter_jit is original and eqx_jit.filter_jit is original
+    assert type(eqx.filter_jit(lambda x: x)).__name__ == "_JitWrapper"
