@@ -87,6 +87,8 @@ class FunctionSummary:
     fallbacks: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     fallback_reasons: dict = dataclasses.field(default_factory=dict)  # pass -> first reason
     _seen: set = dataclasses.field(default_factory=set, repr=False)
+    # the optimized functions of this row, read at summary time for what was not applied
+    _fns: weakref.WeakSet = dataclasses.field(default_factory=weakref.WeakSet, repr=False)
 
     def as_dict(self) -> dict:
         return {
@@ -101,6 +103,7 @@ class FunctionSummary:
                 {"pass": p, "count": n, "reason": self.fallback_reasons.get(p, "")}
                 for p, n in sorted(self.fallbacks.items())
             ],
+            "not_applied": _not_applied(self),
         }
 
 
@@ -161,6 +164,121 @@ def _jit_through_optimize(fun: Any, *, kwargs: dict, options: dict):
     return result
 
 
+# --- equinox.filter_jit ----------------------------------------------------------------------
+# ``eqx.filter_jit`` calls ``jax.jit`` from its own frame, so the donation proof of a jax.jit
+# routed through optimize would read equinox's statement, never the user's. Under the patch,
+# ``filter_jit`` itself returns ``_jit._equinox.EquinoxJit``, whose call is the user's
+# statement. A ``filter_jit`` with ``donate=`` other than "none", or with jax.jit keywords,
+# stays equinox's own (the user chose its donation); so does one called from equinox itself.
+
+_EQX_PLAIN_CALLERS = (*_PLAIN_CALLERS, "equinox")
+
+
+def _real_filter_jit() -> Callable | None:
+    mod = sys.modules.get("equinox._jit")
+    return getattr(mod, "filter_jit", None) if mod is not None else None
+
+
+_real_filter_jit_fn: Callable | None = None
+
+
+def _patched_filter_jit(fun: Any = _NOT_GIVEN, /, *, donate: Any = "none", **jitkwargs: Any):
+    real = _real_filter_jit_fn
+    assert real is not None  # installed only once equinox is imported
+    if fun is _NOT_GIVEN:  # @eqx.filter_jit(donate=...)
+        return functools.partial(_patched_filter_jit, donate=donate, **jitkwargs)
+    caller = sys._getframe(1).f_globals.get("__name__", "")
+    try:
+        options = _state.handles[-1].options
+    except IndexError:
+        options = None
+    if (
+        options is None
+        or caller.split(".", 1)[0] in _EQX_PLAIN_CALLERS
+        or donate != "none"
+        or jitkwargs
+    ):
+        return real(fun, donate=donate, **jitkwargs)
+    okey = _options_key({}, options)
+    key = ("equinox.filter_jit", okey) if okey is not None else None
+    cached = _cached(fun, key)
+    if cached is not None:
+        _row(getattr(cached, "_inner", cached)).jit_calls += 1
+        return cached
+    from autoopt._jit import EquinoxJit
+
+    try:
+        result = EquinoxJit(fun, _LazyFilterJit(real, fun), options)
+        refused = None
+    except Exception as e:  # noqa: BLE001 - autoopt cannot route it: equinox's own
+        result, refused = real(fun), e
+    row = _row_for(fun, getattr(result, "_inner", result))
+    row.jit_calls += 1
+    if refused is not None:
+        _count_fallback(row, "options", f"{type(refused).__name__}: {refused}")
+    _remember(fun, key, result)
+    return result
+
+
+class _LazyFilterJit:
+    """Equinox's own wrapper of ``fun``, made on first use (``lower``): making it builds a
+    jax.jit, which under the patch would be one more function in the summary."""
+
+    def __init__(self, real: Callable, fun: Any):
+        self._real, self._fun, self._made = real, fun, None
+
+    def __getattr__(self, name: str) -> Any:
+        if self._made is None:
+            self._made = self._real(self._fun)
+        return getattr(self._made, name)
+
+
+class _PostImport:
+    """A ``sys.meta_path`` finder that patches a framework when it is imported after the patch
+    began (``autoopt run`` patches before the script imports anything)."""
+
+    names = ("equinox",)
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in self.names:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        original = loader.exec_module
+
+        def exec_module(module):
+            original(module)
+            with _state.lock:
+                if _state.handles:
+                    _state.rebound += _rebind_modules()
+
+        spec.loader = _ExecThen(loader, exec_module)  # pyright: ignore[reportAttributeAccessIssue]
+        return spec
+
+
+class _ExecThen:
+    def __init__(self, loader, exec_module):
+        self._loader, self.exec_module = loader, exec_module
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+
+_post_import = _PostImport()
+
+
 def _options_key(kwargs: dict, options: dict) -> tuple | None:
     return options_key(kwargs, options)
 
@@ -176,13 +294,21 @@ def _remember(fun: Any, key: tuple | None, result: Any) -> None:
 # --- rebinding the name in modules that took it at import ------------------------------------
 
 
-def _is_jit_binding(value: Any) -> bool:
+def _replacement(value: Any) -> Any:
+    """What a module's binding of ``value`` becomes under the patch, or None to keep it."""
     if value is real_jit:
-        return True
-    return isinstance(value, functools.partial) and value.func is real_jit
+        return _patched_jit
+    if value is not None and value is _real_filter_jit_fn:
+        return _patched_filter_jit
+    if isinstance(value, functools.partial) and value.func is real_jit:
+        return functools.partial(_patched_jit, *value.args, **value.keywords)
+    return None
 
 
 def _rebind_modules() -> list[tuple[dict, str, Any, Any]]:
+    global _real_filter_jit_fn
+    if _real_filter_jit_fn is None:
+        _real_filter_jit_fn = _real_filter_jit()
     done = []
     for name, module in list(sys.modules.items()):
         if not isinstance(module, types.ModuleType) or name.split(".", 1)[0] in _PLAIN_CALLERS:
@@ -192,15 +318,11 @@ def _rebind_modules() -> list[tuple[dict, str, Any, Any]]:
             continue
         for attr, value in list(namespace.items()):
             try:
-                hit = _is_jit_binding(value)
+                replacement = _replacement(value)
             except Exception:  # noqa: BLE001 - an object whose comparison raises: not jit
                 continue
-            if not hit:
+            if replacement is None:
                 continue
-            if value is real_jit:
-                replacement = _patched_jit
-            else:
-                replacement = functools.partial(_patched_jit, *value.args, **value.keywords)
             namespace[attr] = replacement
             done.append((namespace, attr, value, replacement))
     return done
@@ -264,6 +386,8 @@ def patch(**options: Any) -> Patch:
 def _install() -> None:
     jax.jit = _patched_jit
     _state.rebound = _rebind_modules()
+    if _post_import not in sys.meta_path:
+        sys.meta_path.insert(0, _post_import)
     if not _state.listening:
         monitoring.register_event_duration_secs_listener(_on_duration)
         _state.listening = True
@@ -272,6 +396,8 @@ def _install() -> None:
 def _uninstall() -> None:
     if jax.jit is _patched_jit:
         jax.jit = real_jit
+    if _post_import in sys.meta_path:
+        sys.meta_path.remove(_post_import)
     for namespace, attr, original, replacement in _state.rebound:
         if namespace.get(attr) is replacement:  # not rebound by someone else since
             namespace[attr] = original
@@ -296,6 +422,7 @@ def _row_for(fun: Any, result: Any) -> FunctionSummary:
             row = _state.rows[(name, location)] = FunctionSummary(name, location)
         try:
             _state.row_of[result] = row
+            row._fns.add(result)
         except TypeError:
             pass
     return row
@@ -370,6 +497,76 @@ def _record_program(row: FunctionSummary, fn: Any, args: tuple, kwargs: dict) ->
             row.bytes_saved += f.bytes_saved or 0
 
 
+# Per function, at most this many "not applied" lines in the exit summary (the JSON has all).
+NOT_APPLIED_LINES = 4
+
+
+def _not_applied(row: FunctionSummary) -> list[dict]:
+    """What the passes considered for this row's programs and did not apply, each with why:
+    a finding not applied (its message), or an argument a program could donate that its
+    executable does not (the call sites' reasons, or why the executable was fixed without it).
+    Read from the functions' caches when the summary is made, so call sites seen after the
+    compile count too. Never raises."""
+    out: dict[tuple, dict] = {}
+    try:
+        for fn in list(row._fns):
+            _not_applied_of(fn, out)
+    except Exception as e:  # noqa: BLE001 - the summary must never break the exit
+        out[("?", "?")] = {"kind": "?", "what": "?", "reason": f"(summary error: {e})"}
+    return list(out.values())
+
+
+def _not_applied_of(fn: Any, out: dict) -> None:
+    caches = getattr(fn, "_caches", None)
+    if caches is None:
+        return
+    subs = list(caches.static_leaf_fns.values())
+    shift = getattr(fn, "_proof_shift", 0)  # positions of the caller's arguments (equinox)
+    proofs = list(caches.site_proofs.values())
+    for program in list(caches.programs.values()):
+        if program.pipeline is None:
+            continue
+        donates = program.donates or ((), ())
+        for f in program.pipeline.findings:
+            d = f.details or {}
+            if f.kind == "donate":
+                arg, name = d.get("arg"), d.get("name")
+                if arg in donates[0] or arg in donates[1]:
+                    continue
+                names = getattr(fn, "_proof_names", None)
+                if shift and names and isinstance(arg, int) and 0 <= arg - shift < len(names):
+                    name = names[arg - shift]
+                what = f"`{name}`" if name else f"argument {arg}"
+                reason = _donation_reason(proofs, arg, shift, program.donates is None)
+            elif f.applied:
+                continue
+            else:
+                what, reason = (f.location or ""), f.message
+            out.setdefault((f.kind, what, reason), {"kind": f.kind, "what": what, "reason": reason})
+    for sub in subs:
+        _not_applied_of(sub, out)
+
+
+def _donation_reason(proofs: list, arg: Any, shift: int, undecided: bool) -> str:
+    """Why an argument an output can alias is not donated, from the call sites' proofs."""
+    if undecided:
+        return "no call of this signature has run (traced for a report only)"
+    key = arg - shift if isinstance(arg, int) else arg
+    why = [f"{p.location}: {r}" for p in proofs for k, r in p.reasons if k == key or k == "*"]
+    proven = any(key in p.positions or key in p.names for p in proofs)
+    if why and not proven:
+        return "; ".join(dict.fromkeys(why))
+    if proven:
+        return "; ".join(
+            [
+                *dict.fromkeys(why),
+                "a call site rebinds it, but the signature's one executable was fixed by an "
+                "earlier call that could not donate it (its calls pass copies)",
+            ]
+        )
+    return "no call site proved it dead (a call from inside a transformation or a framework)"
+
+
 def summary() -> dict:
     """The per-function figures so far: ``{"functions": [...], "other_compiles": {...}}``."""
     with _state.lock:
@@ -406,6 +603,10 @@ def format_summary(data: dict, limit: int = 40) -> str:
             f"  {r['name'][:32]:<32} {r['jit_calls']:>6} {r['compiles']:>8} {r['signatures']:>5}  "
             f"{r['bytes_saved']:>12,}  {what}"
         )
+        for n in r.get("not_applied", [])[:NOT_APPLIED_LINES]:
+            lines.append(f"      not applied: {n['kind']} {n['what']}: {n['reason'][:110]}")
+        if len(r.get("not_applied", [])) > NOT_APPLIED_LINES:
+            lines.append(f"      ... {len(r['not_applied']) - NOT_APPLIED_LINES} more not applied")
     if len(rows) > limit:
         lines.append(f"  ... {len(rows) - limit} more (--report FILE.json has them all)")
     other = data["other_compiles"]

@@ -1,11 +1,13 @@
 """The jit wrapper: ``optimize`` and ``OptimizedFunction``, whose call path is one story
 (``_dispatch``), and ``Inspection``, the narrow view of it."""
 
+from autoopt._jit._equinox import EquinoxJit  # also registers optimize's route for filter_jit
 from autoopt._jit._function import OptimizedFunction, explain, forget_wrappers, optimize
 from autoopt._jit._inspect import Inspection
 from autoopt._jit._reuse import RECENT, WrapperCache, options_key
 
 __all__ = [
+    "EquinoxJit",
     "RECENT",
     "Inspection",
     "OptimizedFunction",

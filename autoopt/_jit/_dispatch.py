@@ -350,7 +350,7 @@ def plan_donating(
         # Under "safe", nothing is donated into a program that calls back into Python
         # (``host_callbacks`` says why): its one executable donates nothing.
         if check_refs and host_callbacks(program.final):
-            return _plan_for(of, program, program.decide(((), ())), (), ())
+            return plan_for(of, program, program.decide(((), ())), (), ())
         d = program.decide((positions, names))
         if program.unpacks_to(unpack):
             pos, nms = (
@@ -372,7 +372,7 @@ def plan_donating(
     except Exception as e:  # noqa: BLE001 - donation is an optimization; never break the call
         of._fall_back(e, "donation")
         d, pos, nms = program.decide((positions, names)), (), ()
-    return _plan_for(of, program, d, pos, nms)
+    return plan_for(of, program, d, pos, nms)
 
 
 def plan_static_leaves(
@@ -423,7 +423,7 @@ def plan_static_leaves(
         d, pos, nms = program.decide((positions, names)), (), ()
     split = split_if_static(args, kwargs, policy.static_argnums, policy.static_argnames)
     assert split is not None  # the same arguments as above
-    return _plan_for(sub, program, d, pos, nms)._replace(static=split, static_fn=sub, direct=False)
+    return plan_for(sub, program, d, pos, nms)._replace(static=split, static_fn=sub, direct=False)
 
 
 def plan_kept(of: OptimizedFunction, args: tuple, kwargs: dict, site: Any) -> CallPlan:
@@ -438,14 +438,14 @@ def plan_kept(of: OptimizedFunction, args: tuple, kwargs: dict, site: Any) -> Ca
         return of._plain_plan
     fresh = any(why.startswith(_PASSED_FRESH) for _, why in site.proof.reasons)
     fresh = fresh and not host_callbacks(program.final)  # "safe" never donates into callbacks
-    return _plan_for(of, program, program.decide(None if fresh else ((), ())), (), ())
+    return plan_for(of, program, program.decide(None if fresh else ((), ())), (), ())
 
 
 # callsite's reason for an argument written as an expression (a fresh value, not a name)
 _PASSED_FRESH = "it is passed as an expression"
 
 
-def _plan_for(
+def plan_for(
     of: OptimizedFunction, program: Program, d: tuple[tuple, tuple], pos: tuple, nms: tuple
 ) -> CallPlan:
     """The plan running the executable donating ``d``, of which the call donates ``pos`` and

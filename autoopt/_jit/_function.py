@@ -43,7 +43,7 @@ log = logging.getLogger("autoopt")
 __all__ = ["optimize", "explain", "OptimizedFunction", "forget_wrappers"]
 
 
-def _fn_location(fn: Callable) -> str | None:
+def fn_location_of(fn: Callable) -> str | None:
     try:
         code = fn.__code__
         return f"{code.co_filename}:{code.co_firstlineno}"
@@ -206,7 +206,7 @@ class OptimizedFunction:
     def __init__(self, fn: Callable, options: Options, policy: Policy | None = None):
         self.__wrapped__ = fn
         functools.update_wrapper(self, fn, updated=())
-        self._policy = policy = policy or Policy.build(options, _fn_location(fn))
+        self._policy = policy = policy or Policy.build(options, fn_location_of(fn))
         self._caches = Caches(policy)
         self._wrapper = self._make_wrapper()
         from autoopt.passes.placement import placer_for
@@ -904,6 +904,19 @@ def optimize(fn: Callable | None = None, /, **options: Any):
     if fn is None:
         return lambda f: optimize(f, **options)
     _check_callable(fn)
+    route = _framework_route(fn)
+    if route is not None and not opts.jit_kwargs:
+        # a framework's jit (equinox's filter_jit): its semantics, the proof at the caller's
+        # statement (``_jit._equinox``)
+        okey = _reuse.options_key(options)
+        key = (route[0], okey) if okey is not None else None
+        made = _WRAPPERS.get(fn, key)
+        if made is None:
+            made = route[1](fn, options)
+            if made is not None:
+                _WRAPPERS.put(fn, key, made)
+        if made is not None:
+            return made
     fn, jitted_with = _unwrap_jit(fn)
     if jitted_with:
         for kw in jitted_with:
@@ -918,6 +931,19 @@ def optimize(fn: Callable | None = None, /, **options: Any):
     made = OptimizedFunction(fn, opts)
     _WRAPPERS.put(fn, key, made)
     return made
+
+
+# The frameworks' jit wrappers ``optimize`` takes apart itself: ``(name, is_theirs(fn),
+# make(fn, options) -> wrapper or None)``, registered by their modules (``_jit._equinox``)
+# so that this module imports none of them.
+FRAMEWORK_ROUTES: list[tuple[str, Callable[[Any], bool], Callable[[Any, dict], Any]]] = []
+
+
+def _framework_route(fn: Any) -> tuple[str, Callable[[Any, dict], Any]] | None:
+    for name, is_theirs, make in FRAMEWORK_ROUTES:
+        if is_theirs(fn):
+            return name, make
+    return None
 
 
 # ``optimize(f)`` called again for the same function and options returns the function made the

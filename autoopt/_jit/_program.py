@@ -96,7 +96,7 @@ class Program:
         any other node than a tuple or list counts as not unpacking: nothing is donated."""
         if patterns is None:
             return True
-        return all(_unpacks(self.traced.out_tree, p) for p in patterns)
+        return all(unpacks_tree(self.traced.out_tree, p) for p in patterns)
 
     def decide(self, intended: tuple[tuple, tuple] | None = None) -> tuple[tuple, tuple]:
         """The arguments this signature's one executable donates, fixed by its first call: of
@@ -170,14 +170,14 @@ class Program:
         return hit
 
 
-def _unpacks(tree, pattern: tuple | None) -> bool:
+def unpacks_tree(tree, pattern: tuple | None) -> bool:
     if pattern is None:
         return True
     data = tree.node_data()  # None for a single leaf
     if data is None or not issubclass(data[0], tuple | list):
         return False
     kids = tree_util.treedef_children(tree)
-    return len(kids) == len(pattern) and all(_unpacks(k, p) for k, p in zip(kids, pattern))
+    return len(kids) == len(pattern) and all(unpacks_tree(k, p) for k, p in zip(kids, pattern))
 
 
 def _call_leaf_type(x: Any):

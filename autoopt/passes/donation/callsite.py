@@ -617,13 +617,24 @@ def _static_leaf(x) -> bool:
     """A leaf jax.jit cannot trace (an equinox module's activation function, a string): the
     call path makes it static (``_jit._static_leaves``), so it holds no buffer to donate and
     other references to it do not matter."""
+    t = type(x)
+    if t in _STATIC_LEAF_TYPES:
+        return True
     if isinstance(x, _HOST_SCALARS) or isinstance(x, jax.Array):
         return False
-    if type(x) in _BUILTIN_NODES or not jax.tree_util.treedef_is_leaf(
-        jax.tree_util.tree_structure(x)
-    ):
+    if t in _BUILTIN_NODES or not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x)):
         return False
-    return not hasattr(x, "__jax_array__") and not jit_accepts_leaf(x)
+    static = not hasattr(x, "__jax_array__") and not jit_accepts_leaf(x)
+    if static and (t is types.FunctionType or (t.__module__ or "").startswith("jax._src.")):
+        # Functions and jax's own function objects (``jax.nn.relu`` is a ``custom_jvp``): their
+        # type decides (no pytree registration, no abstract value), so the answer is kept per
+        # type. A model's activation functions are checked on every call of a training step,
+        # ~10 us each through jax's registry and abstractification.
+        _STATIC_LEAF_TYPES.add(t)
+    return static
+
+
+_STATIC_LEAF_TYPES: set[type] = set()
 
 
 def _add_leaf_ids(value, seen: set[int]) -> None:

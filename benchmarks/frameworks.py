@@ -1,0 +1,219 @@
+"""Donation through the frameworks' jit: an equinox MLP + adam loop and a flax nnx MLP +
+nnx.Optimizer loop, each run plainly, under ``autoopt.patch()``, and with the expert's
+hand-written donation, interleaved in one process.
+
+Reported per variant: the median time of a step and its ratio to plain, whether the final
+parameters are bit-identical to plain after the same steps, and the buffers one step reuses
+(arrays of at least one dimension whose output lives in the buffer of the input: count and
+bytes; XLA:CPU gives scalar outputs buffers of their own under every donation).
+
+    python benchmarks/frameworks.py [--steps 20] [--rounds 9] [--width 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from _harness import interleave, markdown_table
+
+import autoopt
+
+
+def _arrays(tree):
+    return [x for x in jax.tree_util.tree_leaves(tree) if isinstance(x, jax.Array)]
+
+
+# (loop, variant) -> (buffers reused, of, bytes) in the last step of its last run
+REUSE: dict = {}
+
+
+def _pointers(tree) -> set[int]:
+    """The buffers of the tree's arrays of at least one dimension (integers: no reference)."""
+    return {x.unsafe_buffer_pointer() for x in _arrays(tree) if x.ndim}
+
+
+def _reused(before: set[int], tree) -> tuple[int, int, int]:
+    big = [x for x in _arrays(tree) if x.ndim]
+    hit = [x for x in big if x.unsafe_buffer_pointer() in before]
+    return len(hit), len(big), sum(x.nbytes for x in hit)
+
+
+def _same(a, b) -> bool:
+    la, lb = _arrays(a), _arrays(b)
+    return len(la) == len(lb) and all(
+        x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb)
+    )
+
+
+# --- equinox ---------------------------------------------------------------------------------
+
+
+def equinox_variants(width: int):
+    import equinox as eqx
+
+    tx = optax.adam(1e-3)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((64, 32)).astype(np.float32))
+    y = jnp.asarray(rng.standard_normal((64, 32)).astype(np.float32))
+
+    def init():
+        model = eqx.nn.MLP(32, 32, width, 3, key=jax.random.key(0))
+        return model, tx.init(eqx.filter(model, eqx.is_array))
+
+    def step(model, opt_state, x, y):
+        def loss(m):
+            return jnp.mean((jax.vmap(m)(x) - y) ** 2)
+
+        value, g = eqx.filter_value_and_grad(loss)(model)
+        updates, opt_state = tx.update(g, opt_state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), opt_state, value
+
+    def step_batch_first(batch, model, opt_state):  # equinox's documented idiom for donation
+        return step(model, opt_state, *batch)
+
+    plain = eqx.filter_jit(step)
+    with autoopt.patch():
+        patched = eqx.filter_jit(step)
+    expert = eqx.filter_jit(step_batch_first, donate="all-except-first")
+
+    def loop(kind, fn):
+        def run(box, steps):
+            # the state comes in a list emptied here: the loop's names are its only holders
+            model, opt_state = box.pop()
+            before: set[int] = set()
+            for i in range(steps):
+                if i == steps - 1:
+                    before = _pointers((model, opt_state))
+                if kind == "expert":
+                    model, opt_state, loss = fn((x, y), model, opt_state)
+                else:
+                    model, opt_state, loss = fn(model, opt_state, x, y)
+            jax.block_until_ready(loss)
+            REUSE[("equinox", kind)] = _reused(before, (model, opt_state))
+            return model, opt_state
+
+        return run
+
+    variants = {"plain": plain, "autoopt.patch()": patched, "expert": expert}
+    return variants, init, loop
+
+
+# --- flax nnx --------------------------------------------------------------------------------
+
+
+def nnx_variants(width: int):
+    from flax import nnx
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((64, 32)).astype(np.float32))
+    y = jnp.asarray(rng.standard_normal((64, 32)).astype(np.float32))
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(32, width, rngs=rngs)
+            self.l2 = nnx.Linear(width, width, rngs=rngs)
+            self.l3 = nnx.Linear(width, 32, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l3(jax.nn.relu(self.l2(jax.nn.relu(self.l1(x)))))
+
+    def init():
+        model = MLP(nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+
+    def step(model, optimizer, x, y):
+        def loss(m):
+            return jnp.mean((m(x) - y) ** 2)
+
+        value, grads = nnx.value_and_grad(loss)(model)
+        optimizer.update(model, grads)
+        return value
+
+    plain = nnx.jit(step)
+    with autoopt.patch():
+        patched = nnx.jit(step)
+    expert = nnx.jit(step, donate_argnums=(0, 1))
+
+    def loop(kind, fn):
+        def run(box, steps):
+            model, optimizer = box.pop()
+            before: set[int] = set()
+            for i in range(steps):
+                if i == steps - 1:
+                    before = _pointers(nnx.state((model, optimizer)))
+                loss = fn(model, optimizer, x, y)
+            jax.block_until_ready(loss)
+            REUSE[("flax nnx", kind)] = _reused(before, nnx.state((model, optimizer)))
+            return model, optimizer
+
+        return run
+
+    variants = {"plain": plain, "autoopt.patch()": patched, "expert": expert}
+    return variants, init, loop
+
+
+def bench(name, make, width, steps, rounds):
+    fns, init, loop = make(width)
+    final = {k: loop(k, f)([init()], steps) for k, f in fns.items()}
+    holders = {k: {"s": init()} for k in fns}
+
+    def runner(k):
+        run = loop(k, fns[k])
+
+        def go(state):
+            box = [state]
+            del state
+            holders[k]["s"] = run(box, steps)
+
+        return go
+
+    t = interleave(
+        {k: runner(k) for k in fns},
+        rounds,
+        per=steps,
+        prepare={k: (lambda k=k: holders[k].pop("s")) for k in fns},
+    )
+    rows = []
+    base = t.median("plain")
+    for k in fns:
+        hit, of, nbytes = REUSE[(name, k)]
+        rows.append(
+            [
+                name,
+                k,
+                f"{t.median(k) * 1e3:.3f} ms",
+                f"{t.median(k) / base:.2f}",
+                "bit-identical" if _same(final["plain"], final[k]) else "DIFFERENT",
+                f"{hit}/{of}",
+                f"{nbytes:,}",
+            ]
+        )
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--width", type=int, default=256)
+    a = ap.parse_args()
+    rows = bench("equinox", equinox_variants, a.width, a.steps, a.rounds)
+    rows += bench("flax nnx", nnx_variants, a.width, a.steps, a.rounds)
+    print(
+        markdown_table(
+            ["loop", "variant", "step", "x plain", "final params", "buffers reused", "bytes"],
+            rows,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
