@@ -23,11 +23,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+import threading
 from typing import TYPE_CHECKING, Any
 
 import jax
 
 from autoopt import _jaxpr
+from autoopt._errors import FitCheck
 from autoopt._jit._program import Program
 from autoopt._memory import (
     CompiledMemory,
@@ -43,16 +45,6 @@ if TYPE_CHECKING:
     from autoopt._jit._function import OptimizedFunction
 
 log = logging.getLogger("autoopt")
-
-
-class FitCheck(Exception):
-    """Raised out of jit's trace of the wrapper on a signature's first top-level call under
-    remat="fit"; the caller of the jit object calls again through ``checked_call``. Never
-    reaches the user."""
-
-    def __init__(self, program: Program):
-        super().__init__("autoopt: a first call to check against the device's memory")
-        self.program = program
 
 
 # The code of the functions that call a jit object and catch ``FitCheck`` (filled by
@@ -98,13 +90,20 @@ class _Checked:
         return checked_call(self.of, self.program, self.jit, args, kwargs)
 
 
-def first_call(
-    of: OptimizedFunction, program: Program, jit: Any, placer: Any, args: tuple, kwargs: dict
-):
-    """The call that raised ``FitCheck``, made again with the check."""
-    if program.fit is None:
-        program.fit = "checking"  # the wrapper's next trace of it goes on to compile
-    checked = _Checked(of, program, jit)
+def fit_check(of: OptimizedFunction, program: Program) -> FitCheck:
+    """The exception the wrapper's trace raises for ``program``'s first call."""
+
+    def standin(jit: Any) -> _Checked:
+        if program.fit is None:
+            program.fit = "checking"  # the wrapper's next trace of it goes on to compile
+        return _Checked(of, program, jit)
+
+    return FitCheck(program, standin)
+
+
+def first_call(check: FitCheck, jit: Any, placer: Any, args: tuple, kwargs: dict):
+    """The call that raised ``check``, made again with the check."""
+    checked = check.standin(jit)
     return checked(*args, **kwargs) if placer is None else placer(checked, args, kwargs)
 
 
@@ -157,7 +156,22 @@ def _oom_budget(error: BaseException, memory: CompiledMemory | None, device) -> 
 
 def checked_call(of: OptimizedFunction, program: Program, jit: Any, args: tuple, kwargs: dict):
     """Compile the call's executable, plan when it does not fit or runs out of memory (once),
-    and run it."""
+    and run it. One thread checks a program; the others wait and run what it decided (a
+    compile each would be one more than jax.jit's)."""
+    caches = of._caches
+    with caches.lock:
+        lock = caches.key_locks.setdefault(("fit", program.key), threading.RLock())
+    with lock:
+        if program.fit != "checking":  # decided by another thread: its executable is cached
+            return jit(*args, **kwargs)
+        outer, caches.tls.fit_checking = getattr(caches.tls, "fit_checking", None), program
+        try:
+            return _checked_call(of, program, jit, args, kwargs)
+        finally:
+            caches.tls.fit_checking = outer
+
+
+def _checked_call(of: OptimizedFunction, program: Program, jit: Any, args: tuple, kwargs: dict):
     device = _device_of(args, kwargs, of._policy.platform())
     memory = None
     planned: Program | None = None

@@ -29,7 +29,7 @@ import jax
 from jax import tree_util
 
 from autoopt import _compat, _jaxpr, _multiprocess, _trace
-from autoopt._errors import AutooptWarning, PassError, ProcessMismatchError
+from autoopt._errors import AutooptWarning, FitCheck, PassError, ProcessMismatchError
 from autoopt._jit import _fit, _mutations, _reuse, _static_leaves
 from autoopt._jit._dispatch import Caches, CallPlan, Policy, make_dispatch, with_copies
 from autoopt._jit._inspect import Inspection
@@ -323,7 +323,7 @@ class OptimizedFunction:
         program = programs.get(key)
         if program is not None:
             caches.tls.last_program = program
-            if program.fit is None and policy.fit and not eager_autodiff:
+            if program.fit in (None, "checking") and policy.fit and not eager_autodiff:
                 self._check_fit(program)
             if not program.compiled and not getattr(caches.tls, "trace_only", False):
                 program.compiled = True
@@ -338,7 +338,7 @@ class OptimizedFunction:
                 if not program.traced.captures_tracers:
                     programs[key] = program
         caches.tls.last_program = program
-        if program.fit is None and policy.fit and not eager_autodiff:
+        if program.fit in (None, "checking") and policy.fit and not eager_autodiff:
             self._check_fit(program)
         if not getattr(caches.tls, "trace_only", False):
             program.compiled = True
@@ -349,13 +349,14 @@ class OptimizedFunction:
         checked, before anything is compiled: the caller calls again through ``_fit``."""
         # A trace only for the program (``_program_for_call``) stops too, which catches it:
         # jax would keep that trace, and the call's own trace would never reach here.
-        if getattr(self._caches.tls, "aot", False):
-            return
+        tls = self._caches.tls
+        if getattr(tls, "aot", False) or getattr(tls, "fit_checking", None) is program:
+            return  # ahead of time, or this thread's own check (``_fit.checked_call``)
         if program.traced.captures_tracers or program.untouched is not None:
             program.fit = "off"
             return
         if _compat.top_level_trace() and _fit.caught_here():
-            raise _fit.FitCheck(program)
+            raise _fit.fit_check(self, program)
 
     def _build(self, args: tuple, kwargs: dict, eager_autodiff: bool = False) -> Program:
         policy, caches = self._policy, self._caches
@@ -511,8 +512,8 @@ class OptimizedFunction:
                         jit, placer = self._plain, self._placer
                         return jit(*args) if placer is None else placer(jit, args, kwargs)
             return self._run(self._dispatch(site, args, kwargs), args, kwargs)
-        except _fit.FitCheck as e:
-            check = e.program  # a signature's first call under remat="fit" (``_fit``)
+        except FitCheck as e:
+            check = e  # a signature's first call under remat="fit" (``_fit``)
         except Exception as e:
             # autoopt's frames and jax's left out of the traceback, as jax.jit leaves its own
             # (not a wrapper: the body reads its caller's frame)
@@ -520,9 +521,9 @@ class OptimizedFunction:
             raise
         try:
             if jit is None:  # (not from a direct path: _run catches its own) call again as is
-                check.fit = "fits"
+                check.program.fit = "fits"
                 return self._run(self._dispatch(site, args, kwargs), args, kwargs)
-            return _fit.first_call(self, check, jit, placer, args, kwargs)
+            return _fit.first_call(check, jit, placer, args, kwargs)
         except Exception as e:
             _compat.filter_traceback(e)
             raise
@@ -554,9 +555,9 @@ class OptimizedFunction:
             if placer is not None:
                 return placer(plan.jit, args, kwargs)
             return plan.jit(*args, **kwargs)
-        except _fit.FitCheck as e:
-            check = e.program  # a signature's first call under remat="fit" (``_fit``)
-        return _fit.first_call(self, check, plan.jit, placer, args, kwargs)
+        except FitCheck as e:
+            check = e  # a signature's first call under remat="fit" (``_fit``)
+        return _fit.first_call(check, plan.jit, placer, args, kwargs)
 
     def _static_leaf_fn(self, key: tuple) -> OptimizedFunction:
         """The optimized function for arguments with these static leaves (one per set)."""
@@ -632,7 +633,7 @@ class OptimizedFunction:
                         self._placer.trace_only(self._plain, args, kwargs)
                     else:
                         self._plain.trace(*args, **kwargs)
-                except _fit.FitCheck:
+                except FitCheck:
                     pass  # the program is built; the call's own trace checks it (_check_fit)
                 finally:
                     caches.tls.trace_only = False
@@ -657,8 +658,8 @@ class OptimizedFunction:
         )(*args, **kwargs)
         try:
             got = self._plain(*args, **kwargs)
-        except _fit.FitCheck as e:
-            got = _fit.first_call(self, e.program, self._plain, None, args, kwargs)
+        except FitCheck as e:
+            got = _fit.first_call(e, self._plain, None, args, kwargs)
         # The exactness the README promises: bit-identical, except where an applied remat plan
         # may reorder floating point (then within _compare's float tolerance).
         findings = program.pipeline.findings if program.pipeline is not None else ()
@@ -942,6 +943,7 @@ class _BoundOptimized:
         return attr
 
 
+# (the placer, which catches it too, is only ever called from these)
 _fit.CATCHERS.update(
     f.__code__
     for f in (
