@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from autoopt import _jaxpr
+from autoopt import _jaxpr, _multiprocess
 from autoopt._errors import FitCheck
 from autoopt._jit._program import Program
 from autoopt._memory import (
@@ -178,6 +178,17 @@ def _checked_call(of: OptimizedFunction, program: Program, jit: Any, args: tuple
     try:
         memory = compiled_memory(jit.lower(*args, **kwargs).compile())
         over = _does_not_fit(of, memory, device)
+        if _multiprocess.several():
+            # Every process of a jax.distributed job must build the same program: process 0's
+            # figures decide (as its remat measurements do).
+            local = over
+            over = _multiprocess.shared(
+                "fit",
+                program.fingerprint,
+                lambda: local,
+                lambda v: None if v is None else [v[0], v[1]],
+                lambda v: None if v is None else (int(v[0]), str(v[1])),
+            )
         if over is not None:
             planned = replan(of, program, jit, over[0], over[1])
             if planned is not None:
@@ -189,7 +200,9 @@ def _checked_call(of: OptimizedFunction, program: Program, jit: Any, args: tuple
             if program.fit == "checking":
                 program.fit = "fits"  # the user's error, or jax's: the next call finds it again
             raise
-        if planned is None and program.fit == "checking":
+        # (a process of a jax.distributed job cannot re-plan alone: the others would wait for
+        # a program it no longer builds; it raises with the list, as where no plan fits)
+        if planned is None and program.fit == "checking" and not _multiprocess.several():
             budget = _oom_budget(e, memory, device)
             if budget is not None:
                 planned = replan(
