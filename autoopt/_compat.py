@@ -269,6 +269,14 @@ def trace_state_clean() -> bool:
     return _core.trace_state_clean()
 
 
+def top_level_trace() -> bool:
+    """Inside a function jax.jit is tracing: whether that trace is jit's own at the top level
+    (its parent is eager evaluation), not one nested in another jit, vmap or grad. Reads
+    ``parent_trace`` of jax's current ``DynamicJaxprTrace`` (jax._src.core.trace_ctx)."""
+    trace = _core.trace_ctx.trace
+    return isinstance(getattr(trace, "parent_trace", None), _core.EvalTrace)
+
+
 def eager_autodiff(tree) -> bool:
     """Whether ``tree`` holds autodiff tracers (``jax.grad``, ``vjp``, ``jvp``) over concrete
     arrays and nothing else traced: a transformation applied eagerly, outside any jit or vmap.

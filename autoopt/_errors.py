@@ -37,3 +37,15 @@ class PassError(RuntimeError):
             f"Run with passes=[...] without {pass_name!r} to skip it, and please report this "
             "with the function that triggers it."
         )
+
+
+class FitCheck(Exception):
+    """Raised out of jit's trace of an optimized function on a signature's first top-level call
+    under remat="fit" (``autoopt/_jit/_fit.py``), before anything is lowered: whoever called the
+    jit object calls ``standin(jit)`` instead, with the same arguments, which compiles, checks
+    the executable against the device's memory, and runs it. Never reaches the user."""
+
+    def __init__(self, program, standin):
+        super().__init__("autoopt: a first call to check against the device's memory")
+        self.program = program
+        self.standin = standin

@@ -186,7 +186,8 @@ def run_demo(
     for name in names:
         mod = importlib.import_module(f"autoopt.examples.{name}")
         naive = getattr(mod, EXAMPLES[name])
-        fast = autoopt.optimize(naive)
+        # an example may opt in to more than the defaults (the transformer: remat="auto")
+        fast = autoopt.optimize(naive, **getattr(mod, "OPTIMIZE_OPTIONS", {}))
         title = (mod.__doc__ or name).strip().splitlines()[0]
         print(f"== {name}: {title}", file=out)
         steps = max(1, round(mod.run.__defaults__[0] * steps_scale))

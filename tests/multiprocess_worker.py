@@ -47,7 +47,7 @@ def step(w, x, y):
 
 # autoopt's functions are made (and may be configured) before initialize(), as in a script
 # whose imports decorate their steps
-fast = autoopt.optimize(step, memory_budget="1MiB")
+fast = autoopt.optimize(step, remat="auto", memory_budget="1MiB")  # the planner, opted in
 
 jax.distributed.initialize(coordinator_address=f"localhost:{PORT}", num_processes=2, process_id=PID)
 

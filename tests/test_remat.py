@@ -59,7 +59,14 @@ def _blocks(layers=3, d=64):
     return ps, jax.random.normal(k[-1], (1024, d))
 
 
+def _auto(fn, **opts):
+    """``optimize`` with remat="auto", which these tests are about (the default, "fit", plans
+    only when the program does not fit: tests/test_remat_fit.py)."""
+    return autoopt.optimize(fn, **{"remat": "auto", **opts})
+
+
 def _remat_findings(fn, *args, **opts):
+    opts.setdefault("remat", "auto")
     return autoopt.explain(fn, *args, fallback="raise", **opts).by_kind("remat")
 
 
@@ -97,6 +104,7 @@ OPT_IN = {"compiler_options": CPU_FLAGS} if jax.default_backend() == "cpu" else 
 
 
 def _ctx(default=False, **opts):
+    opts.setdefault("remat", "auto")
     return PassContext(
         options=make_options(**({} if default else OPT_IN), **opts), backend=jax.default_backend()
     )
@@ -146,7 +154,7 @@ def test_cpu_default_training_step_drops_compiled_memory_with_equal_gradients():
     def step(ps, x):
         return jax.value_and_grad(block_loss)(ps, x)
 
-    opt = autoopt.optimize(step, fallback="raise", donate="off")
+    opt = _auto(step, fallback="raise", donate="off")
     report = opt.explain(ps, x)
     (f,) = report.by_kind("remat")
     assert f.applied and "conditionals" in f.details["mechanism"], f.message
@@ -174,7 +182,7 @@ def test_cpu_default_training_step_drops_compiled_memory_with_equal_gradients():
 def test_cpu_default_budget_recomputes_matmuls_with_bit_identical_weights():
     _cpu_only()
     ws, x = _params()
-    opt = autoopt.optimize(train_step, fallback="raise", memory_budget=1, donate="off")
+    opt = _auto(train_step, fallback="raise", memory_budget=1, donate="off")
     assert _peak(opt, ws, x) <= 0.9 * _peak(jax.jit(train_step), ws, x)
     (loss0, ws0), (loss1, ws1) = jax.jit(train_step)(ws, x), opt(ws, x)
     assert_trees_equivalent(ws0, ws1, exact=True)
@@ -210,7 +218,7 @@ def test_cpu_default_conditionals_inside_loops_branches_and_custom_vjp_run_and_m
         assert fs and fs[0].applied, (fn.__name__, fs)
         assert "conditionals" in fs[0].details["mechanism"]
     # Under an outer jit and grad: the conditionals are differentiated and batched like any.
-    opt = autoopt.optimize(train_step, fallback="raise", memory_budget=1, donate="off")
+    opt = _auto(train_step, fallback="raise", memory_budget=1, donate="off")
     outer = jax.jit(jax.grad(lambda ws: opt(ws, x)[0]))
     assert_trees_equivalent(jax.jit(jax.grad(lambda ws: train_step(ws, x)[0]))(ws), outer(ws))
     assert_trees_equivalent(
@@ -224,7 +232,7 @@ def test_cpu_default_conditionals_inside_loops_branches_and_custom_vjp_run_and_m
 
 def test_budgeted_training_step_gives_bit_identical_gradients():
     ws, x = _params()
-    opt = autoopt.optimize(train_step, **OPT_IN, fallback="raise", memory_budget=1)
+    opt = _auto(train_step, **OPT_IN, fallback="raise", memory_budget=1)
     (loss0, ws0), (loss1, ws1) = jax.jit(train_step)(ws, x), opt(ws, x)
     # The recomputation repeats the same operations on the same values: the updated weights are
     # bit-identical. The loss is a reduction that XLA fuses differently once the forward no
@@ -237,9 +245,7 @@ def test_reachable_budget_holds_on_the_compiled_program():
     ws, x = _params()
     before = _peak(jax.jit(train_step, compiler_options=CPU_FLAGS), ws, x)
     budget = int(0.85 * before)
-    opt = autoopt.optimize(
-        train_step, **OPT_IN, fallback="raise", memory_budget=budget, donate="off"
-    )
+    opt = _auto(train_step, **OPT_IN, fallback="raise", memory_budget=budget, donate="off")
     (f,) = opt.explain(ws, x).by_kind("remat")
     assert f.applied and "to meet the memory budget" in f.message
     assert _peak(opt, ws, x) <= budget < before
@@ -348,7 +354,7 @@ def test_remat_off_leaves_the_program_alone():
 
 def test_grad_of_optimized_forward_matches_and_forward_is_unchanged():
     ws, x = _params()
-    opt = autoopt.optimize(mlp_loss, **OPT_IN, fallback="raise", memory_budget=1)
+    opt = _auto(mlp_loss, **OPT_IN, fallback="raise", memory_budget=1)
     (f,) = opt.explain(ws, x).by_kind("remat")
     assert f.applied and "checkpoint" in f.message
     assert_trees_equivalent(jax.jit(mlp_loss)(ws, x), opt(ws, x), exact=True)
@@ -357,7 +363,7 @@ def test_grad_of_optimized_forward_matches_and_forward_is_unchanged():
 
 def test_optimized_forward_composes_under_outer_jit_and_vmap():
     ws, x = _params(layers=3)
-    opt = autoopt.optimize(mlp_loss, **OPT_IN, fallback="raise", memory_budget=1)
+    opt = _auto(mlp_loss, **OPT_IN, fallback="raise", memory_budget=1)
     assert_trees_equivalent(jax.jit(jax.grad(mlp_loss))(ws, x), jax.jit(jax.grad(opt))(ws, x))
     xs = jnp.stack([x[:8], x[8:16]])
     assert_trees_equivalent(
@@ -373,7 +379,7 @@ def test_scan_bodies_are_checkpointed_for_a_differentiated_scan():
         h, _ = jax.lax.scan(lambda h, wi: (jnp.tanh(jnp.sin(h @ wi)), None), x, w)
         return jnp.mean(h**2)
 
-    opt = autoopt.optimize(scan_loss, **OPT_IN, fallback="raise", memory_budget=1)
+    opt = _auto(scan_loss, **OPT_IN, fallback="raise", memory_budget=1)
     (f,) = opt.explain(w, x).by_kind("remat")
     assert f.applied and "scan" in f.message
     assert_trees_equivalent(jax.grad(jax.jit(scan_loss))(w, x), jax.grad(opt)(w, x))
@@ -397,14 +403,14 @@ def test_eager_grad_of_an_optimized_forward_keeps_fewer_residuals_and_equal_grad
     # so the plan is measured, and pays off, there (no compiler flag).
     _cpu_only()
     ws, x = _params()
-    opt = autoopt.optimize(mlp_loss, fallback="raise", memory_budget=1)
+    opt = _auto(mlp_loss, fallback="raise", memory_budget=1)
     got = jax.grad(opt)(ws, x)
     assert opt.inspect(ws, x).eager_autodiff_jit is not None  # the eager call took its own program
     assert_trees_equivalent(jax.grad(jax.jit(mlp_loss))(ws, x), got)
     assert _residual_bytes(opt, ws, x) <= 0.5 * _residual_bytes(jax.jit(mlp_loss), ws, x)
     # Under an outer jit the two halves are one program again: the eager path is not taken.
     autoopt.testing.forget_wrappers()  # else optimize returns ``opt`` itself, with its programs
-    fresh = autoopt.optimize(mlp_loss, fallback="raise", memory_budget=1)
+    fresh = _auto(mlp_loss, fallback="raise", memory_budget=1)
     assert_trees_equivalent(jax.jit(jax.grad(mlp_loss))(ws, x), jax.jit(jax.grad(fresh))(ws, x))
     assert fresh.inspect(ws, x).eager_autodiff_jit is None
 
@@ -420,7 +426,7 @@ def test_eager_grad_with_a_function_leaf_in_the_arguments_takes_the_static_leaf_
             x = act(x @ w)
         return jnp.mean(x**2)
 
-    opt = autoopt.optimize(loss, fallback="raise")
+    opt = _auto(loss, fallback="raise")
     got = jax.grad(lambda ws: opt((ws, jnp.tanh), x))(ws)
     want = jax.grad(lambda ws: loss((ws, jnp.tanh), x))(ws)
     assert_trees_equivalent(want, got)
@@ -429,10 +435,10 @@ def test_eager_grad_with_a_function_leaf_in_the_arguments_takes_the_static_leaf_
 def test_a_training_step_stops_watching_for_eager_autodiff_after_its_first_call():
     # The check costs ~0.2 us a call; a function with its own backward never needs it.
     ws, x = _params(layers=2)
-    step = autoopt.optimize(train_step)
+    step = _auto(train_step)
     step(ws, x)
     assert not step.inspect(ws, x).eager_autodiff_watched
-    loss = autoopt.optimize(mlp_loss)
+    loss = _auto(mlp_loss)
     loss(ws, x)
     assert loss.inspect(ws, x).eager_autodiff_watched
 
@@ -482,7 +488,7 @@ def test_training_step_inside_while_and_cond_keeps_values():
     assert fs and fs[0].applied and "cond body" in fs[0].message
     assert_trees_equivalent(
         jax.jit(branch)(ws, x, False),
-        autoopt.optimize(branch, **OPT_IN, memory_budget=1)(ws, x, False),
+        _auto(branch, **OPT_IN, memory_budget=1)(ws, x, False),
     )
 
 
@@ -521,7 +527,7 @@ def test_custom_vjp_and_stop_gradient_keep_their_gradients():
 
     fs = _planned(step, ws, x, memory_budget=1)
     assert fs and fs[0].applied
-    opt = autoopt.optimize(loss, **OPT_IN, fallback="raise", memory_budget=1)
+    opt = _auto(loss, **OPT_IN, fallback="raise", memory_budget=1)
     assert_trees_equivalent(jax.grad(jax.jit(loss))(ws, x), jax.grad(opt)(ws, x))
 
 

@@ -92,10 +92,10 @@ def test_a_forward_differentiated_eagerly_or_under_a_budget_is_still_planned():
     assert_trees_equivalent(jax.grad(jax.jit(loss))(ws, x), jax.grad(fast)(ws, x))
 
 
-def test_a_training_step_is_still_planned_on_its_first_call():
+def test_a_training_step_is_still_planned_on_its_first_call_under_auto():
     ws = [jax.random.normal(jax.random.key(i), (256, 256)) / math.sqrt(256) for i in range(12)]
     x = jnp.ones((2048, 256))
-    fast = autoopt.optimize(train_step, fallback="raise")
+    fast = autoopt.optimize(train_step, fallback="raise", remat="auto")
     findings = [f for f in fast.inspect(ws, x).findings if f.kind == "remat"]
     assert findings and findings[0].details.get("tried"), findings  # candidates were compiled
 
@@ -107,7 +107,7 @@ def test_after_a_failed_candidate_only_those_the_calibrated_estimate_lets_pass_a
     # candidate to measure them, then the program itself (before: all three candidates too).
     ws = [jax.random.normal(jax.random.key(i), (256, 256)) / math.sqrt(256) for i in range(16)]
     x = jnp.ones((1024, 256))
-    fast = autoopt.optimize(train_step, fallback="raise")
+    fast = autoopt.optimize(train_step, fallback="raise", remat="auto")
     compiles = _compiles_of_first_call(fast, ws, x)
     (finding,) = [f for f in fast.inspect(ws, x).findings if f.kind == "remat"]
     assert not finding.applied and len(finding.details["tried"]) == 1, finding

@@ -68,6 +68,9 @@ class Policy:
     # Calls check for an outer transformation: a call may donate there, or needs the nested jit.
     guard_transforms: bool
     remat_auto: bool  # remat may plan a forward for a caller that differentiates it eagerly
+    # remat="fit": a signature's first call compiles the original, and plans only when its
+    # executable does not fit (``_fit``)
+    fit: bool
     # The fast path needs no static arguments (their positions shift its signature) and no
     # verify=True (which checks the first call of each signature).
     fast_ok: bool
@@ -106,6 +109,7 @@ class Policy:
             nested_kwargs=nested if nested != jit_kwargs else None,
             guard_transforms=nested != jit_kwargs or options.donate != "off",
             remat_auto=options.remat == "auto" and not options.explicit_donation,
+            fit=options.remat == "fit",
             fast_ok=not has_static and not options.verify,
             placer_every_call=(
                 options.transfer_guard in ("log", "disallow") or bool(options.canonicalize_scalars)

@@ -12,6 +12,7 @@ program lookup (``_program_for_call``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -28,8 +29,8 @@ import jax
 from jax import tree_util
 
 from autoopt import _compat, _jaxpr, _multiprocess, _trace
-from autoopt._errors import AutooptWarning, PassError, ProcessMismatchError
-from autoopt._jit import _mutations, _reuse, _static_leaves
+from autoopt._errors import AutooptWarning, FitCheck, PassError, ProcessMismatchError
+from autoopt._jit import _fit, _mutations, _reuse, _static_leaves
 from autoopt._jit._dispatch import Caches, CallPlan, Policy, make_dispatch, with_copies
 from autoopt._jit._inspect import Inspection
 from autoopt._jit._program import Program, Site, call_signature, kept_key, trace_signature
@@ -322,6 +323,8 @@ class OptimizedFunction:
         program = programs.get(key)
         if program is not None:
             caches.tls.last_program = program
+            if program.fit in (None, "checking") and policy.fit and not eager_autodiff:
+                self._check_fit(program)
             if not program.compiled and not getattr(caches.tls, "trace_only", False):
                 program.compiled = True
             return program, leaves
@@ -331,12 +334,29 @@ class OptimizedFunction:
             program = programs.get(key)
             if program is None:
                 program = self._build(args, kwargs, eager_autodiff)
+                program.key = key
                 if not program.traced.captures_tracers:
                     programs[key] = program
         caches.tls.last_program = program
+        if program.fit in (None, "checking") and policy.fit and not eager_autodiff:
+            self._check_fit(program)
         if not getattr(caches.tls, "trace_only", False):
             program.compiled = True
         return program, leaves
+
+    def _check_fit(self, program: Program) -> None:
+        """Under remat="fit", stop jit's trace of a top-level call of a signature not yet
+        checked, before anything is compiled: the caller calls again through ``_fit``."""
+        # A trace only for the program (``_program_for_call``) stops too, which catches it:
+        # jax would keep that trace, and the call's own trace would never reach here.
+        tls = self._caches.tls
+        if getattr(tls, "aot", False) or getattr(tls, "fit_checking", None) is program:
+            return  # ahead of time, or this thread's own check (``_fit.checked_call``)
+        if program.traced.captures_tracers or program.untouched is not None:
+            program.fit = "off"
+            return
+        if _compat.top_level_trace() and _fit.caught_here():
+            raise _fit.fit_check(self, program)
 
     def _build(self, args: tuple, kwargs: dict, eager_autodiff: bool = False) -> Program:
         policy, caches = self._policy, self._caches
@@ -378,8 +398,10 @@ class OptimizedFunction:
         except PassError as e:
             self._fall_back(e, e.pass_name)
             program = Program(traced, None, str(e))
+            program.fit = "off"  # plain jax.jit of the original: nothing to plan either
         else:
             program = Program(traced, pipeline, None)
+        program.ctx = ctx
         if several:  # and build the same program from it (_multiprocess)
             program.fingerprint = _multiprocess.check_program(fn_id, str(program.final))
         if policy.donate == "safe" and not eager_autodiff:
@@ -438,6 +460,7 @@ class OptimizedFunction:
     # --- the call path (see _dispatch) -----------------------------------------------------------
 
     def __call__(self, *args, **kwargs):
+        jit = placer = None  # the jit object a direct path calls (a first call is made again)
         try:
             # The plans that repeat are looked up here, without a call (each lookup is the same
             # step of ``_dispatch``, which decides everything else): a call site's cached plan for
@@ -486,16 +509,22 @@ class OptimizedFunction:
                         if type(a) not in PLAIN_TYPES:
                             break
                     else:  # no static leaf, nothing donated: the plain plan
-                        placer = self._placer
-                        return (
-                            self._plain(*args)
-                            if placer is None
-                            else placer(self._plain, args, kwargs)
-                        )
+                        jit, placer = self._plain, self._placer
+                        return jit(*args) if placer is None else placer(jit, args, kwargs)
             return self._run(self._dispatch(site, args, kwargs), args, kwargs)
+        except FitCheck as e:
+            check = e  # a signature's first call under remat="fit" (``_fit``)
         except Exception as e:
             # autoopt's frames and jax's left out of the traceback, as jax.jit leaves its own
             # (not a wrapper: the body reads its caller's frame)
+            _compat.filter_traceback(e)
+            raise
+        try:
+            if jit is None:  # (not from a direct path: _run catches its own) call again as is
+                check.program.fit = "fits"
+                return self._run(self._dispatch(site, args, kwargs), args, kwargs)
+            return _fit.first_call(check, jit, placer, args, kwargs)
+        except Exception as e:
             _compat.filter_traceback(e)
             raise
 
@@ -522,9 +551,13 @@ class OptimizedFunction:
         if plan.copies:
             args, kwargs = with_copies(args, kwargs, plan.copies)
         placer = plan.placer
-        if placer is not None:
-            return placer(plan.jit, args, kwargs)
-        return plan.jit(*args, **kwargs)
+        try:
+            if placer is not None:
+                return placer(plan.jit, args, kwargs)
+            return plan.jit(*args, **kwargs)
+        except FitCheck as e:
+            check = e  # a signature's first call under remat="fit" (``_fit``)
+        return _fit.first_call(check, plan.jit, placer, args, kwargs)
 
     def _static_leaf_fn(self, key: tuple) -> OptimizedFunction:
         """The optimized function for arguments with these static leaves (one per set)."""
@@ -600,6 +633,8 @@ class OptimizedFunction:
                         self._placer.trace_only(self._plain, args, kwargs)
                     else:
                         self._plain.trace(*args, **kwargs)
+                except FitCheck:
+                    pass  # the program is built; the call's own trace checks it (_check_fit)
                 finally:
                     caches.tls.trace_only = False
                 program = caches.programs.get(key) or getattr(caches.tls, "last_program", None)
@@ -621,7 +656,10 @@ class OptimizedFunction:
             static_argnums=policy.static_argnums or None,
             static_argnames=policy.static_argnames or None,
         )(*args, **kwargs)
-        got = self._plain(*args, **kwargs)
+        try:
+            got = self._plain(*args, **kwargs)
+        except FitCheck as e:
+            got = _fit.first_call(e, self._plain, None, args, kwargs)
         # The exactness the README promises: bit-identical, except where an applied remat plan
         # may reorder floating point (then within _compare's float tolerance).
         findings = program.pipeline.findings if program.pipeline is not None else ()
@@ -679,6 +717,17 @@ class OptimizedFunction:
         )
         return (self._jit_for(*donated) if donated[0] or donated[1] else self._plain), donated
 
+    @contextlib.contextmanager
+    def _aot(self):
+        """While inside, jit's traces of the wrapper are for ``trace``/``lower`` (ahead of time:
+        no remat="fit" check; the caller compiles what it lowered)."""
+        tls = self._caches.tls
+        outer, tls.aot = getattr(tls, "aot", False), True
+        try:
+            yield
+        finally:
+            tls.aot = outer
+
     def _aot_jit(self, args: tuple, kwargs: dict):
         """The jit object ``trace``/``lower`` use: the ``"auto"`` call's, else the plain one."""
         if self._policy.donate != "auto":
@@ -691,7 +740,8 @@ class OptimizedFunction:
         """As ``jax.jit(fn).trace``: the optimized program for these arguments, donating as
         ``lower`` says."""
         of, args, kwargs = self._prepare(args, kwargs)
-        return of._aot_jit(args, kwargs).trace(*args, **kwargs)
+        with of._aot():
+            return of._aot_jit(args, kwargs).trace(*args, **kwargs)
 
     @_compat.api_boundary
     def lower(self, *args, **kwargs) -> jax.stages.Lowered:
@@ -705,7 +755,8 @@ class OptimizedFunction:
         rebinding site run (``state = step(state, batch)``), with its aliasing, is
         ``self.inspect(*args).jit.lower(*args)``; the report's memory table shows both."""
         of, args, kwargs = self._prepare(args, kwargs)
-        return of._aot_jit(args, kwargs).lower(*args, **kwargs)
+        with of._aot():
+            return of._aot_jit(args, kwargs).lower(*args, **kwargs)
 
     @_compat.api_boundary
     def eval_shape(self, *args, **kwargs):
@@ -771,7 +822,8 @@ class OptimizedFunction:
         of, args, kwargs = self._prepare(args, kwargs)
         inspection = self._sites_into(of._inspect_prepared(args, kwargs))
         placement = findings_for(inspection, args, kwargs)
-        return Report.from_program(inspection, args, kwargs, extra_findings=placement)
+        would = _fit.would_apply(inspection.program) if of._policy.fit else []
+        return Report.from_program(inspection, args, kwargs, extra_findings=[*placement, *would])
 
     @_compat.api_boundary
     def inspect(self, *args, **kwargs) -> Inspection:
@@ -889,6 +941,18 @@ class _BoundOptimized:
         if name in ("lower", "trace", "explain", "eval_shape"):
             return functools.partial(attr, self._instance)
         return attr
+
+
+# (the placer, which catches it too, is only ever called from these)
+_fit.CATCHERS.update(
+    f.__code__
+    for f in (
+        OptimizedFunction.__call__,
+        OptimizedFunction._run,
+        OptimizedFunction._verify,
+        OptimizedFunction._program_for_call,
+    )
+)
 
 
 def optimize(fn: Callable | None = None, /, **options: Any):

@@ -54,6 +54,9 @@ class Program:
         "donates",
         "fingerprint",
         "compiled",
+        "key",
+        "ctx",
+        "fit",
     )
 
     def __init__(
@@ -81,6 +84,13 @@ class Program:
         # Whether a jit traced it to compile (a call, or lower()), not only inspect()/explain()
         # tracing it for a report: what the recompile finding counts.
         self.compiled = False
+        # The trace-side signature and the passes' context it was built with (a re-plan under
+        # remat="fit" runs the passes again with a budget: ``_fit``).
+        self.key: tuple | None = None
+        self.ctx: Any = None
+        # remat="fit": None until a call checked that its executable fits; then "checking",
+        # "fits" or "planned" (``_fit``). Another value: nothing to check ("off").
+        self.fit: str | None = None
 
     @property
     def const_ids(self) -> frozenset[int]:

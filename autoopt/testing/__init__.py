@@ -7,6 +7,8 @@ floating outputs may differ only by XLA's own fusion choices, within a dtype-awa
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -15,6 +17,7 @@ import numpy as np
 
 from autoopt._compare import assert_trees_equivalent, tolerance
 from autoopt._jit import forget_wrappers
+from autoopt._memory import SIMULATED_MEMORY_ENV, pop_simulated_memory, push_simulated_memory
 from autoopt.testing._callers import (
     CallerResult,
     build_program,
@@ -52,7 +55,32 @@ __all__ = [
     "check_caller_program",
     "run_caller_program",
     "CallerResult",
+    # remat="fit" against a device of a given size
+    "simulated_device_memory",
+    "SIMULATED_MEMORY_ENV",
 ]
+
+
+@contextlib.contextmanager
+def simulated_device_memory(nbytes: int | str, reported: bool = True) -> Iterator[None]:
+    """While inside, calls of optimized functions run as on a device of ``nbytes`` (an int or
+    a string such as "64MiB"), empty before each call: remat="fit" compares a first call's
+    compiled peak with it, and an executable whose peak is above it raises what XLA raises
+    when it runs out of memory (RESOURCE_EXHAUSTED), from the call path (checked on a
+    signature's first call, where autoopt compiles). ``reported=False``: the device does not
+    report its memory (as a backend without ``memory_stats()``), so only the out-of-memory
+    error tells. The environment variable ``AUTOOPT_SIMULATED_DEVICE_MEMORY`` (bytes, or
+    "64MiB") sets a reported one for a whole process. Only programs compiled while inside are
+    affected: use fresh functions (or ``forget_wrappers()``)."""
+    from autoopt._options import parse_bytes
+
+    n = parse_bytes(nbytes, "nbytes")
+    assert n is not None
+    push_simulated_memory(n, reported)
+    try:
+        yield
+    finally:
+        pop_simulated_memory()
 
 
 def assert_equivalent(fn, *args: Any, exact: bool = False, **kwargs: Any) -> Any:

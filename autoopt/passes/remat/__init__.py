@@ -8,19 +8,23 @@ training step, ``_forward`` for a forward differentiated from outside; ``codemod
 from autoopt.passes.remat._pass import (
     CPU_FLAGS,
     PASS,
+    Fit,
     fence_for,
     forward_plannable,
     jit_options,
     measuring_options,
     remat,
+    with_remat,
 )
 
 __all__ = [
     "CPU_FLAGS",
     "PASS",
+    "Fit",
     "fence_for",
     "forward_plannable",
     "jit_options",
     "measuring_options",
     "remat",
+    "with_remat",
 ]

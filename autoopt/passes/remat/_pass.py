@@ -25,7 +25,13 @@ predicate. A user who compiles with ``CPU_FLAGS`` gets barriers on CPU too. Forw
 (case 2) use ``jax.checkpoint``, whose barriers on CPU survive only in loop bodies or with the
 flag; candidates are always measured with the options the final program gets.
 
-Rule (``remat="auto"``): keep a plan only when the compiled peak (argument + output + temp -
+The default, ``remat="fit"``, does nothing here unless the call path found that the original
+does not fit (its compiled peak above ``memory_budget`` or the device's free memory, or an
+out-of-memory error: ``autoopt/_jit/_fit.py``); then it runs the rule below with that budget
+(``PassContext.extra["fit"]``), and its findings say why and list the values live at the
+original's peak.
+
+Rule (``remat="auto"``, opt-in): keep a plan only when the compiled peak (argument + output + temp -
 alias bytes, ``memory_analysis()``) drops by at least 20% for at most 10% more FLOPs
 (``cost_analysis()``), or when ``memory_budget`` requires it; with a budget, take the rule's plan
 when it meets the budget (a budget never costs memory against the default), else the plan with
@@ -940,6 +946,19 @@ def _plan_level(
 
 
 def remat(closed: ClosedJaxpr, ctx: PassContext) -> PassResult:
+    if ctx.options.remat == "fit":
+        # The default plans only for a program that does not fit: the call path compiles the
+        # original first and, when its compiled peak is above the device's free memory or
+        # ``memory_budget`` (or an out-of-memory error says so), runs the passes again with
+        # ``extra["fit"]`` naming the budget. Otherwise nothing here: bit-identical to jax.jit.
+        fit = ctx.extra.get("fit")
+        if fit is None:
+            return PassResult.unchanged(closed)
+        ctx = dataclasses.replace(ctx, options=with_remat(ctx.options, "auto", fit.budget))
+        result = remat(closed, ctx)
+        return dataclasses.replace(
+            result, findings=tuple(_fit_finding(f, fit) for f in result.findings)
+        )
     if any(_is_tracer(c) for c in closed.consts):
         return PassResult.unchanged(closed)  # closes over an outer trace: cannot compile alone
     where = ctx.fn_name
@@ -976,14 +995,65 @@ def remat(closed: ClosedJaxpr, ctx: PassContext) -> PassResult:
     return PassResult(new, new is not closed, tuple(findings))
 
 
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    """Why remat="fit" plans (``PassContext.extra["fit"]``): the budget a plan must reach, what
+    set it, and the values live at the original's peak (``_memory.live_at_peak``)."""
+
+    budget: int
+    reason: str
+    live: tuple = ()
+
+
+def with_remat(options, remat: str, budget: int | None):
+    """``options`` with remat and memory_budget replaced."""
+    return dataclasses.replace(
+        options,
+        pass_options={**options.pass_options, "remat": remat, "memory_budget": budget},
+    )
+
+
+def _fit_finding(f: Finding, fit: Fit) -> Finding:
+    """A finding of the plan "fit" took: why it planned, and the largest values live at the
+    original's peak, each with what the plan did with it (recomputed, or kept)."""
+    if f.kind != "remat":
+        return f
+    recomputed = {r.get("location") for r in f.details.get("recomputed") or ()}
+    live = [
+        {
+            "bytes": b.bytes,
+            "type": b.type,
+            "location": b.location,
+            "plan": (
+                "recomputed in the backward"
+                if f.applied and b.location in recomputed
+                else "an input"
+                if b.location is None
+                else "kept"
+            ),
+        }
+        for b in fit.live
+    ]
+    listed = "; ".join(
+        f"{_mb(b['bytes'])} {b['type']} from {b['location'] or 'an argument'} ({b['plan']})"
+        for b in live
+    )
+    message = f"remat='fit': {fit.reason}; {f.message}"
+    if listed:
+        message += f". Largest values live at the original's peak: {listed}"
+    return dataclasses.replace(
+        f, message=message, details={**f.details, "fit": fit.reason, "live_at_peak": live}
+    )
+
+
 def _is_tracer(x: Any) -> bool:
     return _compat.is_tracer(x)  # isinstance(x, jax.core.Tracer)
 
 
 # --- the declaration -----------------------------------------------------------------------------
 
-# jax.checkpoint_policies names a user may force; "auto" and "off" are ours.
-REMAT_CHOICES = ("auto", "off")
+# jax.checkpoint_policies names a user may force; "fit", "auto" and "off" are ours.
+REMAT_CHOICES = ("fit", "auto", "off")
 
 
 def _policy_names() -> tuple[str, ...]:
@@ -1007,7 +1077,8 @@ def _check_remat(remat):
                 + "."
             )
         raise ValueError(
-            f"remat={remat!r} is not a remat policy.{hint} Use 'auto', 'off', or one of "
+            f"remat={remat!r} is not a remat policy.{hint} Use 'fit' (the default), 'auto', "
+            "'off', or one of "
             f"jax.checkpoint_policies: {', '.join(policies)}."
         )
     return remat
@@ -1031,9 +1102,10 @@ PASS = Pass(
     options=(
         Option(
             "remat",
-            "auto",
+            "fit",
             _check_remat,
-            "'auto', 'off', or a jax.checkpoint_policies name: what the backward recomputes",
+            "'fit' (plan only when the program does not fit), 'auto', 'off', or a "
+            "jax.checkpoint_policies name: what the backward recomputes",
         ),
         Option(
             "memory_budget",
@@ -1050,4 +1122,4 @@ PASS = Pass(
 )
 
 
-__all__ = ["PASS", "remat", "jit_options"]
+__all__ = ["PASS", "Fit", "remat", "jit_options", "with_remat"]

@@ -1,0 +1,335 @@
+"""remat="fit", the default: a signature's first call compiles the original program only, as
+jax.jit does, and plans remat only when that executable does not fit.
+
+How a first call is caught without costing later calls anything: under "fit", jit's trace of
+the wrapper for a top-level call of a signature not yet checked raises ``FitCheck`` before
+anything is lowered (as the placer's ``HoistConstants`` does). The call site that called the
+jit object catches it and calls again through ``checked_call``, which lowers and compiles the
+same jit object for the same arguments (jax keeps that executable: the call that follows
+compiles nothing more), reads its compiled peak (argument + output + temp - alias bytes), and
+compares it with ``memory_budget`` and the device's free memory (``_memory.device_memory``).
+When it fits, the call runs that executable: bit-identical to jax.jit. When it does not, or
+when compiling or running it raises out-of-memory (RESOURCE_EXHAUSTED), the passes run again
+with the budget (``passes.remat.Fit``), the jit object's caches are cleared (jax keeps one
+trace per signature), and the call runs the plan; once. Cleared caches cost the jit object's
+other signatures one compile each, on a path taken only when memory is short.
+
+A signature first met inside another trace (an outer jit, vmap) is not checked: jax keeps one
+trace of it for every context, and the outer program's executable is what runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import threading
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+from autoopt import _jaxpr, _multiprocess
+from autoopt._errors import FitCheck
+from autoopt._jit._program import Program
+from autoopt._memory import (
+    CompiledMemory,
+    compiled_memory,
+    device_memory,
+    format_bytes,
+    is_out_of_memory,
+    live_at_peak,
+    simulated_memory,
+)
+
+if TYPE_CHECKING:
+    from autoopt._jit._function import OptimizedFunction
+
+log = logging.getLogger("autoopt")
+
+
+# The code of the functions that call a jit object and catch ``FitCheck`` (filled by
+# ``_function``): a trace raises it only when one of them is on the stack, so a jit object a
+# user holds (``fast.inspect(x).jit.lower(x)``) never sees it.
+CATCHERS: set = set()
+
+
+def caught_here() -> bool:
+    """Whether a function that catches ``FitCheck`` is on this thread's stack. Walked only on
+    a signature's first trace (milliseconds of tracing; the walk costs microseconds)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code in CATCHERS:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def simulated_out_of_memory(memory: CompiledMemory | None) -> None:
+    """Under ``autoopt.testing.simulated_device_memory``: raise what XLA raises when an
+    executable's peak is above the device's memory."""
+    sim = simulated_memory()
+    if sim is None or memory is None or memory.peak_bytes <= sim[0]:
+        return
+    raise jax.errors.JaxRuntimeError(
+        f"RESOURCE_EXHAUSTED: Out of memory while trying to allocate "
+        f"{memory.peak_bytes} bytes (simulated by autoopt.testing.simulated_device_memory: "
+        f"memory limit {sim[0]} bytes)."
+    )
+
+
+class _Checked:
+    """Stands in for a jit object on a signature's first call, for the placer, which calls
+    it with the arguments it placed."""
+
+    __slots__ = ("of", "program", "jit")
+
+    def __init__(self, of: OptimizedFunction, program: Program, jit: Any):
+        self.of, self.program, self.jit = of, program, jit
+
+    def __call__(self, *args, **kwargs):
+        return checked_call(self.of, self.program, self.jit, args, kwargs)
+
+
+def fit_check(of: OptimizedFunction, program: Program) -> FitCheck:
+    """The exception the wrapper's trace raises for ``program``'s first call."""
+
+    def standin(jit: Any) -> _Checked:
+        if program.fit is None:
+            program.fit = "checking"  # the wrapper's next trace of it goes on to compile
+        return _Checked(of, program, jit)
+
+    return FitCheck(program, standin)
+
+
+def first_call(check: FitCheck, jit: Any, placer: Any, args: tuple, kwargs: dict):
+    """The call that raised ``check``, made again with the check."""
+    checked = check.standin(jit)
+    return checked(*args, **kwargs) if placer is None else placer(checked, args, kwargs)
+
+
+def _device_of(args: tuple, kwargs: dict, platform: str):
+    for leaf in jax.tree_util.tree_leaves((args, kwargs)):
+        if isinstance(leaf, jax.Array):
+            try:
+                return next(iter(leaf.devices()))
+            except Exception:  # noqa: BLE001 - a deleted array: jax's own call will say so
+                break
+    try:
+        return jax.devices(platform)[0]
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _does_not_fit(of: OptimizedFunction, memory: CompiledMemory | None, device):
+    """``(budget, reason)`` when the executable does not fit, else None."""
+    if memory is None:
+        return None
+    budget = of._policy.options.memory_budget
+    if budget is not None and memory.peak_bytes > budget:
+        return budget, (
+            f"the original's compiled peak {format_bytes(memory.peak_bytes)} is above "
+            f"memory_budget {format_bytes(budget)}"
+        )
+    dm = device_memory(device)
+    if dm is not None and not dm.fits(memory):
+        return dm.budget(memory), (
+            f"the original needs {format_bytes(dm.needed(memory))}, more than "
+            f"{dm.source} ({format_bytes(dm.free_bytes)})"
+        )
+    return None
+
+
+def _oom_budget(error: BaseException, memory: CompiledMemory | None, device) -> int | None:
+    from autoopt._memory import bytes_named_in
+
+    named = bytes_named_in(error)
+    dm = device_memory(device)
+    if dm is None and named is None:
+        sim = simulated_memory()
+        named = sim[0] if sim is not None else None
+    if named is not None:
+        return named
+    if dm is not None and memory is not None:
+        return dm.budget(memory)
+    return dm.free_bytes if dm is not None else None
+
+
+def checked_call(of: OptimizedFunction, program: Program, jit: Any, args: tuple, kwargs: dict):
+    """Compile the call's executable, plan when it does not fit or runs out of memory (once),
+    and run it. One thread checks a program; the others wait and run what it decided (a
+    compile each would be one more than jax.jit's)."""
+    caches = of._caches
+    with caches.lock:
+        lock = caches.key_locks.setdefault(("fit", program.key), threading.RLock())
+    with lock:
+        if program.fit != "checking":  # decided by another thread: its executable is cached
+            return jit(*args, **kwargs)
+        outer, caches.tls.fit_checking = getattr(caches.tls, "fit_checking", None), program
+        try:
+            return _checked_call(of, program, jit, args, kwargs)
+        finally:
+            caches.tls.fit_checking = outer
+
+
+def _checked_call(of: OptimizedFunction, program: Program, jit: Any, args: tuple, kwargs: dict):
+    device = _device_of(args, kwargs, of._policy.platform())
+    memory = None
+    planned: Program | None = None
+    try:
+        memory = compiled_memory(jit.lower(*args, **kwargs).compile())
+        over = _does_not_fit(of, memory, device)
+        if _multiprocess.several():
+            # Every process of a jax.distributed job must build the same program: process 0's
+            # figures decide (as its remat measurements do).
+            local = over
+            over = _multiprocess.shared(
+                "fit",
+                program.fingerprint,
+                lambda: local,
+                lambda v: None if v is None else [v[0], v[1]],
+                lambda v: None if v is None else (int(v[0]), str(v[1])),
+            )
+        if over is not None:
+            planned = replan(of, program, jit, over[0], over[1])
+            if planned is not None:
+                memory = compiled_memory(jit.lower(*args, **kwargs).compile())
+        simulated_out_of_memory(memory)
+        out = jit(*args, **kwargs)
+    except Exception as e:
+        if not is_out_of_memory(e):
+            if program.fit == "checking":
+                program.fit = "fits"  # the user's error, or jax's: the next call finds it again
+            raise
+        # (a process of a jax.distributed job cannot re-plan alone: the others would wait for
+        # a program it no longer builds; it raises with the list, as where no plan fits)
+        if planned is None and program.fit == "checking" and not _multiprocess.several():
+            budget = _oom_budget(e, memory, device)
+            if budget is not None:
+                planned = replan(
+                    of, program, jit, budget, f"out of memory: {str(e).splitlines()[0][:200]}"
+                )
+            if planned is not None:
+                try:
+                    simulated_out_of_memory(compiled_memory(jit.lower(*args, **kwargs).compile()))
+                    return jit(*args, **kwargs)
+                except Exception as again:
+                    if not is_out_of_memory(again):
+                        raise
+                    e = again
+        raise _with_live_values(e, planned or program) from None
+    if program.fit == "checking":
+        program.fit = "fits"
+    return out
+
+
+def replan(
+    of: OptimizedFunction, program: Program, jit: Any, budget: int, reason: str
+) -> Program | None:
+    """The signature's program planned for ``budget``, in place of ``program`` in the caches
+    (``jit``'s cleared, so its next call traces it); None when no pass changed anything."""
+    from autoopt.passes import run_pipeline
+    from autoopt.passes.remat import Fit
+
+    if program.ctx is None or program.key is None:
+        return None
+    live = tuple(live_at_peak(program.final, _jaxpr.user_location))
+    fit = Fit(budget, reason, live)
+    ctx = dataclasses.replace(program.ctx, extra={**program.ctx.extra, "fit": fit})
+    try:
+        pipeline = run_pipeline(program.traced.closed, ctx)
+    except Exception as e:  # noqa: BLE001 - the original still runs
+        of._fall_back(e, "remat='fit'")
+        return None
+    found = [f for f in pipeline.findings if f.kind == "remat"]
+    for f in found:
+        log.warning("autoopt: %s: %s", getattr(of.__wrapped__, "__name__", "fn"), f.message)
+    if not any(f.applied for f in found):
+        if not found:
+            log.warning(
+                "autoopt: %s: %s; remat found no plan that lowers the peak",
+                getattr(of.__wrapped__, "__name__", "fn"),
+                reason,
+            )
+        program.fit = "fits"
+        program.pipeline = pipeline  # the findings say why nothing was applied
+        return None
+    new = Program(program.traced, pipeline, None)
+    new.key, new.ctx, new.fit = program.key, ctx, "planned"
+    new.compiled, new.donates, new.fingerprint = (
+        program.compiled,
+        program.donates,
+        program.fingerprint,
+    )
+    caches = of._caches
+    with caches.lock:
+        caches.programs[program.key] = new
+        for k, v in list(caches.by_call.items()):
+            if v is program:
+                caches.by_call[k] = new
+    program.fit = "replaced"
+    jit.clear_cache()  # jax keeps one trace per signature: the next call traces the plan
+    return new
+
+
+def _with_live_values(error: BaseException, program: Program) -> BaseException:
+    """jax's own out-of-memory error with the largest values live at the program's peak."""
+    live = live_at_peak(program.final, _jaxpr.user_location)
+    if not live:
+        return error
+    lines = "\n".join(
+        f"  {format_bytes(b.bytes):>10}  {b.type}  {b.location or '(an argument)'}" for b in live
+    )
+    extra = (
+        "\n\nautoopt (remat='fit'): no remat plan fits. Largest values live at the program's "
+        f"peak:\n{lines}"
+    )
+    try:
+        return type(error)(str(error) + extra)
+    except Exception:  # noqa: BLE001 - an error type that takes other arguments
+        error.add_note(extra)
+        return error
+
+
+def would_apply(program: Program) -> list:
+    """For a report under remat="fit" of a program left as it is: the plan remat="auto" would
+    apply and what it would save, as findings not applied (so the user can opt in). Plans by
+    compiling candidates: for explain only, never on a call."""
+    from autoopt.passes import run_pipeline
+    from autoopt.passes.remat import with_remat
+
+    ctx = program.ctx
+    if ctx is None or program.fit == "planned" or ctx.options.remat != "fit":
+        return []
+    auto = dataclasses.replace(
+        ctx, options=with_remat(ctx.options, "auto", ctx.options.memory_budget)
+    )
+    try:
+        pipeline = run_pipeline(program.traced.closed, auto)
+    except Exception as e:  # noqa: BLE001 - a report figure is not worth failing explain
+        log.debug("remat: could not plan remat='auto' for the report: %s", e)
+        return []
+    out = []
+    for f in pipeline.findings:
+        if f.kind != "remat":
+            continue
+        if not f.applied:
+            out.append(
+                dataclasses.replace(f, message=f"remat='auto' (opt-in) would not plan: {f.message}")
+            )
+            continue
+        before, after = f.details.get("before"), f.details.get("after")
+        saved = before["peak_bytes"] - after["peak_bytes"] if before and after else None
+        out.append(
+            dataclasses.replace(
+                f,
+                applied=False,
+                bytes_saved=None,
+                message=(
+                    f"not applied (remat='fit' plans only when the program does not fit the "
+                    f"device or memory_budget; pass remat='auto' to apply it): remat='auto' "
+                    f"would have {f.message}"
+                ),
+                details={**f.details, "would_save": saved, "opt_in": "remat='auto'"},
+            )
+        )
+    return out

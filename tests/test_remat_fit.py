@@ -1,0 +1,176 @@
+"""remat="fit", the default (issue 29): a call compiles the original only and is bit-identical to
+jax.jit, unless the original does not fit (memory_budget, the device's free memory, or an
+out-of-memory error); then it plans, once, and says why. The device is simulated here
+(``autoopt.testing.simulated_device_memory``)."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import autoopt
+from autoopt.testing import assert_trees_equivalent, simulated_device_memory
+
+
+class _Compiles:
+    """Every backend compile while active (as tests/test_prefetch.py counts them)."""
+
+    def __init__(self):
+        self.names: list[str] = []
+
+    def __call__(self, event, duration, fun_name=None, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            self.names.append(fun_name)
+
+    def __enter__(self):
+        jax.monitoring.register_event_duration_secs_listener(self)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self)
+
+
+def _ln(x):
+    m = x.mean(-1, keepdims=True)
+    return (x - m) * jax.lax.rsqrt(((x - m) ** 2).mean(-1, keepdims=True) + 1e-5)
+
+
+def block_loss(ps, x):
+    for w1, w2 in ps:
+        x = x + jax.nn.gelu(_ln(x) @ w1) @ w2
+    return jnp.mean(x**2)
+
+
+def train_step(ps, x):
+    """A transformer-like residual MLP step, which remat="auto" plans (tests/test_remat.py)."""
+    value, g = jax.value_and_grad(block_loss)(ps, x)
+    return [(w1 - 0.1 * g1, w2 - 0.1 * g2) for (w1, w2), (g1, g2) in zip(ps, g)], value
+
+
+def _args(layers=3, d=64, batch=1024):
+    k = jax.random.split(jax.random.key(1), 2 * layers + 1)
+    ps = [
+        (
+            jax.random.normal(k[2 * i], (d, 4 * d)) / 8,
+            jax.random.normal(k[2 * i + 1], (4 * d, d)) / 16,
+        )
+        for i in range(layers)
+    ]
+    return jax.block_until_ready((ps, jax.random.normal(k[-1], (batch, d))))
+
+
+def _peak(jitted, *args) -> int:
+    m = jitted.lower(*args).compile().memory_analysis()
+    return (
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        + m.temp_size_in_bytes
+        - m.alias_size_in_bytes
+    )
+
+
+def _remat(fast, *args):
+    return [f for f in fast.inspect(*args).findings if f.kind == "remat"]
+
+
+def test_the_default_is_bit_identical_to_jax_jit_and_compiles_only_the_original():
+    ws, x = _args()
+    # the premise: remat="auto" plans this step
+    auto = autoopt.optimize(train_step, remat="auto", fallback="raise")
+    assert any(f.applied for f in _remat(auto, ws, x))
+
+    jax.clear_caches()
+    with _Compiles() as plain:
+        expected = jax.block_until_ready(jax.jit(train_step)(ws, x))
+    jax.clear_caches()
+    fast = autoopt.optimize(train_step, fallback="raise")
+    with _Compiles() as ours:
+        got = jax.block_until_ready(fast(ws, x))
+    assert ours.names == plain.names == ["jit(train_step)"]
+    assert_trees_equivalent(expected, got, exact=True)
+    assert not _remat(fast, ws, x)
+    with _Compiles() as again:
+        jax.block_until_ready(fast(ws, x))
+    assert again.names == []
+
+
+def test_the_default_plans_when_the_original_is_above_memory_budget():
+    ws, x = _args()
+    original = _peak(jax.jit(train_step), ws, x)
+    budget = int(0.75 * original)
+    fast = autoopt.optimize(train_step, memory_budget=budget, fallback="raise")
+    got = fast(ws, x)
+    (finding,) = _remat(fast, ws, x)
+    assert finding.applied and "memory_budget" in finding.message, finding.message
+    assert finding.details["live_at_peak"], finding.details
+    assert _peak(fast, ws, x) <= budget
+    assert_trees_equivalent(jax.jit(train_step)(ws, x), got)
+
+
+def test_a_budget_the_original_meets_changes_nothing():
+    ws, x = _args(layers=2)
+    fast = autoopt.optimize(train_step, memory_budget="1GiB", fallback="raise")
+    assert_trees_equivalent(jax.jit(train_step)(ws, x), fast(ws, x), exact=True)
+    assert not _remat(fast, ws, x)
+
+
+def test_a_device_too_small_for_the_original_makes_the_default_plan():
+    ws, x = _args()
+    original = _peak(jax.jit(train_step), ws, x)
+    fast = autoopt.optimize(train_step, fallback="raise")
+    with simulated_device_memory(int(0.75 * original)):
+        got = fast(ws, x)
+    (finding,) = _remat(fast, ws, x)
+    assert finding.applied and "simulated device memory" in finding.message, finding.message
+    assert _peak(fast, ws, x) <= int(0.75 * original)
+    assert_trees_equivalent(jax.jit(train_step)(ws, x), got)
+
+
+def test_an_out_of_memory_error_is_rescued_once_with_one_log_record(caplog):
+    ws, x = _args()
+    original = _peak(jax.jit(train_step), ws, x)
+    fast = autoopt.optimize(train_step, fallback="raise")
+    # a device that does not report its memory: only the error tells
+    with caplog.at_level(logging.INFO, logger="autoopt"):
+        with simulated_device_memory(int(0.75 * original), reported=False):
+            got = fast(ws, x)
+    records = [r for r in caplog.records if r.name == "autoopt"]
+    assert len(records) == 1 and "out of memory" in records[0].getMessage(), records
+    (finding,) = _remat(fast, ws, x)
+    assert finding.applied and "RESOURCE_EXHAUSTED" in finding.message, finding.message
+    live = finding.details["live_at_peak"]
+    assert live and any(b["location"] and "test_remat_fit.py" in b["location"] for b in live)
+    assert {b["plan"] for b in live} <= {"recomputed in the backward", "kept", "an input"}
+    assert_trees_equivalent(jax.jit(train_step)(ws, x), got)
+
+
+@pytest.mark.parametrize("reported", [True, False], ids=["reported", "unreported"])
+def test_where_no_plan_fits_jaxs_own_error_names_the_largest_live_values(reported):
+    ws, x = _args(layers=2)
+    fast = autoopt.optimize(train_step, fallback="raise")
+    with simulated_device_memory(1024, reported=reported):
+        with pytest.raises(jax.errors.JaxRuntimeError) as info:
+            fast(ws, x)
+    message = str(info.value)
+    assert "RESOURCE_EXHAUSTED" in message and "Largest values live" in message, message
+    assert "test_remat_fit.py" in message
+
+
+def test_explain_shows_what_remat_auto_would_apply_without_applying_it():
+    ws, x = _args()
+    fast = autoopt.optimize(train_step, fallback="raise")
+    report = fast.explain(ws, x)
+    would = [f for f in report.findings if f.kind == "remat"]
+    assert would and not any(f.applied for f in would)
+    assert "remat='auto'" in would[0].message and would[0].details["would_save"] > 0
+    # and the call itself still runs the original
+    assert_trees_equivalent(jax.jit(train_step)(ws, x), fast(ws, x), exact=True)
+
+
+def test_remat_auto_is_opt_in_and_fit_is_the_default():
+    assert autoopt.optimize(train_step)._policy.options.remat == "fit"
+    with pytest.raises(ValueError, match="'fit'"):
+        autoopt.optimize(train_step, remat="fits")
