@@ -62,6 +62,15 @@ class Report:
             self._diff = equation_diff(self.before, self.after)
         return self._diff
 
+    def peak_change(self) -> tuple[int, int] | None:
+        """``(before, after)`` compiled peak bytes of the memory table: plain jax.jit's
+        executable, and the one the calls run (donation included); None without figures. The
+        headline, the table and the budget verdict read these."""
+        before, after = self.memory.get("before"), self.memory.get("after")
+        if not before or not after:
+            return None
+        return before["peak_bytes"], after["peak_bytes"]
+
     def by_kind(self, kind: str) -> list[Finding]:
         return [f for f in self.findings if f.kind == kind]
 
@@ -138,7 +147,10 @@ class Report:
         self.source_diff = plan.diff
         out = []
         for i, f in enumerate(raw):
-            if i in plan.notes:
+            if i in plan.notes and _no_user_source(f, plan.notes[i]):
+                # Library code or no source line: said once under the table, not per row.
+                f = f.replace(details={**f.details, "source_edit": plan.notes[i]})
+            elif i in plan.notes:
                 note = plan.notes[i]
                 f = f.replace(
                     message=f"{f.message.rstrip()} No source edit: {note}.",
@@ -232,6 +244,16 @@ class Report:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         return path
+
+
+def _no_user_source(f: Finding, note: str) -> bool:
+    """The finding has no line of the user's to edit (no location, library code)."""
+    return (
+        f.location is None
+        or "no source line" in note
+        or "no source location" in note
+        or "in a library" in note
+    )
 
 
 def _stdout_is_terminal() -> bool:
@@ -482,12 +504,23 @@ def _render_summary(report: Report, console: Any, verbose: bool = False) -> None
         console.print("no findings: nothing to optimize for these arguments.")
         return
     applied = [f for f in findings if f.applied]
-    saved = sum(f.bytes_saved or 0 for f in applied)
     transfers = sum(f.transfers_avoided or 0 for f in applied)
     rows = report.shown(verbose)
     head = f"{len(findings)} findings, {len(applied)} applied"
-    if saved:
-        head += f"; {format_bytes(saved)} saved"
+    figures = report.peak_change()
+    if figures is not None:
+        # One figure, the memory table's: rows' savings overlap (one argument donated at two
+        # call sites is one buffer; remat and donation change the same peak).
+        before, after = figures
+        if after < before:
+            head += (
+                f"; peak {format_bytes(before)} -> {format_bytes(after)} per call, "
+                f"{format_bytes(before - after)} saved (memory table)"
+            )
+    else:
+        saved = sum(f.bytes_saved or 0 for f in applied)
+        if saved:
+            head += f"; {format_bytes(saved)} saved (sum over findings and call sites)"
     if transfers:
         head += f"; {transfers} transfers avoided per call"
     hidden = len(findings) - sum(len(locs) for _, locs in rows)
@@ -506,7 +539,7 @@ def _render_summary(report: Report, console: Any, verbose: bool = False) -> None
         rows, key=lambda r: (not r[0].applied, not (r[0].bytes_saved or r[0].transfers_avoided))
     )
     for f, locs in order:
-        where = _short_loc(f.location)
+        where = _short_loc(f.location) if f.location else "(library)"
         message = f.message
         if len(locs) > 1:
             where += f" (x{len(locs)})"
@@ -517,11 +550,23 @@ def _render_summary(report: Report, console: Any, verbose: bool = False) -> None
             f.kind,
             where,
             Text("yes", style="green") if f.applied else Text("no", style="yellow"),
-            format_bytes(f.bytes_saved) if f.bytes_saved else "-",
-            str(f.transfers_avoided) if f.transfers_avoided else "-",
+            # What a finding not applied would save is in its message, not in this column.
+            format_bytes(f.bytes_saved) if f.bytes_saved and f.applied else "-",
+            str(f.transfers_avoided) if f.transfers_avoided and f.applied else "-",
             message,
         )
     console.print(table)
+    unsourced = sum(
+        len(locs)
+        for f, locs in rows
+        if (f.details or {}).get("source_edit") and _no_user_source(f, f.details["source_edit"])
+    )
+    if unsourced:
+        console.print(
+            f"({unsourced} of these have no source line in your files (library code): "
+            "no source edit for them)",
+            style="dim",
+        )
 
 
 def _render_memory(report: Report, console: Any) -> None:
