@@ -366,3 +366,18 @@ def _donating_call(fast, make_args) -> set[int]:
     else:
         raise AssertionError(f"write the call with {len(rest)} more arguments")
     return before & _pointers(state)
+
+
+def test_the_default_render_of_a_large_program_fits_a_screen():
+    """The transformer example (remat and donation, a 1300-line program diff): the default
+    render is the summary, the memory table and the source edits, about 60 lines; the diff is
+    behind verbose=True. The remat row makes no promise of an edit that failed its check."""
+    from autoopt.examples import transformer
+
+    fast = autoopt.optimize(transformer.train_step, remat="auto")
+    transformer.run(fast, 2)
+    report = fast.explain(*transformer.make_args())
+    text = report.render(color=False, width=110)
+    assert len(text.splitlines()) <= 65, text
+    assert "raised" not in text and "Error" not in text, text
+    assert len(report.render(color=False, verbose=True).splitlines()) > 200

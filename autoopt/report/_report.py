@@ -13,6 +13,7 @@ import dataclasses
 import io
 import logging
 import os
+import re
 import shutil
 import sys
 import threading
@@ -30,6 +31,10 @@ log = logging.getLogger("autoopt")
 
 # A printed report shows this much of the program diff; ``report.diff`` has all of it.
 _DIFF_LINES = 80
+# Longer diffs are summarized by source line unless verbose (a report must fit a screen).
+_SHORT_DIFF_LINES = 16
+_DIFF_SOURCE_LINES = 5
+_PATH_IN_TEXT = re.compile(r"(/[^\s:()\[\]`'\"]+\.py):(\d+)")
 _MEMORY_COLUMNS = ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "peak_bytes")
 
 
@@ -437,13 +442,33 @@ def _render(report: Report, console: Any, verbose: bool = False) -> None:
     for section in _pass_sections():  # each pass's own tables (remat's plans), in pass order
         section(report, console)
     diff = report.diff
-    if diff:
+    lines = diff.splitlines()
+    if diff and not verbose and len(lines) > _SHORT_DIFF_LINES:
+        # Past a screen the equations drown the findings: by default, how many changed at
+        # which source line; render(verbose=True) (autoopt explain --diff) prints them.
+        console.print()
+        counts = _diff_by_line(lines)
+        console.print(
+            Text(
+                f"program diff: {sum(r + a for r, a in counts.values())} equations changed "
+                f"({len(lines)} lines: render(verbose=True) or `autoopt explain --diff` "
+                "prints them)",
+                style="bold",
+            )
+        )
+        top = sorted(counts.items(), key=lambda kv: -(kv[1][0] + kv[1][1]))
+        for loc, (removed, added) in top[:_DIFF_SOURCE_LINES]:
+            console.print(
+                f"  {_short_loc(loc) if loc else '(no source line)'}: -{removed} +{added}"
+            )
+        if len(top) > _DIFF_SOURCE_LINES:
+            console.print(f"  ... {len(top) - _DIFF_SOURCE_LINES} more source lines")
+    elif diff:
         console.print()
         console.print(
             Text("program diff (equations: - removed, + added, # your source line)", style="bold")
         )
-        lines = diff.splitlines()
-        if len(lines) > _DIFF_LINES:
+        if len(lines) > _DIFF_LINES and not verbose:
             hidden = len(lines) - _DIFF_LINES
             lines = lines[:_DIFF_LINES] + [f"  ... {hidden} more lines (report.diff has them all)"]
         for line in lines:
@@ -475,6 +500,8 @@ def _render(report: Report, console: Any, verbose: bool = False) -> None:
             Text("suggested source edits (autoopt rewrite ... --write applies them)", style="bold")
         )
         for line in report.source_diff.splitlines():
+            if line.startswith(("--- a/", "+++ b/")):
+                line = line[:6] + _display_path(line[6:] + ":").rstrip(":")
             style = (
                 "bold"
                 if line.startswith(("---", "+++"))
@@ -541,6 +568,16 @@ def _render_summary(report: Report, console: Any, verbose: bool = False) -> None
     for f, locs in order:
         where = _short_loc(f.location) if f.location else "(library)"
         message = f.message
+        note = (f.details or {}).get("source_edit") or ""
+        if not verbose and note.startswith("the edit was checked"):
+            # The edit autoopt would write does not reproduce the saving: no promise is made;
+            # why (the exception, the figures) is for verbose.
+            message = message.replace(
+                f"No source edit: {note}.",
+                "No source edit: written as source, the plan was checked and does not "
+                "reproduce this saving (render(verbose=True) says why).",
+            )
+        message = _display_paths_in(message)
         if len(locs) > 1:
             where += f" (x{len(locs)})"
             others = sorted({_short_loc(loc) for loc in locs[1:]} - {_short_loc(f.location)})
@@ -580,7 +617,9 @@ def _render_memory(report: Report, console: Any) -> None:
         return
     console.print()
     t = Table(
-        title="compiled memory (memory_analysis)",
+        # "peak" is autoopt's figure, not XLA's peak_memory_in_bytes, which on XLA:CPU is far
+        # below what the process holds (benchmarks/RESULTS.md, "memory truth").
+        title="compiled memory (peak = argument + output - alias + temp)",
         title_justify="left",
         box=None,
         pad_edge=False,
@@ -598,9 +637,8 @@ def _render_memory(report: Report, console: Any) -> None:
         # _memory_before_after compiles "after" as a donating call would: say so, since a
         # call site that keeps its arguments (donation not applied there) aliases nothing.
         console.print(
-            "(after: as compiled for a call that donates every argument an output "
-            "can reuse; a call site that keeps its arguments aliases nothing and "
-            "holds the alias bytes more)"
+            "(after: the executable a call site that rebinds its arguments runs; one that "
+            "keeps them holds the alias bytes more)"
         )
 
 
@@ -609,10 +647,34 @@ def _signed(n: int) -> str:
 
 
 def _display_path(loc: str) -> str:
+    """``path:line`` relative to the working directory when under it, from the package on
+    when installed (``site-packages/pkg/mod.py`` -> ``pkg/mod.py``), else as it is."""
     path, _, line = loc.rpartition(":")
     try:
         rel = os.path.relpath(path)
     except ValueError:
         rel = path
     shown = path if rel.startswith("..") else rel
+    for marker in (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}"):
+        if shown is path and marker in path:
+            shown = path.split(marker, 1)[1]
     return f"{shown}:{line}"
+
+
+def _display_paths_in(text: str) -> str:
+    """Every ``/abs/path.py:LINE`` of a message as ``file.py:LINE``, as the table's "where"."""
+    return _PATH_IN_TEXT.sub(lambda m: _short_loc(f"{m.group(1)}:{m.group(2)}"), text)
+
+
+def _diff_by_line(lines: list[str]) -> dict[str | None, tuple[int, int]]:
+    """``{source line: (equations removed, added)}`` of an equation diff's text."""
+    out: dict[str | None, tuple[int, int]] = {}
+    for line in lines:
+        mark = line.lstrip()[:1]
+        if mark not in ("-", "+"):
+            continue
+        head, sep, loc = line.rpartition("  # ")
+        key = loc.strip() if sep else None
+        removed, added = out.get(key, (0, 0))
+        out[key] = (removed + (mark == "-"), added + (mark == "+"))
+    return out
