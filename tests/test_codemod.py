@@ -748,6 +748,35 @@ def test_library_expression_becomes_a_checkpointed_lambda_of_its_locals():
     )
 
 
+def test_names_assigned_from_a_shape_stay_closed_over_in_the_checkpointed_lambda():
+    # Passed as arguments they would be traced, and reshape(b, s, d) of tracers raises
+    # ConcretizationTypeError (the demo's transformer, issue 28).
+    assert_codemod(
+        RematCommand,
+        """\
+        import jax
+        import jax.numpy as jnp
+
+        def f(x, w):
+            b, s, d = x.shape
+            n = len(w)
+            x = jnp.tanh(x.reshape(b * s, d) @ w).reshape(b, s, n)
+            return x
+        """,
+        """\
+        import jax
+        import jax.numpy as jnp
+
+        def f(x, w):
+            b, s, d = x.shape
+            n = len(w)
+            x = jax.checkpoint(lambda x, w: jnp.tanh(x.reshape(b * s, d) @ w).reshape(b, s, n))(x, w)
+            return x
+        """,
+        [F("remat", 7)],
+    )
+
+
 def test_named_function_gets_the_checkpoint_decorator():
     assert_codemod(
         RematCommand,
