@@ -341,9 +341,11 @@ def test_a_budget_met_by_donation_is_met():
     report = fast.explain(*args)
     calls = _peak(fast.inspect(*args).jit.lower(*args).compile())
     assert report.memory["after"]["peak_bytes"] == calls
-    text = report.render(color=False)
-    assert calls <= budget or "cannot be met" in text, text
-    assert not (calls <= budget and "cannot be met" in text), text
+    messages = [f.message for f in report.findings if f.kind == "remat"]
+    assert calls <= budget and not any("cannot be met" in m for m in messages), messages
+    # the donating executable meets the budget as it is: nothing is recomputed for the budget
+    # (remat="auto"'s own rule may still apply a plan)
+    assert not any("to meet the memory budget" in m for m in messages), messages
 
 
 def _donating_call(fast, make_args) -> set[int]:
