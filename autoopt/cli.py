@@ -197,7 +197,7 @@ def _color(choice: str) -> bool | None:
 
 def cmd_explain(ns) -> int:
     report, _, _ = build_report(ns.target, ns.args, _options(ns))
-    sys.stdout.write(report.render(color=_color(ns.color)))
+    sys.stdout.write(report.render(color=_color(ns.color), verbose=ns.diff))
     if ns.plot:
         report.plot_memory(ns.plot)
         print(f"memory picture written to {ns.plot}")
@@ -534,6 +534,12 @@ def _parser() -> argparse.ArgumentParser:
     common(e)
     e.add_argument("--color", choices=("auto", "always", "never"), default="auto")
     e.add_argument("--plot", metavar="PNG", help="also draw live memory before/after to this file")
+    e.add_argument(
+        "--diff",
+        action="store_true",
+        help="print every finding and the whole program diff (by default a long diff is "
+        "summarized by source line)",
+    )
     e.set_defaults(run=cmd_explain)
 
     r = sub.add_parser("rewrite", help="print the suggested source edits; --write applies them")

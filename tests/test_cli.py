@@ -188,3 +188,28 @@ def test_demo_prints_reports_and_measured_times_with_the_same_numbers():
         if name == "transformer":
             assert "remat plan" in why, why
     assert "interleaved" in out.stdout and jax.default_backend() in out.stdout
+
+
+def test_explain_summarizes_a_long_program_diff_and_diff_prints_it(tmp_path):
+    (tmp_path / "rows.py").write_text(
+        textwrap.dedent(
+            """\
+            import jax.numpy as jnp
+
+            def write(buf, i, row):
+                for k in range(6):
+                    buf = buf.at[i + k].set(row * k)
+                return buf
+
+            def make_args():
+                return jnp.zeros((64, 8)), 3, jnp.ones(8)
+            """
+        )
+    )
+    short = autoopt("explain", f"{tmp_path}/rows.py:write", "--args", "make_args")
+    full = autoopt("explain", f"{tmp_path}/rows.py:write", "--args", "make_args", "--diff")
+    assert short.returncode == 0 and full.returncode == 0, short.stderr + full.stderr
+    assert "equations changed" in short.stdout and "rows.py:5: -" in short.stdout
+    assert "dynamic_update_slice" not in short.stdout.split("program diff")[1]
+    assert "program diff (equations" in full.stdout and "scatter" in full.stdout
+    assert len(full.stdout.splitlines()) > len(short.stdout.splitlines()) + 20

@@ -56,10 +56,13 @@ def test_findings_of_each_kind_render_with_their_lines_and_savings():
         cells = row.split()
         assert cells[1] == f"test_report.py:{10 + k}"
         assert cells[2] == ("yes" if k % 2 == 0 else "no")
-        assert f"{k + 1}.0 MiB" in row
+        # a finding not applied saved nothing: no bytes in its row (issue 28)
+        assert (f"{k + 1}.0 MiB" in row) == (k % 2 == 0), row
         assert f"{KINDS[k]} message" in row
     assert "5 findings, 3 applied" in text
     assert "transfers avoided per call" in text  # placement (k=3) is not applied; transfer (4) is
+    # without a memory table, the headline says its bytes are a sum over findings
+    assert "saved (sum over findings and call sites)" in text
 
 
 def test_real_donation_finding_points_at_the_users_def_line():

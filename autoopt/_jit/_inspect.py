@@ -66,3 +66,48 @@ class Inspection:
     placement: Any  # autoopt.passes.placement._placer.PlacementFigures | None
     eager_autodiff_watched: bool
     eager_autodiff_jit: Any
+
+    def __post_init__(self) -> None:
+        # The function for static leaves takes the split arguments; ``jit.lower(*args)`` must
+        # take what the user passed to ``fast`` (an equinox module), as the README promises.
+        key = getattr(self.function, "static_key", None)
+        if key is not None and not isinstance(self.jit, StaticLeafJit):
+            object.__setattr__(self, "jit", StaticLeafJit(self.jit, key, self.options))
+
+
+class StaticLeafJit:
+    """A jit object of the function for static leaves that takes the user's own arguments
+    (non-array leaves in them), split as a call splits them; arguments already split, and every
+    other attribute, go to the jit object as they are."""
+
+    def __init__(self, jit: Any, key: tuple, options: Any):
+        self._jit, self._key, self._options = jit, key, options
+
+    def _split(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        from autoopt._jit import _static_leaves
+
+        o = self._options
+        split = _static_leaves.split_if_static(args, kwargs, o.static_argnums, o.static_argnames)
+        if split is None:
+            return args, kwargs
+        if split.key != self._key:
+            raise ValueError(
+                "these arguments hold other non-array leaves than those inspect() was given: "
+                "call fast.inspect(*args) with the arguments you lower."
+            )
+        return split.args, split.kwargs
+
+    def lower(self, *args, **kwargs):
+        args, kwargs = self._split(args, kwargs)
+        return self._jit.lower(*args, **kwargs)
+
+    def trace(self, *args, **kwargs):
+        args, kwargs = self._split(args, kwargs)
+        return self._jit.trace(*args, **kwargs)
+
+    def eval_shape(self, *args, **kwargs):
+        args, kwargs = self._split(args, kwargs)
+        return self._jit.eval_shape(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._jit, name)

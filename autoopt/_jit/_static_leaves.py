@@ -286,6 +286,8 @@ def with_static_leaves(
 
     # functools.wraps' _Wrapped type declares no attributes of its own
     with_static_leaves.output_parts = output_parts  # pyright: ignore[reportAttributeAccessIssue]
+    # Which split it takes: ``Inspection.jit`` splits the user's arguments to this key.
+    with_static_leaves.static_key = key  # pyright: ignore[reportAttributeAccessIssue]
     return with_static_leaves
 
 

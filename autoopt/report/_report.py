@@ -13,6 +13,7 @@ import dataclasses
 import io
 import logging
 import os
+import re
 import shutil
 import sys
 import threading
@@ -30,6 +31,10 @@ log = logging.getLogger("autoopt")
 
 # A printed report shows this much of the program diff; ``report.diff`` has all of it.
 _DIFF_LINES = 80
+# Longer diffs are summarized by source line unless verbose (a report must fit a screen).
+_SHORT_DIFF_LINES = 16
+_DIFF_SOURCE_LINES = 5
+_PATH_IN_TEXT = re.compile(r"(/[^\s:()\[\]`'\"]+\.py):(\d+)")
 _MEMORY_COLUMNS = ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "peak_bytes")
 
 
@@ -61,6 +66,15 @@ class Report:
         if self._diff is None:
             self._diff = equation_diff(self.before, self.after)
         return self._diff
+
+    def peak_change(self) -> tuple[int, int] | None:
+        """``(before, after)`` compiled peak bytes of the memory table: plain jax.jit's
+        executable, and the one the calls run (donation included); None without figures. The
+        headline, the table and the budget verdict read these."""
+        before, after = self.memory.get("before"), self.memory.get("after")
+        if not before or not after:
+            return None
+        return before["peak_bytes"], after["peak_bytes"]
 
     def by_kind(self, kind: str) -> list[Finding]:
         return [f for f in self.findings if f.kind == kind]
@@ -138,7 +152,10 @@ class Report:
         self.source_diff = plan.diff
         out = []
         for i, f in enumerate(raw):
-            if i in plan.notes:
+            if i in plan.notes and _no_user_source(f, plan.notes[i]):
+                # Library code or no source line: said once under the table, not per row.
+                f = f.replace(details={**f.details, "source_edit": plan.notes[i]})
+            elif i in plan.notes:
                 note = plan.notes[i]
                 f = f.replace(
                     message=f"{f.message.rstrip()} No source edit: {note}.",
@@ -232,6 +249,16 @@ class Report:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         return path
+
+
+def _no_user_source(f: Finding, note: str) -> bool:
+    """The finding has no line of the user's to edit (no location, library code)."""
+    return (
+        f.location is None
+        or "no source line" in note
+        or "no source location" in note
+        or "in a library" in note
+    )
 
 
 def _stdout_is_terminal() -> bool:
@@ -415,13 +442,33 @@ def _render(report: Report, console: Any, verbose: bool = False) -> None:
     for section in _pass_sections():  # each pass's own tables (remat's plans), in pass order
         section(report, console)
     diff = report.diff
-    if diff:
+    lines = diff.splitlines()
+    if diff and not verbose and len(lines) > _SHORT_DIFF_LINES:
+        # Past a screen the equations drown the findings: by default, how many changed at
+        # which source line; render(verbose=True) (autoopt explain --diff) prints them.
+        console.print()
+        counts = _diff_by_line(lines)
+        console.print(
+            Text(
+                f"program diff: {sum(r + a for r, a in counts.values())} equations changed "
+                f"({len(lines)} lines: render(verbose=True) or `autoopt explain --diff` "
+                "prints them)",
+                style="bold",
+            )
+        )
+        top = sorted(counts.items(), key=lambda kv: -(kv[1][0] + kv[1][1]))
+        for loc, (removed, added) in top[:_DIFF_SOURCE_LINES]:
+            console.print(
+                f"  {_short_loc(loc) if loc else '(no source line)'}: -{removed} +{added}"
+            )
+        if len(top) > _DIFF_SOURCE_LINES:
+            console.print(f"  ... {len(top) - _DIFF_SOURCE_LINES} more source lines")
+    elif diff:
         console.print()
         console.print(
             Text("program diff (equations: - removed, + added, # your source line)", style="bold")
         )
-        lines = diff.splitlines()
-        if len(lines) > _DIFF_LINES:
+        if len(lines) > _DIFF_LINES and not verbose:
             hidden = len(lines) - _DIFF_LINES
             lines = lines[:_DIFF_LINES] + [f"  ... {hidden} more lines (report.diff has them all)"]
         for line in lines:
@@ -453,6 +500,8 @@ def _render(report: Report, console: Any, verbose: bool = False) -> None:
             Text("suggested source edits (autoopt rewrite ... --write applies them)", style="bold")
         )
         for line in report.source_diff.splitlines():
+            if line.startswith(("--- a/", "+++ b/")):
+                line = line[:6] + _display_path(line[6:] + ":").rstrip(":")
             style = (
                 "bold"
                 if line.startswith(("---", "+++"))
@@ -482,12 +531,23 @@ def _render_summary(report: Report, console: Any, verbose: bool = False) -> None
         console.print("no findings: nothing to optimize for these arguments.")
         return
     applied = [f for f in findings if f.applied]
-    saved = sum(f.bytes_saved or 0 for f in applied)
     transfers = sum(f.transfers_avoided or 0 for f in applied)
     rows = report.shown(verbose)
     head = f"{len(findings)} findings, {len(applied)} applied"
-    if saved:
-        head += f"; {format_bytes(saved)} saved"
+    figures = report.peak_change()
+    if figures is not None:
+        # One figure, the memory table's: rows' savings overlap (one argument donated at two
+        # call sites is one buffer; remat and donation change the same peak).
+        before, after = figures
+        if after < before:
+            head += (
+                f"; peak {format_bytes(before)} -> {format_bytes(after)} per call, "
+                f"{format_bytes(before - after)} saved (memory table)"
+            )
+    else:
+        saved = sum(f.bytes_saved or 0 for f in applied)
+        if saved:
+            head += f"; {format_bytes(saved)} saved (sum over findings and call sites)"
     if transfers:
         head += f"; {transfers} transfers avoided per call"
     hidden = len(findings) - sum(len(locs) for _, locs in rows)
@@ -506,8 +566,15 @@ def _render_summary(report: Report, console: Any, verbose: bool = False) -> None
         rows, key=lambda r: (not r[0].applied, not (r[0].bytes_saved or r[0].transfers_avoided))
     )
     for f, locs in order:
-        where = _short_loc(f.location)
+        where = _short_loc(f.location) if f.location else "(library)"
         message = f.message
+        note = (f.details or {}).get("source_edit") or ""
+        if not verbose and note.startswith("the edit was checked"):
+            # The edit autoopt would write does not reproduce the saving (on XLA:CPU a plan
+            # written as jax.checkpoint is merged back by CSE): it is not offered, and the
+            # default render neither promises it nor lists the failure; verbose says why.
+            message = message.replace(f" No source edit: {note}.", "")
+        message = _display_paths_in(message)
         if len(locs) > 1:
             where += f" (x{len(locs)})"
             others = sorted({_short_loc(loc) for loc in locs[1:]} - {_short_loc(f.location)})
@@ -517,11 +584,23 @@ def _render_summary(report: Report, console: Any, verbose: bool = False) -> None
             f.kind,
             where,
             Text("yes", style="green") if f.applied else Text("no", style="yellow"),
-            format_bytes(f.bytes_saved) if f.bytes_saved else "-",
-            str(f.transfers_avoided) if f.transfers_avoided else "-",
+            # What a finding not applied would save is in its message, not in this column.
+            format_bytes(f.bytes_saved) if f.bytes_saved and f.applied else "-",
+            str(f.transfers_avoided) if f.transfers_avoided and f.applied else "-",
             message,
         )
     console.print(table)
+    unsourced = sum(
+        len(locs)
+        for f, locs in rows
+        if (f.details or {}).get("source_edit") and _no_user_source(f, f.details["source_edit"])
+    )
+    if unsourced:
+        console.print(
+            f"({unsourced} of these have no source line in your files (library code): "
+            "no source edit for them)",
+            style="dim",
+        )
 
 
 def _render_memory(report: Report, console: Any) -> None:
@@ -535,7 +614,9 @@ def _render_memory(report: Report, console: Any) -> None:
         return
     console.print()
     t = Table(
-        title="compiled memory (memory_analysis)",
+        # "peak" is autoopt's figure, not XLA's peak_memory_in_bytes, which on XLA:CPU is far
+        # below what the process holds (benchmarks/RESULTS.md, "memory truth").
+        title="compiled memory (peak = argument + output - alias + temp)",
         title_justify="left",
         box=None,
         pad_edge=False,
@@ -553,9 +634,8 @@ def _render_memory(report: Report, console: Any) -> None:
         # _memory_before_after compiles "after" as a donating call would: say so, since a
         # call site that keeps its arguments (donation not applied there) aliases nothing.
         console.print(
-            "(after: as compiled for a call that donates every argument an output "
-            "can reuse; a call site that keeps its arguments aliases nothing and "
-            "holds the alias bytes more)"
+            "(after: the executable a call site that rebinds its arguments runs; one that "
+            "keeps them holds the alias bytes more)"
         )
 
 
@@ -564,10 +644,34 @@ def _signed(n: int) -> str:
 
 
 def _display_path(loc: str) -> str:
+    """``path:line`` relative to the working directory when under it, from the package on
+    when installed (``site-packages/pkg/mod.py`` -> ``pkg/mod.py``), else as it is."""
     path, _, line = loc.rpartition(":")
     try:
         rel = os.path.relpath(path)
     except ValueError:
         rel = path
     shown = path if rel.startswith("..") else rel
+    for marker in (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}"):
+        if shown is path and marker in path:
+            shown = path.split(marker, 1)[1]
     return f"{shown}:{line}"
+
+
+def _display_paths_in(text: str) -> str:
+    """Every ``/abs/path.py:LINE`` of a message as ``file.py:LINE``, as the table's "where"."""
+    return _PATH_IN_TEXT.sub(lambda m: _short_loc(f"{m.group(1)}:{m.group(2)}"), text)
+
+
+def _diff_by_line(lines: list[str]) -> dict[str | None, tuple[int, int]]:
+    """``{source line: (equations removed, added)}`` of an equation diff's text."""
+    out: dict[str | None, tuple[int, int]] = {}
+    for line in lines:
+        mark = line.lstrip()[:1]
+        if mark not in ("-", "+"):
+            continue
+        head, sep, loc = line.rpartition("  # ")
+        key = loc.strip() if sep else None
+        removed, added = out.get(key, (0, 0))
+        out[key] = (removed + (mark == "-"), added + (mark == "+"))
+    return out

@@ -177,13 +177,15 @@ def _structs(avals) -> list:
     ]
 
 
-def _compile(fn: Callable, avals, compiler_options) -> Measured | None:
-    """Compile ``fn`` at ``avals`` with the options the final program gets; None when the backend
-    gives no memory figures. Runs inside the outer jit's trace, which is fine: lowering opens its
-    own trace."""
+def _compile(fn: Callable, avals, compiler_options, donate: tuple = ()) -> Measured | None:
+    """Compile ``fn`` at ``avals`` with the options the final program gets, donating the flat
+    inputs ``donate`` as the calls' executable does; None when the backend gives no memory
+    figures. Runs inside the outer jit's trace, which is fine: lowering opens its own trace."""
     t0 = time.perf_counter()
     compiled = (
-        jax.jit(fn, compiler_options=compiler_options or None).lower(*_structs(avals)).compile()
+        jax.jit(fn, compiler_options=compiler_options or None, donate_argnums=donate or None)
+        .lower(*_structs(avals))
+        .compile()
     )
     mem = compiled_memory(compiled)
     if mem is None:
@@ -198,8 +200,37 @@ def _flops(compiled) -> float:
     return float((cost or {}).get("flops", 0.0))
 
 
-def _measure_closed(closed: ClosedJaxpr, compiler_options) -> Measured | None:
-    return _compile(jaxpr_as_fun(closed), closed.in_avals, compiler_options)
+def _measure_closed(closed: ClosedJaxpr, compiler_options, donate: tuple = ()) -> Measured | None:
+    return _compile(jaxpr_as_fun(closed), closed.in_avals, compiler_options, donate)
+
+
+def _donated_leaves(closed: ClosedJaxpr, ctx: PassContext) -> tuple[int, ...]:
+    """The flat inputs of the top-level program that the calls' executable donates (a call site
+    rebinding its arguments under "safe"), so that plans and the budget are judged on the
+    executable that runs (issue 28: a budget met thanks to donation was called unmeetable)."""
+    from autoopt.passes.donation import donatable_args, host_callbacks
+
+    options, arg_of_leaf = ctx.options, ctx.in_arg_of_leaf
+    if ctx.extra.get("remat_top") is not closed or len(arg_of_leaf) != len(closed.in_avals):
+        return ()  # a loop or branch body: the caller's donation does not reach it
+    if options.explicit_donation:
+        nums = options.jit_kwargs.get("donate_argnums")
+        names = options.jit_kwargs.get("donate_argnames")
+        nums = (nums,) if isinstance(nums, int) else tuple(nums or ())
+        names = (names,) if isinstance(names, str) else tuple(names or ())
+        chosen = set(nums) | set(names)
+    elif options.donate == "auto" or (options.donate == "safe" and not host_callbacks(closed)):
+        # As Program.arguments: an argument with a key or a token leaf is never donated.
+        keys = {
+            a
+            for v, a in zip(closed.in_avals, arg_of_leaf)
+            if not hasattr(v, "dtype") or jax.numpy.issubdtype(v.dtype, jax.dtypes.extended)
+        }
+        plain = [a for a in dict.fromkeys(arg_of_leaf) if a not in keys]
+        chosen, _ = donatable_args(closed.in_avals, closed.out_avals, arg_of_leaf, plain)
+    else:
+        return ()
+    return tuple(i for i, a in enumerate(arg_of_leaf) if a in chosen)
 
 
 def _measure_split_vjp(closed: ClosedJaxpr, compiler_options) -> Measured | None:
@@ -599,7 +630,9 @@ def _plan_joint(
     total = _remat_plan.jaxpr_flops(closed)
     compiler_options = ctx.options.jit_kwargs.get("compiler_options")
     measure = functools.partial(
-        _measure_closed, compiler_options=measuring_options(compiler_options, ctx.backend)
+        _measure_closed,
+        compiler_options=measuring_options(compiler_options, ctx.backend),
+        donate=_donated_leaves(closed, ctx),
     )
     fence = fence_for(ctx.backend, compiler_options)
     mechanism = (
@@ -964,7 +997,8 @@ def remat(closed: ClosedJaxpr, ctx: PassContext) -> PassResult:
     where = ctx.fn_name
     try:
         if _has_backward(closed.jaxpr):
-            new, findings = _plan_level(closed, ctx, where)
+            top = dataclasses.replace(ctx, extra={**ctx.extra, "remat_top": closed})
+            new, findings = _plan_level(closed, top, where)
         elif (
             ctx.under_autodiff
             or ctx.options.remat != "auto"

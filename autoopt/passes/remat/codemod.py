@@ -99,7 +99,7 @@ class RematCommand(FindingCommand):
 
     # --- a named def gets the decorator --------------------------------------------------------
 
-    def leave_FunctionDef(
+    def _decorate(
         self, original_node: cst.FunctionDef, updated_node: cst.FunctionDef
     ) -> cst.FunctionDef:
         idxs = [
@@ -202,12 +202,16 @@ class RematCommand(FindingCommand):
         if free.has_lambda or not free.has_call:
             return None
         assert self.imports is not None  # set by visit_Module, which runs first
+        static = set().union(*getattr(self, "_static_stack", [set()]))
+        # Names holding shapes stay closed over: passed to jax.checkpoint they would be traced,
+        # and ``reshape(b, s, d)`` of them raises ConcretizationTypeError (issue 28).
         params = [
             n
             for n in free.names
             if n not in self._module_names
             and n not in self.imports.bound
             and n not in dir(builtins)
+            and n not in static
         ]
         lam = cst.Lambda(
             params=cst.Parameters(params=[cst.Param(cst.Name(n)) for n in params]),
@@ -221,6 +225,18 @@ class RematCommand(FindingCommand):
         self._finish(idxs)
         new = stmt.with_changes(body=[stmt.body[0].with_changes(value=call)])
         return new
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        finder = _ShapeNames()
+        node.body.visit(finder)
+        self._static_stack = [*getattr(self, "_static_stack", []), finder.names]
+        return True
+
+    def leave_FunctionDef(
+        self, original_node: cst.FunctionDef, updated_node: cst.FunctionDef
+    ) -> cst.FunctionDef:
+        self._static_stack = getattr(self, "_static_stack", [])[:-1]
+        return self._decorate(original_node, updated_node)
 
     def visit_Module(self, node: cst.Module) -> bool:
         super().visit_Module(node)
@@ -289,6 +305,41 @@ def _target_names(target: cst.BaseExpression) -> set[str]:
             out |= _target_names(el.value)
         return out
     return set()
+
+
+class _ShapeNames(cst.CSTVisitor):
+    """Names a function assigns from a shape (``b, s, d = x.shape``, ``n = x.shape[0]``,
+    ``k = len(xs)``, ``m = x.ndim``): Python integers, static under ``jax.checkpoint`` only
+    when closed over."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+
+    def visit_Assign(self, node: cst.Assign) -> bool:
+        probe = _ReadsShape()
+        node.value.visit(probe)
+        if probe.found:
+            for t in node.targets:
+                self.names |= _target_names(t.target)
+        return False
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        return False  # a nested def is a scope of its own
+
+
+class _ReadsShape(cst.CSTVisitor):
+    def __init__(self) -> None:
+        self.found = False
+
+    def visit_Attribute(self, node: cst.Attribute) -> bool:
+        if node.attr.value in ("shape", "ndim", "size"):
+            self.found = True
+        return True
+
+    def visit_Call(self, node: cst.Call) -> bool:
+        if isinstance(node.func, cst.Name) and node.func.value == "len":
+            self.found = True
+        return True
 
 
 class _FreeNames(cst.CSTVisitor):
