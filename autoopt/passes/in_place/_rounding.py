@@ -60,6 +60,10 @@ _MOVES = frozenset(
         "optimization_barrier",
         "reduce_precision",
         "device_put",
+        # min and max only choose one of their operands, exactly: a multiply before one and an
+        # add after it are never contracted across it, so the walk looks through it.
+        "max",
+        "min",
     }
 )
 # Calls XLA inlines: their bodies are one fusion region with the caller.
@@ -102,6 +106,8 @@ def _moves(eqn: JaxprEqn) -> bool:
     """``eqn`` only moves or selects values (a ``.set`` scatter, not ``.apply``'s)."""
     if eqn.primitive.name == "scatter":
         return eqn.params.get("update_jaxpr") is None
+    if eqn.primitive.name in ("scatter-min", "scatter-max"):
+        return True  # ``.min``/``.max`` choose values, as ``min``/``max`` do
     return eqn.primitive.name in _MOVES
 
 
@@ -126,7 +132,9 @@ class Graph:
     def _walk(self, j: Jaxpr, top: bool) -> None:
         for eqn in j.eqns:
             name = eqn.primitive.name
-            subs = _jaxpr.subjaxprs(eqn)
+            # A scatter's ``update_jaxpr`` is its combiner, not a body: the scatter is one eqn
+            # (``_moves`` says whether it computes).
+            subs = () if name.startswith("scatter") else _jaxpr.subjaxprs(eqn)
             if not subs:
                 for v in eqn.invars:
                     self._use(v, ("eqn", eqn))
