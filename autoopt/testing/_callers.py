@@ -268,8 +268,12 @@ TEMPLATES: dict[str, str] = {
     "expression_arg": "{V} = step({V} * 1.0, {W})",
     "discard": "_ = step({V}, {W})",
     "new_name": "{A} = step({V}, {W})",
+    # XLA:CPU runs a call inline (its callback's error raised by the call) only when no other
+    # work is in flight, else later, at the first read: under jax.jit as under autoopt. Settling
+    # first makes where the error surfaces the same in both runs; the template still checks that
+    # a call that raised deleted nothing.
     "raise_caught": (
-        "try:\n    {V} = step_raise({V}, {W})\n    _read({V})\nexcept Exception as e:\n"
+        "_settle()\ntry:\n    {V} = step_raise({V}, {W})\n    _read({V})\nexcept Exception as e:\n"
         "    caught.append(type(e).__name__)"
     ),
     "wrong_shape_caught": (
@@ -713,6 +717,15 @@ def _read(value):
             np.asarray(leaf)
 
 
+def _settle() -> None:
+    """Wait for every computation in flight (a poisoned array's error is not this call's)."""
+    for array in jax.live_arrays():
+        try:
+            array.block_until_ready()
+        except Exception:  # noqa: BLE001 - an earlier call's error, already compared
+            pass
+
+
 def _np(value) -> np.ndarray:
     """A NumPy copy of an array (raises on a deleted one)."""
     return np.array(value, copy=True)
@@ -879,6 +892,7 @@ def run_caller_program(
         "__name__": f"autoopt_caller_{os.path.basename(path)[:-3]}",
         "__file__": path,
         "_read": _read,
+        "_settle": _settle,
         "_keep": _keep,
         "_ptr": _ptr,
         "_note": note,
