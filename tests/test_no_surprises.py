@@ -9,11 +9,15 @@ per call tracing every time.
 
 from __future__ import annotations
 
+import _thread
 import dataclasses
 import enum
 import functools
 import gc
 import operator
+import signal
+import sys
+import time
 import weakref
 
 import jax
@@ -339,6 +343,74 @@ def test_an_argument_expression_that_rebinds_a_closure_cell_keeps_the_old_array_
     for _ in range(3):
         x = _add(x, take())
     assert held and not any(h.is_deleted() for h in held)
+
+
+def _donates_global() -> bool:
+    """Whether ``x_global = _add(x_global, ...)`` donates: the output reuses the buffer."""
+    global x_global
+    x_global = jnp.ones(1024)
+    x_global = _add(x_global, 1.0)  # the site's first call: proven, compiled
+    before = x_global.unsafe_buffer_pointer()
+    x_global = _add(x_global, 1.0)
+    return x_global.unsafe_buffer_pointer() == before
+
+
+def test_a_python_signal_handler_keeps_globals_from_being_donated():
+    # a checkpoint hook on a timer or SIGTERM runs between two bytecodes of this thread: right
+    # after the executable is dispatched it would read the global's donated array
+    assert _donates_global()  # (the probe sees donation when nothing else can run)
+    old = signal.signal(signal.SIGUSR1, lambda signum, frame: np.asarray(x_global))
+    try:
+        assert not _donates_global()
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+    assert _donates_global()
+
+
+def test_a_timer_checkpoint_reading_the_global_never_sees_a_deleted_array():
+    global x_global
+    seen: list = []
+
+    def checkpoint(signum, frame):
+        try:
+            seen.append(float(np.asarray(x_global)[0]))
+        except Exception as e:  # noqa: BLE001 - a deleted array, the failure looked for
+            seen.append(repr(e))
+
+    old = signal.signal(signal.SIGALRM, checkpoint)
+    signal.setitimer(signal.ITIMER_REAL, 1e-3, 1e-3)
+    try:
+        x_global = jnp.zeros(256)
+        deadline = time.monotonic() + 0.3
+        while time.monotonic() < deadline:
+            x_global = _add(x_global, 1.0)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert seen and all(isinstance(v, float) for v in seen), seen[:3]
+
+
+def test_a_thread_started_with_the_thread_module_keeps_globals_from_being_donated():
+    # ``_thread`` threads (libraries and C extensions start them) are not in threading's count
+    release, started = _thread.allocate_lock(), _thread.allocate_lock()
+    release.acquire()
+    started.acquire()
+
+    def reader():
+        started.release()
+        with release:  # holds a Python frame until released
+            pass
+
+    _thread.start_new_thread(reader, ())
+    with started:
+        try:
+            assert not _donates_global()
+        finally:
+            release.release()
+    deadline = time.monotonic() + 5
+    while len(sys._current_frames()) > 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _donates_global()
 
 
 # --- 6. the caller's frame and its dicts are never written --------------------------------

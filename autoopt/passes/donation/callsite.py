@@ -22,12 +22,13 @@ instruction to the AST node being evaluated.
 
 from __future__ import annotations
 
+import _signal
 import ast
 import dataclasses
 import inspect
 import operator
+import signal
 import sys
-import threading
 import types
 from collections.abc import Callable
 from typing import Any
@@ -199,8 +200,9 @@ def _make_check(
     call received (``x = step(x, take())`` where ``take()`` moves the old ``x`` into another name
     and rebinds ``x``: the reference counts are unchanged, the identity is not). ``bound``:
     ``(position or keyword, name, scope)`` of each donated argument. With ``shared`` (a donated
-    name is a global or a cell) no other thread may run, since another thread could read the
-    name while the call runs, after its array is donated. ``module_level``: the same code object
+    name is a global or a cell) no other thread may run and no Python signal handler be set,
+    since either could read the name while the call runs, after its array is donated
+    (``other_code_may_run``). ``module_level``: the same code object
     may run again with separate locals (``exec(code, globals, {})``), where the name it reads is
     not the one it binds: checked on each call."""
     if scope == "global" and not chain and not shared:
@@ -227,7 +229,7 @@ def _make_check(
         return check_global
 
     def check(frame, callee, args, kwargs) -> bool:
-        if shared and threading.active_count() > 1:
+        if shared and other_code_may_run():
             return False
         if module_level and frame.f_locals is not frame.f_globals:
             return False
@@ -247,6 +249,26 @@ def _make_check(
             return False
 
     return check
+
+
+_SIGNALS = tuple(int(s) for s in signal.valid_signals())
+_getsignal, _default_int_handler = _signal.getsignal, _signal.default_int_handler
+
+
+def other_code_may_run() -> bool:
+    """Whether code other than the caller's statement may run while a call is in flight, and so
+    read a global or a cell after its array is donated and before the statement rebinds it:
+    another thread with a Python frame (``sys._current_frames``, which also sees threads
+    started with ``_thread``, unlike ``threading.active_count``), or a Python signal handler
+    (a checkpoint hook on SIGTERM or a timer: it runs on this thread between two bytecodes,
+    such as right after the executable is dispatched). Python's own SIGINT handler raises
+    KeyboardInterrupt and reads nothing. Reads every signal's handler (about 5 us): only
+    calls that donate a shared name pay it."""
+    if len(sys._current_frames()) > 1:
+        return True
+    return sum(map(callable, map(_getsignal, _SIGNALS))) > (
+        _getsignal(signal.SIGINT) is _default_int_handler
+    )
 
 
 def _resolve(frame, root: str, scope: str, chain: tuple[str, ...]) -> Any:
