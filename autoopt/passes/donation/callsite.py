@@ -22,9 +22,9 @@ instruction to the AST node being evaluated.
 
 from __future__ import annotations
 
-import _signal
 import ast
 import dataclasses
+import importlib
 import inspect
 import operator
 import signal
@@ -252,6 +252,8 @@ def _make_check(
 
 
 _SIGNALS = tuple(int(s) for s in signal.valid_signals())
+# ``_signal``'s own getsignal: ``signal.getsignal`` wraps each answer in an enum, ten times slower
+_signal: Any = importlib.import_module("_signal")
 _getsignal, _default_int_handler = _signal.getsignal, _signal.default_int_handler
 
 
