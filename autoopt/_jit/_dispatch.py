@@ -63,9 +63,10 @@ class Policy:
     # compiler_options (jax.jit refuses them there; the outer program's options govern the
     # whole computation anyway) and without donate_argnums/argnames: an array passed next to a
     # tracer belongs to the outer computation (jax.grad's backward reads it), so nothing is
-    # donated there. None when these keywords are jit_kwargs themselves.
-    nested_kwargs: Mapping[str, Any] | None
-    # Calls check for an outer transformation: a call may donate there, or needs the nested jit.
+    # donated there. That jit runs the original program: XLA inlines it into the outer one,
+    # where the rewrites' proofs (the rounding rule's fusion boundaries) do not hold.
+    nested_kwargs: Mapping[str, Any]
+    # Calls check for an outer transformation (always: every such call takes the nested jit).
     guard_transforms: bool
     remat_auto: bool  # remat may plan a forward for a caller that differentiates it eagerly
     # remat="fit": a signature's first call compiles the original, and plans only when its
@@ -106,8 +107,8 @@ class Policy:
             verify=bool(options.verify),
             backend=backend,
             jit_kwargs=jit_kwargs,
-            nested_kwargs=nested if nested != jit_kwargs else None,
-            guard_transforms=nested != jit_kwargs or options.donate != "off",
+            nested_kwargs=nested,
+            guard_transforms=True,
             remat_auto=options.remat == "auto" and not options.explicit_donation,
             fit=options.remat == "fit",
             fast_ok=not has_static and not options.verify,
@@ -205,7 +206,7 @@ def make_dispatch(of: OptimizedFunction) -> Callable[..., CallPlan]:
     are those of the calibrated probes (``callsite._Probe``, ``_BoundProbe``).
     """
     policy, caches = of._policy, of._caches
-    donate, nested = policy.donate, policy.nested_kwargs is not None
+    donate = policy.donate
     guard = policy.guard_transforms
     static_argnums, static_argnames = policy.static_argnums, policy.static_argnames
     flat_ok = not policy.has_static
@@ -235,9 +236,7 @@ def make_dispatch(of: OptimizedFunction) -> Callable[..., CallPlan]:
                 caches.watch_autodiff or caches.eager_ad_jit is not None
             ) and _compat.eager_autodiff((args, kwargs)):
                 return CallPlan(of._eager_ad_jit())
-            if nested:
-                return CallPlan(of._nested_jit())
-            return plain_plan
+            return CallPlan(of._nested_jit())
         if donate == "safe":
             if (
                 site is not None

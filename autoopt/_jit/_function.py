@@ -232,12 +232,15 @@ class OptimizedFunction:
 
     # --- jit objects ---------------------------------------------------------------------------
 
-    def _make_wrapper(self, eager_autodiff: bool = False) -> Callable:
+    def _make_wrapper(self, eager_autodiff: bool = False, inlined: bool = False) -> Callable:
         """The function jax.jit traces: while jit traces it, it traces the user's function once
         per signature to a jaxpr, runs the passes, and evaluates the optimized jaxpr into jit's
         trace. So JAX's own C++ dispatch keeps the signature cache, and a cached call costs what
         jax.jit costs plus the dispatch. ``eager_autodiff``: the wrapper of the eager-autodiff
-        jit, whose programs are planned for a caller that differentiates them eagerly."""
+        jit, whose programs are planned for a caller that differentiates them eagerly.
+        ``inlined``: the wrapper of calls inside another trace, which evaluates the original
+        program (the signature's program is found or built as for any call, so the user's
+        function is traced once per signature either way)."""
         fn = self.__wrapped__
 
         def wrapper(*args, **kwargs):
@@ -255,7 +258,10 @@ class OptimizedFunction:
             program, leaves = self._program_for_trace(args, kwargs, eager_autodiff)
             if program.untouched is not None:  # a jax.Ref, a hijax type: as plain jax.jit
                 return fn(*args, **kwargs)
-            outs = self._evaluate(program, leaves, hoisted)
+            if inlined:
+                outs = _jaxpr.eval_closed(program.traced.closed, *leaves)
+            else:
+                outs = self._evaluate(program, leaves, hoisted)
             return tree_util.tree_unflatten(program.traced.out_tree, outs)
 
         # jax.jit reads the signature (static_argnames, donate_argnames) through __wrapped__.
@@ -304,12 +310,14 @@ class OptimizedFunction:
         return j
 
     def _nested_jit(self):
-        """The jit object of a call inside another trace (see ``Policy.nested_kwargs``)."""
+        """The jit object of a call inside another trace (see ``Policy.nested_kwargs``): it
+        evaluates the original program, from the signature's one trace."""
         caches = self._caches
         if caches.nested is None:
-            kw = self._policy.nested_kwargs
-            assert kw is not None  # dispatch calls this only when the policy has nested keywords
-            caches.nested = jax.jit(self._wrapper, **kw)
+            with caches.lock:
+                if caches.nested is None:
+                    wrapper = self._make_wrapper(inlined=True)
+                    caches.nested = jax.jit(wrapper, **self._policy.nested_kwargs)
         return caches.nested
 
     # --- tracing and passes (runs inside jax.jit's trace) -------------------------------------
@@ -778,7 +786,7 @@ class OptimizedFunction:
     def _shape_jit(self):
         caches = self._caches
         if caches.shape_jit is None:
-            kw = self._policy.nested_kwargs or self._policy.jit_kwargs
+            kw = self._policy.nested_kwargs
             caches.shape_jit = jax.jit(self.__wrapped__, **kw)
         return caches.shape_jit
 

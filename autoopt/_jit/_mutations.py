@@ -5,8 +5,10 @@ from the flattened leaves, so ``model.count[...] += 1`` inside changes those cop
 caller's Variable keeps its old value (``nnx.jit`` carries the change back; jax.jit drops it
 without a word). autoopt sees the Variables, so it checks: after the trace, every Variable of
 the arguments either holds the leaves it was given, or its new leaves are outputs of the
-function (as in ``nnx.jit``'s own inner function, which returns the updated state); anything
-else raises, saying what to do.
+function (as in ``nnx.jit``'s own inner function, which returns the updated state); and every
+nnx object (Module, Optimizer) of the arguments keeps its attributes (a new Variable in place of
+the old, a Python counter, an ``nnx.data`` array, an added attribute) unless the object is
+returned. Anything else raises, saying what to do.
 
 NB: the analogous machinery in flax is ``nnx.transforms.compilation.JitFn`` (``extract.to_tree``
 of the arguments after the call, returned as outputs and merged back by ``nnx.update``).
@@ -37,6 +39,33 @@ def _variables(tree: Any, variable: type) -> list[tuple[str, Any, list]]:
     return found
 
 
+def _pytree_type() -> type | None:
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return None
+    return getattr(nnx, "Pytree", None) or getattr(nnx, "Object", None)
+
+
+def _attributes(tree: Any, pytree: type) -> dict[int, tuple[str, Any, dict[str, int]]]:
+    """``id -> (path, object, {attribute: id of its value})`` of every nnx object (a Module,
+    an Optimizer) reachable from ``tree``: what an assignment to an attribute changes (a new
+    Variable in place of the old, a Python counter, an ``nnx.data`` array, a new attribute)."""
+    import flax.nnx as nnx
+
+    iter_graph = getattr(nnx, "iter_graph", None) or nnx.graph.iter_graph
+    found: dict[int, tuple[str, Any, dict[str, int]]] = {}
+    roots = tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, pytree))[0]
+    for root_path, root in roots:
+        if not isinstance(root, pytree):
+            continue
+        for path, node in iter_graph(root):
+            if isinstance(node, pytree) and id(node) not in found:
+                where = tree_util.keystr(root_path) + "".join(f".{p}" for p in path)
+                attrs = {k: id(v) for k, v in vars(node).items() if not k.startswith("_pytree__")}
+                found[id(node)] = (where, node, attrs)
+    return found
+
+
 def holds_variables(args: tuple, kwargs: dict) -> bool:
     """The arguments hold an nnx Variable (checked once per signature, when it is traced)."""
     variable = _variable_type()
@@ -53,11 +82,34 @@ def refusing_lost_updates(fn: Callable) -> Callable:
     if variable is None:
         return fn
 
+    pytree = _pytree_type()
+
     @functools.wraps(fn)
     def refusing_lost_updates(*args, **kwargs):
         before = _variables((args, kwargs), variable)
+        objects = _attributes((args, kwargs), pytree) if pytree is not None else {}
         out = fn(*args, **kwargs)
         returned = {id(x) for x in tree_util.tree_leaves(out)}
+        if objects and pytree is not None:
+            kind: type = pytree
+            returned_objects = {
+                id(x) for x in tree_util.tree_leaves(out, is_leaf=lambda x: isinstance(x, kind))
+            }
+            for where, node, attrs in objects.values():
+                now = {k: id(v) for k, v in vars(node).items() if not k.startswith("_pytree__")}
+                if now != attrs and id(node) not in returned_objects:
+                    changed = sorted(
+                        set(now) ^ set(attrs)
+                        | {k for k in now if k in attrs and now[k] != attrs[k]}
+                    )
+                    name = getattr(fn, "__name__", "the function")
+                    raise TypeError(
+                        f"{name} assigns to {', '.join(repr(k) for k in changed)} of the nnx "
+                        f"object at {_where(where)} of its arguments. Under jax.jit (and "
+                        "autoopt.optimize) the function gets a copy of the object, so the "
+                        "change would be lost when the call returns. Use nnx.jit, which "
+                        "carries it back, or return the object and rebind it after the call."
+                    )
         for path, var, leaves in before:
             now = tree_util.tree_leaves(var)
             changed = len(now) != len(leaves) or any(a is not b for a, b in zip(now, leaves))

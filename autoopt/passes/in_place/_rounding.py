@@ -13,7 +13,9 @@ The rule, conservative: a value "meets arithmetic" when, looking through data mo
 (reshapes, slices, selects, converts, ...) and calls that XLA inlines (``jit``, ``custom_jvp``,
 ``checkpoint``), it is produced or consumed by any floating-point operation other than data
 movement; a parameter, a constant, a loop carry or a branch's operand is a fusion boundary
-already, and whatever the walk cannot follow counts as arithmetic.
+already (not the carry of an unrolled scan, whose iterations fuse), and whatever the walk cannot
+follow counts as arithmetic. A program called inside another trace is inlined there, where its
+parameters are no boundaries: it runs unrewritten (``_jit``'s nested route).
 
 - a window read is refused when its operand and its result both meet arithmetic (a
   contraction needs a multiply on one side and an add on the other): under a ``cond`` guard
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 
@@ -97,9 +100,21 @@ def _floating(atom: Any) -> bool:
     if dtype is None:
         return False
     try:
-        return bool(np.issubdtype(dtype, np.inexact))
+        # jax's issubdtype: numpy's counts bfloat16 and the float8 types as no inexact type
+        return bool(jnp.issubdtype(dtype, np.inexact))
     except TypeError:  # an extended dtype (PRNG keys)
         return False
+
+
+def _unrolled(eqn: JaxprEqn) -> bool:
+    """A scan whose iterations XLA sees side by side: unrolled (``unroll`` > 1; ``True`` is the
+    length), or of one iteration (XLA inlines a loop that runs once). Its carry is no boundary:
+    one iteration's multiply meets the next one's add, and the first and last meet the code
+    around the loop."""
+    if eqn.primitive.name != "scan":
+        return False
+    unroll, length = eqn.params.get("unroll", 1), eqn.params.get("length", 2)
+    return unroll is True or int(unroll) > 1 or int(length) <= 1
 
 
 def _moves(eqn: JaxprEqn) -> bool:
@@ -158,16 +173,13 @@ class Graph:
                     for _, _, other in subs[1:]:
                         self._opaque(other)
                     continue
-            what = _BOUND if name in _BOUNDARY else _UNKNOWN
+            what = _BOUND if name in _BOUNDARY and not _unrolled(eqn) else _UNKNOWN
             for v in eqn.invars:
                 self._use(v, what)
             for v in eqn.outvars:
                 self.prod[v] = what
             for _, _, sub in subs:
-                if name in _BOUNDARY:
-                    self._body(sub, _BOUND)
-                else:
-                    self._opaque(sub)
+                self._body(sub, what)
 
     def _body(self, sub, what: tuple) -> None:
         inner = sub.jaxpr if isinstance(sub, ClosedJaxpr) else sub
