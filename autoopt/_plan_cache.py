@@ -10,14 +10,17 @@ folder (nothing is written otherwise: a user who configured no cache asked for n
 file a decision, named by the SHA-256 of its key: the kind of decision, the program's
 fingerprint (its jaxpr's text), what the measurement depends on (the candidates proposed,
 the budget, the compiler options), the backend and device kind, and the versions of jax,
-jaxlib and autoopt. Files are written whole (a temporary file renamed), so a concurrent reader
-sees a decision or none. An unreadable or stale entry is a miss: the decision is measured
-again and the entry replaced.
+jaxlib and autoopt (with a digest of autoopt's source). A joint remat decision is kept whole
+with the chosen plan's recomputed equations (``passes.remat._pass._plan_joint``), so a later
+process rebuilds that plan without enumerating candidates. Files are written whole (a
+temporary file renamed), so a concurrent reader sees a decision or none. An unreadable or
+stale entry is a miss: the decision is measured again and the entry replaced.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -48,6 +51,21 @@ def directory() -> str | None:
     return os.path.join(str(base), _FOLDER)
 
 
+@functools.cache
+def _source_digest() -> str:
+    """autoopt's own source (a plan is only as current as the code that measured it: a
+    development tree keeps one version number across edits)."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    digest = hashlib.sha256()
+    for folder, dirs, files in sorted(os.walk(root)):
+        dirs.sort()
+        for name in sorted(files):
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name), "rb") as fh:
+                    digest.update(name.encode() + b"\0" + fh.read())
+    return digest.hexdigest()
+
+
 def _versions() -> list[str]:
     import importlib.metadata
 
@@ -58,7 +76,7 @@ def _versions() -> list[str]:
         ours = importlib.metadata.version("autoopt")
     except importlib.metadata.PackageNotFoundError:  # run from a source tree
         ours = "?"
-    return [jax.__version__, getattr(jaxlib, "__version__", "?"), ours]
+    return [jax.__version__, getattr(jaxlib, "__version__", "?"), ours, _source_digest()]
 
 
 def _device_kind(backend: str | None) -> str:

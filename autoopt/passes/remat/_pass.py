@@ -276,6 +276,7 @@ class Candidate:
     est_extra_flops: float
     describe: Callable[[], dict] = dict
     heavy: bool = False  # recomputes a matmul, convolution or reduction
+    recompute: frozenset[int] | None = None  # a joint plan's recomputed nodes (kept on disk)
     _built: ClosedJaxpr | None = None
 
     def program(self) -> ClosedJaxpr:
@@ -631,6 +632,7 @@ def _joint_candidates(
             p.est_flops,
             lambda: _remat_plan.describe(g, p.recompute),
             heavy=_remat_plan.recomputes_heavy(g, p.recompute),
+            recompute=p.recompute,
         )
 
     unique = {p.recompute: p for p in reversed(plans) if p.recompute}  # the first of equals
@@ -713,17 +715,66 @@ def _plan_joint(
         ]
     if g.residual_bytes < MIN_RESIDUAL_BYTES and options.memory_budget is None:
         return closed, []
-    cands, est_base = _joint_candidates(closed, g, total, options.memory_budget, fence)
-    front = _pareto(cands)
-    dec = _choose(
-        _auto_order(cands, est_base, total),
-        front,
-        measure,
-        closed,
-        options.memory_budget,
-        floor_extra=_lowest_estimates(cands),
-    )
+
+    def decide() -> Decision:
+        cands, est_base = _joint_candidates(closed, g, total, options.memory_budget, fence)
+        return _choose(
+            _auto_order(cands, est_base, total),
+            _pareto(cands),
+            measure,
+            closed,
+            options.memory_budget,
+            floor_extra=_lowest_estimates(cands),
+        )
+
+    if _multiprocess.several():  # (process 0 decides for all: _choose)
+        dec = decide()
+    else:
+        # Kept whole, with the chosen plan's recomputed nodes: a later process rebuilds that
+        # plan alone, without enumerating and estimating the candidates (most of a warm first
+        # call's planning time).
+        dec = _plan_cache.cached(
+            "remat-joint",
+            _backend_of(),
+            [str(closed), options.memory_budget, fence, _measure_key(measure)],
+            decide,
+            _joint_decision_to,
+            lambda v: _joint_decision_from(v, closed, g, fence),
+        )
     return _finish(closed, dec, where, ctx, mechanism=mechanism)
+
+
+def _joint_decision_to(d: Decision) -> dict:
+    chosen = d.chosen
+    if chosen is not None and chosen.recompute is None:
+        return {"unusable": "the chosen plan is not a set of recomputed nodes"}
+    return {
+        **_decision_to(d),
+        "recompute": sorted(chosen.recompute) if chosen is not None and chosen.recompute else None,
+        "estimate": [chosen.est_peak, chosen.est_extra_flops] if chosen is not None else None,
+    }
+
+
+def _joint_decision_from(
+    v: dict, closed: ClosedJaxpr, g: _remat_plan.JointGraph, fence: str
+) -> Decision | None:
+    if "unusable" in v:
+        return None
+    if v["chosen"] is None:
+        return _decision_from(v, {})
+    recompute = frozenset(int(i) for i in v["recompute"])
+    if not recompute or not recompute <= g.eligible:
+        return None  # not equations this graph may recompute: measured again
+    chosen = Candidate(
+        v["chosen"],
+        lambda: _remat_plan.apply(closed, g, recompute, fence),
+        float(v["estimate"][0]),
+        float(v["estimate"][1]),
+        lambda: _remat_plan.describe(g, recompute),
+        heavy=_remat_plan.recomputes_heavy(g, recompute),
+        recompute=recompute,
+    )
+    return _decision_from(v, {chosen.name: chosen})
 
 
 # --- case 2 and 3: a forward the user differentiates --------------------------------------------
