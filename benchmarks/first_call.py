@@ -9,9 +9,15 @@ else, under the expert's version (hand-placed ``jax.checkpoint``); rounds interl
 variants. Workloads: a forward-only KV-cache decode loop (``lax.scan`` over steps), a small GPT
 training step with optax adamw, an equinox MLP training step, a 16-layer MLP training step.
 
-    python benchmarks/first_call.py [--rounds 5]
+    python benchmarks/first_call.py [--rounds 5] [--warm-cache]
 
-Prints medians of wall time and the ratios to jax.jit's first call.
+Prints medians of wall time and the ratios to jax.jit's first call, then the backend compiles
+of one more first call of each variant (jax.monitoring's backend_compile event, every function
+name: a count, which the machine's load does not move) and, with ``--warm-cache``, how many of
+them JAX's persistent cache did not answer. ``--warm-cache`` configures JAX's persistent
+compilation cache in a temporary folder (autoopt keeps its measured remat decisions beside
+it): after the untimed warm-up round every variant's first call finds both caches warm, as a
+second process of the same program would.
 """
 
 from __future__ import annotations
@@ -162,11 +168,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--only", default=None, help="a workload name's prefix")
+    parser.add_argument(
+        "--warm-cache",
+        action="store_true",
+        help="JAX's persistent compilation cache (and autoopt's plans beside it) in a temp dir",
+    )
     args = parser.parse_args()
 
     import jax
 
     import autoopt
+
+    if args.warm_cache:
+        import tempfile
+
+        jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="first_call_"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
     rows = []
     for name, build in WORKLOADS.items():
@@ -200,11 +218,48 @@ def main() -> None:
         cells = [f"{base:.2f} s"]
         for v in ("autoopt", "remat=auto", "expert"):
             cells.append(f"{statistics.median(times[v]) / base:.2f}x" if v in times else "-")
+        for v in ("jax.jit", "autoopt", "remat=auto"):
+            with _Compiles() as counted:
+                first_call(prepare[v]())
+            cells.append(counted.cell(args.warm_cache))
         rows.append([name, *cells])
         print(name, cells, flush=True)
     print()
     header = ["first call", "jax.jit", "default (fit) / jit", "remat='auto' / jit", "expert / jit"]
+    what = "compiles (not from JAX's cache)" if args.warm_cache else "compiles"
+    header += [f"{what}: jax.jit", "default", "remat='auto'"]
     print(markdown_table(header, rows))
+
+
+class _Compiles:
+    """Backend compiles while active, and JAX's persistent-cache misses among them."""
+
+    def __init__(self):
+        self.compiles = self.misses = 0
+
+    def _duration(self, event: str, duration_secs: float, **kw: str | int) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            self.compiles += 1  # (recorded for an executable JAX's cache answers too)
+
+    def _event(self, event: str, **kw: str | int) -> None:
+        if event == "/jax/compilation_cache/cache_misses":
+            self.misses += 1
+
+    def cell(self, warm: bool) -> str:
+        return f"{self.compiles} ({self.misses})" if warm else str(self.compiles)
+
+    def __enter__(self):
+        import jax
+
+        jax.monitoring.register_event_duration_secs_listener(self._duration)
+        jax.monitoring.register_event_listener(self._event)
+        return self
+
+    def __exit__(self, *exc):
+        import jax
+
+        jax.monitoring.unregister_event_duration_listener(self._duration)
+        jax.monitoring.unregister_event_listener(self._event)
 
 
 if __name__ == "__main__":

@@ -35,8 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "autoopt"
 
 # Top-level private modules every layer may import: the bottom of the graph (errors, options,
-# findings, the jax._src shim, tracing, the interpreter, memory figures, comparison) and the
-# call path.
+# findings, the jax._src shim, tracing, the interpreter, memory figures, comparison, decisions
+# shared between processes or kept on disk) and the call path.
 INFRASTRUCTURE = frozenset(
     f"autoopt.{name}"
     for name in (
@@ -51,6 +51,7 @@ INFRASTRUCTURE = frozenset(
         "_format",
         "_jit",
         "_multiprocess",
+        "_plan_cache",
     )
 )
 

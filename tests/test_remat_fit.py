@@ -9,6 +9,7 @@ import logging
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import autoopt
@@ -174,3 +175,32 @@ def test_remat_auto_is_opt_in_and_fit_is_the_default():
     assert autoopt.optimize(train_step)._policy.options.remat == "fit"
     with pytest.raises(ValueError, match="'fit'"):
         autoopt.optimize(train_step, remat="fits")
+
+
+_HOST_CONSTANT = np.random.default_rng(0).random((512, 1024)).astype(np.float32)
+
+
+def train_step_with_a_large_constant(ps, x):
+    """``train_step`` closing over a 2 MiB NumPy constant: the placer passes it as a device
+    argument (``passes.placement._hoist``), so the first call's trace stops twice (the fit
+    check, then the constants to hoist)."""
+    return train_step(ps, x + jnp.asarray(_HOST_CONSTANT)[0, : x.shape[-1]])
+
+
+@pytest.mark.parametrize("how", ["budget", "device", "out of memory"])
+def test_a_program_with_hoisted_constants_is_checked_too(how):
+    ws, x = _args()
+    original = _peak(jax.jit(train_step_with_a_large_constant), ws, x)
+    # (the executable that runs takes the constant as an argument: its bytes count there)
+    short = int(0.75 * original) + _HOST_CONSTANT.nbytes
+    options = {"memory_budget": short} if how == "budget" else {}
+    fast = autoopt.optimize(train_step_with_a_large_constant, fallback="raise", **options)
+    if how == "budget":
+        got = fast(ws, x)
+    else:
+        with simulated_device_memory(short, reported=how == "device"):
+            got = fast(ws, x)
+    assert fast.inspect(ws, x).placement.hoisted is not None  # the premise
+    (finding,) = _remat(fast, ws, x)
+    assert finding.applied, finding.message
+    assert_trees_equivalent(jax.jit(train_step_with_a_large_constant)(ws, x), got)

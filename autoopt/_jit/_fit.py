@@ -5,14 +5,22 @@ How a first call is caught without costing later calls anything: under "fit", ji
 the wrapper for a top-level call of a signature not yet checked raises ``FitCheck`` before
 anything is lowered (as the placer's ``HoistConstants`` does). The call site that called the
 jit object catches it and calls again through ``checked_call``, which lowers and compiles the
-same jit object for the same arguments (jax keeps that executable: the call that follows
-compiles nothing more), reads its compiled peak (argument + output + temp - alias bytes), and
-compares it with ``memory_budget`` and the device's free memory (``_memory.device_memory``).
-When it fits, the call runs that executable: bit-identical to jax.jit. When it does not, or
+same jit object for the same arguments, reads that executable's compiled peak (argument +
+output + temp - alias bytes), and compares it with ``memory_budget`` and the device's free
+memory (``_memory.device_memory``). When it fits, the call runs that executable through the
+jit object, which finds it in jax's caches (the lowering cache keeps the executable: one
+backend compile in all, as jax.jit's first call; ``tests/test_fit_first_call.py`` counts
+them): bit-identical to jax.jit. (Calling the ``Compiled`` itself was tried: it refuses
+arguments jit accepts, tokens and ``autoopt.constant`` trees.) When it does not, or
 when compiling or running it raises out-of-memory (RESOURCE_EXHAUSTED), the passes run again
 with the budget (``passes.remat.Fit``), the jit object's caches are cleared (jax keeps one
 trace per signature), and the call runs the plan; once. Cleared caches cost the jit object's
 other signatures one compile each, on a path taken only when memory is short.
+
+A program with large constants the placer passes as device arguments (``_hoist``) is checked
+on the call that passes them: the check's own trace stops at them (``HoistConstants``) the
+first time, the placer places them and calls the stand-in again, and the check, still
+pending, compiles the executable with them as arguments (the one that runs).
 
 A signature first met inside another trace (an outer jit, vmap) is not checked: jax keeps one
 trace of it for every context, and the outer program's executable is what runs.
@@ -154,6 +162,15 @@ def _oom_budget(error: BaseException, memory: CompiledMemory | None, device) -> 
     return dm.free_bytes if dm is not None else None
 
 
+def _placer_retries(error: BaseException) -> bool:
+    """Whether ``error`` is the placer's signal to place large constants and call again
+    (``HoistConstants``, raised out of the check's own trace when the first call did not pass
+    them yet): the check is not over, it is made again on the call that passes them."""
+    from autoopt.passes.placement import HoistConstants
+
+    return isinstance(error, HoistConstants)
+
+
 def checked_call(of: OptimizedFunction, program: Program, jit: Any, args: tuple, kwargs: dict):
     """Compile the call's executable, plan when it does not fit or runs out of memory (once),
     and run it. One thread checks a program; the others wait and run what it decided (a
@@ -196,6 +213,8 @@ def _checked_call(of: OptimizedFunction, program: Program, jit: Any, args: tuple
         simulated_out_of_memory(memory)
         out = jit(*args, **kwargs)
     except Exception as e:
+        if _placer_retries(e):
+            raise  # still "checking": the placer calls the stand-in again, with what it placed
         if not is_out_of_memory(e):
             if program.fit == "checking":
                 program.fit = "fits"  # the user's error, or jax's: the next call finds it again

@@ -8,7 +8,7 @@ is ``autoopt.prefetch``; ``_findings`` reports what the placer saw; ``codemod`` 
 """
 
 from autoopt.passes.placement._findings import findings_for
-from autoopt.passes.placement._hoist import with_hoisted_consts
+from autoopt.passes.placement._hoist import HoistConstants, with_hoisted_consts
 from autoopt.passes.placement._host_constants import constant
 from autoopt.passes.placement._packing import unpack
 from autoopt.passes.placement._placer import placer_for
@@ -16,6 +16,7 @@ from autoopt.passes.placement._prefetch import prefetch
 from autoopt.passes.placement._transfers import PASS, host_callbacks, transfers
 
 __all__ = [
+    "HoistConstants",
     "PASS",
     "constant",
     "findings_for",

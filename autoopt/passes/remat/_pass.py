@@ -71,7 +71,7 @@ from typing import Any
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, jaxpr_as_fun
 
-from autoopt import _compat, _jaxpr, _multiprocess
+from autoopt import _compat, _jaxpr, _multiprocess, _plan_cache
 from autoopt._finding import Finding
 from autoopt._memory import CompiledMemory, compiled_memory
 from autoopt._options import Option, parse_bytes
@@ -276,6 +276,7 @@ class Candidate:
     est_extra_flops: float
     describe: Callable[[], dict] = dict
     heavy: bool = False  # recomputes a matmul, convolution or reduction
+    recompute: frozenset[int] | None = None  # a joint plan's recomputed nodes (kept on disk)
     _built: ClosedJaxpr | None = None
 
     def program(self) -> ClosedJaxpr:
@@ -303,47 +304,86 @@ def _choose(
     bisect: bool = True,
     floor_extra: list[Candidate] | None = None,
 ) -> Decision:
-    """``_choose_here``, in a ``jax.distributed`` job on process 0 only: compiled memory is
-    measured per process (a fault or another XLA flag can change it), and the plan is part of
-    the program every process must build alike, so the others take process 0's decision
-    without compiling anything (``_multiprocess``)."""
-    if not _multiprocess.several():
-        return _choose_here(auto_order, front, measure, base_program, budget, bisect, floor_extra)
+    """``_choose_here``, or the same decision measured before: by another process of a
+    ``jax.distributed`` job (process 0 measures, the others read its decision: compiled memory
+    is measured per process, and the plan is part of the program every process must build
+    alike, ``_multiprocess``), or by an earlier process, kept beside JAX's persistent
+    compilation cache when one is configured (``_plan_cache``). Either way nothing is
+    compiled here."""
     by_name = {c.name: c for c in [*auto_order, *front, *(floor_extra or [])]}
 
-    def decode(v: dict) -> Decision:
+    def here() -> Decision:
+        return _choose_here(auto_order, front, measure, base_program, budget, bisect, floor_extra)
+
+    def on_disk() -> Decision:
+        parts = [
+            str(base_program),
+            budget,
+            bisect,
+            [c.name for c in auto_order],
+            [c.name for c in front],
+            [c.name for c in floor_extra or []],
+            _measure_key(measure),
+        ]
+
+        def decode(v: dict) -> Decision | None:
+            # (a stored plan this process did not propose is a miss: measured again)
+            return _decision_from(v, by_name) if v.get("chosen") in (None, *by_name) else None
+
+        return _plan_cache.cached("remat", _backend_of(), parts, here, _decision_to, decode)
+
+    if not _multiprocess.several():
+        return on_disk()
+
+    def decode_shared(v: dict) -> Decision:
         chosen = v["chosen"]
         if chosen is not None and chosen not in by_name:
             raise _multiprocess.ProcessMismatchError(
                 f"remat: process 0 chose the plan {chosen!r}, which this process did not "
                 "propose for the same program"
             )
-        return Decision(
-            by_name[chosen] if chosen is not None else None,
-            _measured_from(v["base"]),
-            _measured_from(v["after"]),
-            v["reason"],
-            [(n, _measured_from(m)) for n, m in v["tried"]],
-            v["floor"],
-        )
+        return _decision_from(v, by_name)
 
-    def encode(d: Decision) -> dict:
-        return {
-            "chosen": d.chosen.name if d.chosen is not None else None,
-            "base": _measured_to(d.base),
-            "after": _measured_to(d.after),
-            "reason": d.reason,
-            "tried": [[n, _measured_to(m)] for n, m in d.tried],
-            "floor": d.floor,
-        }
+    return _multiprocess.shared("remat", str(base_program), on_disk, _decision_to, decode_shared)
 
-    return _multiprocess.shared(
-        "remat",
-        str(base_program),
-        lambda: _choose_here(auto_order, front, measure, base_program, budget, bisect, floor_extra),
-        encode,
-        decode,
+
+def _measure_key(measure: Callable) -> list:
+    """What a measurement depends on besides the program: how it measures (a whole program,
+    or the forward and backward apart) and its compiler options and donation."""
+    if isinstance(measure, functools.partial):
+        return [getattr(measure.func, "__name__", repr(measure.func)), measure.keywords]
+    return [getattr(measure, "__name__", repr(measure))]
+
+
+def _backend_of() -> str | None:
+    """Where measuring compiles run (jax.jit's default backend)."""
+    try:
+        return jax.default_backend()
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _decision_from(v: dict, by_name: dict[str, Candidate]) -> Decision:
+    chosen = v["chosen"]
+    return Decision(
+        by_name[chosen] if chosen is not None else None,
+        _measured_from(v["base"]),
+        _measured_from(v["after"]),
+        v["reason"],
+        [(n, _measured_from(m)) for n, m in v["tried"]],
+        v["floor"],
     )
+
+
+def _decision_to(d: Decision) -> dict:
+    return {
+        "chosen": d.chosen.name if d.chosen is not None else None,
+        "base": _measured_to(d.base),
+        "after": _measured_to(d.after),
+        "reason": d.reason,
+        "tried": [[n, _measured_to(m)] for n, m in d.tried],
+        "floor": d.floor,
+    }
 
 
 def _measured_to(m: Measured | None) -> list | None:
@@ -592,6 +632,7 @@ def _joint_candidates(
             p.est_flops,
             lambda: _remat_plan.describe(g, p.recompute),
             heavy=_remat_plan.recomputes_heavy(g, p.recompute),
+            recompute=p.recompute,
         )
 
     unique = {p.recompute: p for p in reversed(plans) if p.recompute}  # the first of equals
@@ -674,17 +715,66 @@ def _plan_joint(
         ]
     if g.residual_bytes < MIN_RESIDUAL_BYTES and options.memory_budget is None:
         return closed, []
-    cands, est_base = _joint_candidates(closed, g, total, options.memory_budget, fence)
-    front = _pareto(cands)
-    dec = _choose(
-        _auto_order(cands, est_base, total),
-        front,
-        measure,
-        closed,
-        options.memory_budget,
-        floor_extra=_lowest_estimates(cands),
-    )
+
+    def decide() -> Decision:
+        cands, est_base = _joint_candidates(closed, g, total, options.memory_budget, fence)
+        return _choose(
+            _auto_order(cands, est_base, total),
+            _pareto(cands),
+            measure,
+            closed,
+            options.memory_budget,
+            floor_extra=_lowest_estimates(cands),
+        )
+
+    if _multiprocess.several():  # (process 0 decides for all: _choose)
+        dec = decide()
+    else:
+        # Kept whole, with the chosen plan's recomputed nodes: a later process rebuilds that
+        # plan alone, without enumerating and estimating the candidates (most of a warm first
+        # call's planning time).
+        dec = _plan_cache.cached(
+            "remat-joint",
+            _backend_of(),
+            [str(closed), options.memory_budget, fence, _measure_key(measure)],
+            decide,
+            _joint_decision_to,
+            lambda v: _joint_decision_from(v, closed, g, fence),
+        )
     return _finish(closed, dec, where, ctx, mechanism=mechanism)
+
+
+def _joint_decision_to(d: Decision) -> dict:
+    chosen = d.chosen
+    if chosen is not None and chosen.recompute is None:
+        return {"unusable": "the chosen plan is not a set of recomputed nodes"}
+    return {
+        **_decision_to(d),
+        "recompute": sorted(chosen.recompute) if chosen is not None and chosen.recompute else None,
+        "estimate": [chosen.est_peak, chosen.est_extra_flops] if chosen is not None else None,
+    }
+
+
+def _joint_decision_from(
+    v: dict, closed: ClosedJaxpr, g: _remat_plan.JointGraph, fence: str
+) -> Decision | None:
+    if "unusable" in v:
+        return None
+    if v["chosen"] is None:
+        return _decision_from(v, {})
+    recompute = frozenset(int(i) for i in v["recompute"])
+    if not recompute or not recompute <= g.eligible:
+        return None  # not equations this graph may recompute: measured again
+    chosen = Candidate(
+        v["chosen"],
+        lambda: _remat_plan.apply(closed, g, recompute, fence),
+        float(v["estimate"][0]),
+        float(v["estimate"][1]),
+        lambda: _remat_plan.describe(g, recompute),
+        heavy=_remat_plan.recomputes_heavy(g, recompute),
+        recompute=recompute,
+    )
+    return _decision_from(v, {chosen.name: chosen})
 
 
 # --- case 2 and 3: a forward the user differentiates --------------------------------------------

@@ -1,0 +1,140 @@
+"""Plan once (issue 29, item 3): a remat decision measured in one process is kept beside JAX's
+persistent compilation cache, and a second process planning the same program compiles none of
+the candidates: only the chosen program, which JAX's cache answers too. Each process is a fresh
+interpreter (``subprocess``) with its own empty in-memory caches and the same cache folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+_SCRIPT = textwrap.dedent(
+    """
+    import hashlib, json, sys
+    import jax, jax.numpy as jnp, numpy as np
+
+    if sys.argv[1] != "-":
+        jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    import autoopt
+
+    names, cache = [], []
+
+    def on_event(event, duration, fun_name=None, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            names.append(fun_name)  # (recorded for a program JAX's cache answers too)
+
+    def on_cache(event, **kw):
+        if event.startswith("/jax/compilation_cache/cache_"):
+            cache.append(event.rsplit("_", 1)[-1])
+
+    def block_loss(ps, x):
+        for w1, w2 in ps:
+            m = x.mean(-1, keepdims=True)
+            h = (x - m) * jax.lax.rsqrt(((x - m) ** 2).mean(-1, keepdims=True) + 1e-5)
+            x = x + jax.nn.gelu(h @ w1) @ w2
+        return jnp.mean(x**2)
+
+    def train_step(ps, x):
+        value, g = jax.value_and_grad(block_loss)(ps, x)
+        return [(w1 - 0.1 * g1, w2 - 0.1 * g2) for (w1, w2), (g1, g2) in zip(ps, g)], value
+
+    layers, d = 3, 64
+    k = jax.random.split(jax.random.key(1), 2 * layers + 1)
+    ps = [
+        (
+            jax.random.normal(k[2 * i], (d, 4 * d)) / 8,
+            jax.random.normal(k[2 * i + 1], (4 * d, d)) / 16,
+        )
+        for i in range(layers)
+    ]
+    x = jax.block_until_ready(jax.random.normal(k[-1], (1024, d)))
+    options = json.loads(sys.argv[2])
+    fast = autoopt.optimize(train_step, fallback="raise", **options)
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    jax.monitoring.register_event_listener(on_cache)
+    out = jax.block_until_ready(fast(ps, x))
+    jax.monitoring.unregister_event_duration_listener(on_event)
+    jax.monitoring.unregister_event_listener(on_cache)
+    remat = [f for f in fast.inspect(ps, x).findings if f.kind == "remat"]
+    digest = hashlib.sha256()
+    for leaf in jax.tree_util.tree_leaves(out):
+        digest.update(np.asarray(leaf).tobytes())
+    print(json.dumps({
+        "compiles": names,
+        "cache": cache,
+        "applied": [f.applied for f in remat],
+        "messages": [f.message for f in remat],
+        "out": digest.hexdigest(),
+    }))
+    """
+)
+
+
+def _process(tmp_path, cache: str, options: dict) -> dict:
+    script = tmp_path / "plan_once.py"
+    script.write_text(_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOOPT_SIMULATED")}
+    result = subprocess.run(
+        [sys.executable, str(script), cache, json.dumps(options)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**env, "JAX_PLATFORMS": "cpu"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(
+    ("options", "programs"),
+    [({"remat": "auto"}, 1), ({"memory_budget": "10MiB"}, 2)],
+    ids=["remat='auto'", "default, budget short"],
+)
+def test_a_second_process_compiles_only_the_chosen_program(tmp_path, options, programs):
+    """``programs``: the executables a call runs or checks: under the default, the original
+    (whose peak says it does not fit) and the plan; under remat="auto", the plan."""
+    cache = tmp_path / "jax-cache"
+    first = _process(tmp_path, str(cache), options)
+    assert first["applied"] == [True], first["messages"]  # the premise: a plan was measured
+    measuring = [n for n in first["compiles"] if n != "jit(train_step)"]
+    assert measuring, first["compiles"]  # candidates compiled under their own names
+    assert "hits" not in first["cache"], first["cache"]
+    assert os.listdir(cache / "autoopt-plans")
+
+    second = _process(tmp_path, str(cache), options)
+    # no candidate compiled: only the call's own programs, which JAX's own cache answers
+    assert second["compiles"] == ["jit(train_step)"] * programs, second["compiles"]
+    assert second["cache"] == ["hits"] * programs, second["cache"]
+    assert second["applied"] == [True] and second["messages"] == first["messages"]
+    assert second["out"] == first["out"]
+
+
+def test_without_a_compilation_cache_nothing_is_kept(tmp_path):
+    first = _process(tmp_path, "-", {"remat": "auto"})
+    second = _process(tmp_path, "-", {"remat": "auto"})
+    assert first["applied"] == [True]
+    assert first["compiles"] == second["compiles"]  # measured again
+    assert not any(p.name == "autoopt-plans" for p in tmp_path.rglob("*"))
+
+
+def test_an_entry_this_process_cannot_use_is_measured_again(tmp_path):
+    cache = tmp_path / "jax-cache"
+    first = _process(tmp_path, str(cache), {"remat": "auto"})
+    folder = cache / "autoopt-plans"
+    for entry in folder.iterdir():
+        stored = json.loads(entry.read_text())
+        if "recompute" in stored:  # the joint plan, kept whole: equations it does not have
+            stored["recompute"] = [10**9]
+        else:  # the candidates' decision: a plan this process does not propose
+            stored["chosen"] = "a plan nobody proposed"
+        entry.write_text(json.dumps(stored))
+    second = _process(tmp_path, str(cache), {"remat": "auto"})
+    assert second["messages"] == first["messages"] and second["out"] == first["out"]
+    assert [n for n in second["compiles"] if n != "jit(train_step)"]  # measured again
