@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from autoopt import _jaxpr, _multiprocess
+from autoopt import _compat, _jaxpr, _multiprocess
 from autoopt._errors import FitCheck
 from autoopt._jit._program import Program
 from autoopt._memory import (
@@ -180,12 +180,16 @@ def checked_call(of: OptimizedFunction, program: Program, jit: Any, args: tuple,
         lock = caches.key_locks.setdefault(("fit", program.key), threading.RLock())
     with lock:
         if program.fit != "checking":  # decided by another thread: its executable is cached
-            return jit(*args, **kwargs)
-        outer, caches.tls.fit_checking = getattr(caches.tls, "fit_checking", None), program
-        try:
-            return _checked_call(of, program, jit, args, kwargs)
-        finally:
-            caches.tls.fit_checking = outer
+            out = jit(*args, **kwargs)
+        else:
+            outer, caches.tls.fit_checking = getattr(caches.tls, "fit_checking", None), program
+            try:
+                out = _checked_call(of, program, jit, args, kwargs)
+            finally:
+                caches.tls.fit_checking = outer
+    # The aborted trace left this signature's dispatch entry on jax's slow path for good.
+    _compat.reset_dispatch_cache(jit)
+    return out
 
 
 def _checked_call(of: OptimizedFunction, program: Program, jit: Any, args: tuple, kwargs: dict):

@@ -52,7 +52,7 @@ import jax
 import numpy as np
 from jax import tree_util
 
-from autoopt import _multiprocess, _trace
+from autoopt import _compat, _multiprocess, _trace
 from autoopt._errors import AutooptWarning, FitCheck, HostTransferError
 from autoopt.passes.placement._hoist import (
     HOISTED,
@@ -371,7 +371,7 @@ class Placer:
         """Call with the hoisted constants passed; when the trace finds new large constants
         (``HoistConstants``), place them once and call again (the trace is cut short before
         anything is lowered or compiled)."""
-        for _ in range(4):
+        for attempt in range(4):
             call_kwargs = kwargs
             if self._hoisted is not None:
                 call_kwargs = dict(kwargs)
@@ -379,8 +379,12 @@ class Placer:
             try:
                 with retrying():
                     if self._guard is None:
-                        return jitted(*args, **call_kwargs)
-                    return self._call_guarded(jitted, args, call_kwargs)
+                        out = jitted(*args, **call_kwargs)
+                    else:
+                        out = self._call_guarded(jitted, args, call_kwargs)
+                if attempt:  # the aborted trace left the signature on jax's slow dispatch
+                    _compat.reset_dispatch_cache(jitted)
+                return out
             except HoistConstants as e:
                 self._hoist(e.consts)
         return jitted(*args, **kwargs)  # (never reached in practice) embed, as plain jit
