@@ -60,6 +60,9 @@ class CheckCall:
     kwargs: dict = dataclasses.field(default_factory=dict)
     static_argnums: tuple[int, ...] = ()
     static_argnames: tuple[str, ...] = ()
+    # The original function's peak under plain jax.jit when the caller has it (the report's
+    # memory table "before"), so a check does not compile the original again to read it.
+    original_peak: int | None = None
     # What the checks on this call found, by (function, file text, exact): a report plans its
     # edits again when findings are added, and a rewritten text is checked once.
     verdicts: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
@@ -174,6 +177,8 @@ class EditChecker:
     def _original_peak(self) -> int | None:
         """The original function's peak under plain jax.jit (argument + output + temp - alias
         bytes), or None where the backend gives no figures."""
+        if self.call.original_peak is not None:
+            return self.call.original_peak
         try:
             args, kwargs = _copies((self.call.args, self.call.kwargs))
             memory = compiled_memory(self.call.jit(self.fn).lower(*args, **kwargs).compile())

@@ -131,8 +131,13 @@ class Report:
             from autoopt.codemod import CheckCall
 
             options = inspection.options
+            before = memory.get("before") or {}
             call = CheckCall(
-                tuple(args), dict(kwargs or {}), options.static_argnums, options.static_argnames
+                tuple(args),
+                dict(kwargs or {}),
+                options.static_argnums,
+                options.static_argnames,
+                original_peak=before.get("peak_bytes"),
             )
         report._add_source_edits(call)
         return report
