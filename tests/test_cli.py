@@ -188,6 +188,9 @@ def test_demo_prints_reports_and_measured_times_with_the_same_numbers():
         if name == "transformer":
             assert "remat plan" in why, why
     assert "interleaved" in out.stdout and jax.default_backend() in out.stdout
+    # no broken promise (issue 28, item 6): no edit that failed its check, no traceback
+    assert "No source edit" not in out.stdout and "raised" not in out.stdout, out.stdout
+    assert "Traceback" not in out.stdout + out.stderr
 
 
 def test_explain_summarizes_a_long_program_diff_and_diff_prints_it(tmp_path):

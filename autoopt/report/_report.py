@@ -131,8 +131,13 @@ class Report:
             from autoopt.codemod import CheckCall
 
             options = inspection.options
+            before = memory.get("before") or {}
             call = CheckCall(
-                tuple(args), dict(kwargs or {}), options.static_argnums, options.static_argnames
+                tuple(args),
+                dict(kwargs or {}),
+                options.static_argnums,
+                options.static_argnames,
+                original_peak=before.get("peak_bytes"),
             )
         report._add_source_edits(call)
         return report
@@ -249,6 +254,10 @@ class Report:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         return path
+
+
+# A finding's note when its edit was written, run and refused (codemod.plan_source_edits).
+_CHECKED = "the edit was checked and is not offered: "
 
 
 def _no_user_source(f: Finding, note: str) -> bool:
@@ -565,15 +574,17 @@ def _render_summary(report: Report, console: Any, verbose: bool = False) -> None
     order = sorted(
         rows, key=lambda r: (not r[0].applied, not (r[0].bytes_saved or r[0].transfers_avoided))
     )
+    withheld: list[tuple[Finding, str]] = []
     for f, locs in order:
         where = _short_loc(f.location) if f.location else "(library)"
         message = f.message
         note = (f.details or {}).get("source_edit") or ""
-        if not verbose and note.startswith("the edit was checked"):
-            # The edit autoopt would write does not reproduce the saving (on XLA:CPU a plan
+        if not verbose and note.startswith(_CHECKED):
+            # The edit autoopt would write does not reproduce the finding (on XLA:CPU a plan
             # written as jax.checkpoint is merged back by CSE): it is not offered, and the
-            # default render neither promises it nor lists the failure; verbose says why.
+            # row does not promise it; one line under the table says why (verbose: the row).
             message = message.replace(f" No source edit: {note}.", "")
+            withheld.append((f, note.removeprefix(_CHECKED)))
         message = _display_paths_in(message)
         if len(locs) > 1:
             where += f" (x{len(locs)})"
@@ -590,6 +601,12 @@ def _render_summary(report: Report, console: Any, verbose: bool = False) -> None
             message,
         )
     console.print(table)
+    for f, why in withheld:
+        what = "remat plan" if f.kind == "remat" else f"{f.kind} finding"
+        where = f" at {_short_loc(f.location)}" if f.location and len(withheld) > 1 else ""
+        console.print(
+            f"(no source edit for the {what}{where}: {_display_paths_in(why)})", style="dim"
+        )
     unsourced = sum(
         len(locs)
         for f, locs in rows
