@@ -422,6 +422,35 @@ def test_optimize_accepts_an_nnx_jit_function_and_donates_the_variables_it_repla
     assert type(kept).__name__ == "JitWrapped"  # the user's own donation: nnx's wrapper
 
 
+def test_a_decorated_nnx_method_and_optimize_over_nnx_jit_under_the_patch_donate():
+    nnx = pytest.importorskip("flax.nnx")
+    with autoopt.patch():
+
+        class C(nnx.Module):
+            def __init__(self):
+                self.s = nnx.Variable(jnp.zeros(1000))
+
+            @nnx.jit
+            def step(self, x):
+                self.s[...] = self.s[...] + x
+
+        @autoopt.optimize
+        @nnx.jit
+        def scale(c, x):
+            c.s[...] = c.s[...] * x
+
+        c = C()
+        p = c.s.get_raw_value().unsafe_buffer_pointer()
+        for _ in range(3):
+            c.step(jnp.ones(1000))
+        assert c.s.get_raw_value().unsafe_buffer_pointer() == p
+        for _ in range(3):
+            scale(c, 2.0)
+        assert type(scale).__name__ == "NnxJit"
+        assert c.s.get_raw_value().unsafe_buffer_pointer() == p
+    np.testing.assert_array_equal(np.asarray(c.s[...]), np.full(1000, 24.0, np.float32))
+
+
 def test_the_summary_lists_the_nnx_variables_considered_and_why_not_donated():
     from autoopt.patch import format_summary, summary
 
@@ -445,6 +474,88 @@ def test_the_summary_lists_the_nnx_variables_considered_and_why_not_donated():
     assert "held by another object" in refused["`model.bias`"]
     assert "not applied: donate `model.bias`" in text
     del others
+
+
+def _nnx_programs(nnx):
+    """A run through nnx's corners: Dropout's rng streams and BatchNorm's statistics, a
+    decorated method, nnx.jit inside nnx.jit and under nnx.grad, jax.disable_jit, a structural
+    change made inside, a Variable shared inside the model (tied), keyword and static
+    arguments."""
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(4, 4, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+            self.bn = nnx.BatchNorm(4, rngs=rngs)
+            self.count = nnx.Variable(jnp.zeros((), jnp.int32))
+
+        @nnx.jit
+        def method(self, x):
+            self.count[...] += 1
+            return self.lin(x)
+
+        def __call__(self, x):
+            self.count[...] += 1
+            return self.drop(self.bn(self.lin(x)))
+
+    class Tied(nnx.Module):
+        def __init__(self):
+            self.a = nnx.Param(jnp.ones(5))
+            self.b = self.a
+
+    @nnx.jit
+    def f(m, x):
+        return m(x)
+
+    @nnx.jit
+    def outer(m, x):
+        return f(m, x) * 2
+
+    @nnx.jit
+    def add_attr(m):
+        m.extra = nnx.Param(jnp.ones(3))
+        return m
+
+    @nnx.jit
+    def bump(t):
+        t.a[...] += 1
+        return t.b[...]
+
+    @nnx.jit(static_argnames="k")
+    def kw(m, *, x, k):
+        return m(x) * k
+
+    m = Block(nnx.Rngs(0, dropout=1))
+    x = jnp.arange(8.0).reshape(2, 4)
+    out: list = [f(m, x) for _ in range(3)]
+    out += [m.method(x) for _ in range(2)]
+    out += [outer(m, x) for _ in range(2)]
+    out += jax.tree_util.tree_leaves(nnx.state(nnx.grad(lambda m, x: f(m, x).sum())(m, x)))
+    with jax.disable_jit():
+        out.append(f(m, x))
+    out += [add_attr(m) is m, m.extra[...]]
+    t = Tied()
+    out += [bump(t) for _ in range(3)] + [t.a[...], t.b is t.a]
+    out += [kw(m, x=x, k=k) for k in (1, 2, 2)]
+    out += jax.tree_util.tree_leaves(nnx.state(m))
+    return [jax.random.key_data(o) if _is_key(o) else o for o in out]
+
+
+def _is_key(x) -> bool:
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def test_nnx_jit_semantics_are_kept_under_the_patch():
+    nnx = pytest.importorskip("flax.nnx")
+    want = _nnx_programs(nnx)
+    with autoopt.patch():
+        got = _nnx_programs(nnx)
+    assert len(want) == len(got)
+    for w, g in zip(want, got):
+        if isinstance(w, bool):
+            assert w == g
+        else:
+            _assert_same_arrays(w, g)
 
 
 def test_autoopt_run_routes_nnx_jit_imported_after_the_patch(tmp_path):

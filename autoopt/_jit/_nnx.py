@@ -164,6 +164,7 @@ class NnxJit:
         self.__wrapped__ = self.fun = fun
         functools.update_wrapper(self, fun, updated=())
         self._plain = plain  # nnx's own wrapper: lower(), trace(), eval_shape()
+        self._statics = {"static_argnums": static_argnums, "static_argnames": static_argnames}
         self._static_pos, self._static_names = _static_positions(
             fun, static_argnums, static_argnames
         )
@@ -367,11 +368,19 @@ def _variables(args: tuple, kwargs: dict) -> tuple[list, list]:
     from flax import nnx
 
     found, paths = [], []
+    kinds = _VARIABLE_TYPES
     for path, node in list(nnx.iter_graph((args, kwargs))):
-        if isinstance(node, nnx.Variable):
+        t = type(node)
+        is_variable = kinds.get(t)
+        if is_variable is None:  # nnx's isinstance goes through its metaclass: kept per type
+            is_variable = kinds[t] = issubclass(t, nnx.Variable)
+        if is_variable:
             found.append(node)
             paths.append(path)
     return found, paths
+
+
+_VARIABLE_TYPES: dict[type, bool] = {}
 
 
 def _counts(args: tuple, kwargs: dict) -> list[tuple[Any, int, Any, int]]:
@@ -484,7 +493,10 @@ def _is_variable(x: Any) -> bool:
 
 
 def is_nnx_jit(fn: Any) -> bool:
-    """``fn`` is what ``nnx.jit`` returns in graph mode (without importing flax when unused)."""
+    """``fn`` is what ``nnx.jit`` returns in graph mode (without importing flax when unused),
+    or an ``NnxJit`` (``nnx.jit`` under the patch)."""
+    if isinstance(fn, NnxJit):
+        return True
     mod = sys.modules.get("flax.nnx.transforms.compilation")
     return mod is not None and isinstance(fn, mod.JitWrapped)
 
@@ -492,6 +504,8 @@ def is_nnx_jit(fn: Any) -> bool:
 def from_nnx_jit(fn: Any, options: dict) -> Any:
     """``NnxJit`` for an ``nnx.jit`` wrapper whose options ``NnxJit`` keeps exactly; else nnx's
     own wrapper, unchanged (its donation, shardings or device are the user's choice)."""
+    if isinstance(fn, NnxJit):  # ``@autoopt.optimize`` over ``@nnx.jit`` under the patch
+        return NnxJit(fn.fun, fn._plain, options, **fn._statics)
     jitted = getattr(fn, "jitted_fn", None)
     try:
         kw = _compat.jit_options(jitted)
