@@ -232,7 +232,7 @@ class NnxJit:
             if donating:
                 positions = self._positions(parts, proven)
                 if self._donate == "safe":
-                    self._record(sys._getframe(2), names, positions, proven, reasons)
+                    self._record(sys._getframe(2), names, positions, named, reasons)
             out = self._run(parts, positions)
             del parts
             _, _, result = extract.from_tree(
@@ -276,9 +276,10 @@ class NnxJit:
                 seen[key] = -1 if key in seen else p
         return tuple(sorted(p for p in seen.values() if p > 0))
 
-    def _record(self, frame, names: list, positions: tuple, proven: dict, reasons: list) -> None:
+    def _record(self, frame, names: list, positions: tuple, named: dict, reasons: list) -> None:
         """What this call site proved, for the summary's "not applied" lines: leaf positions
-        donated, and why each other Variable (by path) was not."""
+        donated, why each other Variable (by path) was not, and that the other leaves are not
+        Variables' values."""
         try:
             loc = f"{frame.f_code.co_filename}:{frame.f_lineno}"
         finally:
@@ -290,9 +291,19 @@ class NnxJit:
         self._last[loc] = key
         self._inner._proof_names = names  # pyright: ignore[reportAttributeAccessIssue]
         index = {n: i for i, n in enumerate(names)}
-        keyed = tuple((index[path], r) for path, r in why if path in index)
+        keyed = [
+            ("*" if path == "*" else index[path], r)
+            for path, r in why
+            if path in index or path == "*"
+        ]
+        paths = set(named.values())
+        keyed += [
+            (i, "not an nnx Variable's value: nnx.jit does not replace it, the caller keeps it")
+            for i, n in enumerate(names)
+            if n not in paths
+        ]
         self._inner._caches.site_proofs[loc] = callsite.CallSiteProof(
-            positions=tuple(p - 1 for p in positions), reasons=keyed, location=loc
+            positions=tuple(p - 1 for p in positions), reasons=tuple(keyed), location=loc
         )
 
     def _run(self, parts: tuple, positions: tuple):
