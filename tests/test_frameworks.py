@@ -605,3 +605,14 @@ def test_undoing_the_patch_gives_equinox_its_filter_jit_back():
         assert eqx.filter_jit is not original
     assert eqx.filter_jit is original and eqx_jit.filter_jit is original
     assert type(eqx.filter_jit(lambda x: x)).__name__ == "_JitWrapper"
+
+
+def test_undoing_the_patch_gives_flax_its_nnx_jit_back():
+    nnx = pytest.importorskip("flax.nnx")
+    from flax.nnx.transforms import compilation
+
+    original = nnx.jit
+    with autoopt.patch():
+        assert nnx.jit is not original
+    assert nnx.jit is original and compilation.jit is original
+    assert type(nnx.jit(lambda m: m)).__name__ == "JitWrapped"
