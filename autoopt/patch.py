@@ -233,11 +233,66 @@ class _LazyFilterJit:
         return getattr(self._made, name)
 
 
+# --- flax nnx.jit ---------------------------------------------------------------------------
+# As for filter_jit: ``nnx.jit`` calls ``jax.jit`` from its own frame, so under the patch
+# ``nnx.jit`` itself returns ``_jit._nnx.NnxJit``, whose call is the user's statement. nnx
+# options NnxJit cannot keep exactly (shardings, the user's own donation, device, tree mode)
+# keep nnx's own wrapper; so does an nnx.jit called from flax itself.
+
+_NNX_PLAIN_CALLERS = (*_PLAIN_CALLERS, "flax")
+_real_nnx_jit_fn: Callable | None = None
+
+
+def _real_nnx_jit() -> Callable | None:
+    mod = sys.modules.get("flax.nnx.transforms.compilation")
+    return getattr(mod, "jit", None) if mod is not None else None
+
+
+def _patched_nnx_jit(fun: Any = _NOT_GIVEN, /, **kwargs: Any):
+    real = _real_nnx_jit_fn
+    assert real is not None  # installed only once flax.nnx is imported
+    if fun is _NOT_GIVEN or type(fun).__name__ == "Missing":  # @nnx.jit(static_argnums=...)
+        return functools.partial(_patched_nnx_jit, **kwargs)
+    caller = sys._getframe(1).f_globals.get("__name__", "")
+    try:
+        options = _state.handles[-1].options
+    except IndexError:
+        options = None
+    from autoopt._jit import NnxJit, nnx_routable
+
+    if (
+        options is None
+        or caller.split(".", 1)[0] in _NNX_PLAIN_CALLERS
+        or isinstance(fun, types.MethodType)  # nnx's own error for a bound method
+        or not nnx_routable(kwargs)
+    ):
+        return real(fun, **kwargs)
+    statics = {k: kwargs[k] for k in ("static_argnums", "static_argnames") if kwargs.get(k)}
+    okey = _options_key(statics, options)
+    key = ("flax.nnx.jit", okey) if okey is not None else None
+    cached = _cached(fun, key)
+    if cached is not None:
+        _row(getattr(cached, "_inner", cached)).jit_calls += 1
+        return cached
+    try:
+        plain = _LazyFilterJit(functools.partial(real, **kwargs), fun)
+        result = NnxJit(fun, plain, options, **statics)
+        refused = None
+    except Exception as e:  # noqa: BLE001 - autoopt cannot route it: nnx's own
+        result, refused = real(fun, **kwargs), e
+    row = _row_for(fun, getattr(result, "_inner", result))
+    row.jit_calls += 1
+    if refused is not None:
+        _count_fallback(row, "options", f"{type(refused).__name__}: {refused}")
+    _remember(fun, key, result)
+    return result
+
+
 class _PostImport:
     """A ``sys.meta_path`` finder that patches a framework when it is imported after the patch
     began (``autoopt run`` patches before the script imports anything)."""
 
-    names = ("equinox",)
+    names = ("equinox", "flax.nnx")
 
     def find_spec(self, name, path=None, target=None):
         if name not in self.names:
@@ -300,15 +355,19 @@ def _replacement(value: Any) -> Any:
         return _patched_jit
     if value is not None and value is _real_filter_jit_fn:
         return _patched_filter_jit
+    if value is not None and value is _real_nnx_jit_fn:
+        return _patched_nnx_jit
     if isinstance(value, functools.partial) and value.func is real_jit:
         return functools.partial(_patched_jit, *value.args, **value.keywords)
     return None
 
 
 def _rebind_modules() -> list[tuple[dict, str, Any, Any]]:
-    global _real_filter_jit_fn
+    global _real_filter_jit_fn, _real_nnx_jit_fn
     if _real_filter_jit_fn is None:
         _real_filter_jit_fn = _real_filter_jit()
+    if _real_nnx_jit_fn is None:
+        _real_nnx_jit_fn = _real_nnx_jit()
     done = []
     for name, module in list(sys.modules.items()):
         if not isinstance(module, types.ModuleType) or name.split(".", 1)[0] in _PLAIN_CALLERS:

@@ -2,6 +2,10 @@
 nnx.Optimizer loop, each run plainly, under ``autoopt.patch()``, and with the expert's
 hand-written donation, interleaved in one process.
 
+The patch is timed twice: with its defaults, and with ``remat="off"``, which leaves out the
+default's fit check (under ``remat="fit"`` every call of an optimized function took jax's
+Python dispatch path, ``pjit``'s ``cache_miss``, on 2026-12-05: see RESULTS.md).
+
 Reported per variant: the median time of a step and its ratio to plain, whether the final
 parameters are bit-identical to plain after the same steps, and the buffers one step reuses
 (arrays of at least one dimension whose output lives in the buffer of the input: count and
@@ -82,6 +86,8 @@ def equinox_variants(width: int):
     plain = eqx.filter_jit(step)
     with autoopt.patch():
         patched = eqx.filter_jit(step)
+    with autoopt.patch(remat="off"):
+        patched_off = eqx.filter_jit(step)
     expert = eqx.filter_jit(step_batch_first, donate="all-except-first")
 
     def loop(kind, fn):
@@ -102,7 +108,12 @@ def equinox_variants(width: int):
 
         return run
 
-    variants = {"plain": plain, "autoopt.patch()": patched, "expert": expert}
+    variants = {
+        "plain": plain,
+        "autoopt.patch()": patched,
+        'autoopt.patch(remat="off")': patched_off,
+        "expert": expert,
+    }
     return variants, init, loop
 
 
@@ -140,6 +151,8 @@ def nnx_variants(width: int):
     plain = nnx.jit(step)
     with autoopt.patch():
         patched = nnx.jit(step)
+    with autoopt.patch(remat="off"):
+        patched_off = nnx.jit(step)
     expert = nnx.jit(step, donate_argnums=(0, 1))
 
     def loop(kind, fn):
@@ -156,7 +169,12 @@ def nnx_variants(width: int):
 
         return run
 
-    variants = {"plain": plain, "autoopt.patch()": patched, "expert": expert}
+    variants = {
+        "plain": plain,
+        "autoopt.patch()": patched,
+        'autoopt.patch(remat="off")': patched_off,
+        "expert": expert,
+    }
     return variants, init, loop
 
 

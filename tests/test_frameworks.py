@@ -236,9 +236,10 @@ def test_the_summary_lists_what_was_considered_and_why_it_was_not_applied():
 
 
 # --- flax nnx --------------------------------------------------------------------------------
-# nnx.jit is not routed yet (its Variables' arrays are donated by nothing under the patch): these
-# tests hold what must stay true when it is: the same values as plain nnx.jit, and an array a
-# user holds, or a Variable another object shares, never deleted.
+# Under the patch ``nnx.jit`` donates a Variable's old array when the Variable is its only
+# holder (and the Variable itself has no other holder): the call replaces the value, so the old
+# array is dead. The same values as plain nnx.jit; an array a user holds, or a Variable another
+# object shares, never donated.
 
 
 def _nnx_setup():
@@ -281,6 +282,320 @@ def test_an_nnx_jit_loop_under_the_patch_matches_plain_and_keeps_held_arrays():
     assert not held.is_deleted() and not shared["bias"].get_value().is_deleted()
 
 
+def _nnx_state(nnx, *nodes):
+    return jax.tree_util.tree_leaves(nnx.state(nodes))
+
+
+def _nnx_plain_run(nnx, init, train_step, x, y, steps):
+    model, optimizer = init()
+    plain = nnx.jit(train_step)
+    losses = [plain(model, optimizer, x, y) for _ in range(steps)]
+    return losses, _nnx_state(nnx, model, optimizer)
+
+
+def test_an_nnx_jit_loop_with_an_optimizer_reuses_its_buffers_every_step_and_matches_plain():
+    nnx, init, train_step, x, y = _nnx_setup()
+    want_losses, want_state = _nnx_plain_run(nnx, init, train_step, x, y, 4)
+    with autoopt.patch():
+        step = nnx.jit(train_step)
+        assert type(step).__name__ == "NnxJit"
+        model, optimizer = init()
+        losses = []
+        for _ in range(4):
+            before = sorted(_pointers(nnx.state((model, optimizer))))
+            losses.append(step(model, optimizer, x, y))
+            after = sorted(_pointers(nnx.state((model, optimizer))))
+            assert after == before  # every parameter and adam moment buffer reused
+    _assert_same_arrays(want_losses, losses)
+    _assert_same_arrays(want_state, _nnx_state(nnx, model, optimizer))
+    assert int(optimizer.step[...]) == 4
+
+
+def test_a_held_copy_of_old_nnx_params_is_never_donated():
+    nnx, init, train_step, x, y = _nnx_setup()
+    want_losses, want_state = _nnx_plain_run(nnx, init, train_step, x, y, 3)
+    with autoopt.patch():
+        step = nnx.jit(train_step)
+        model, optimizer = init()
+        step(model, optimizer, x, y)
+        old_kernel = model.kernel.get_value()  # a user's own reference to a Variable's array
+        old_state = jax.tree.map(lambda a: a, nnx.state(model))  # a copy of the old model
+        values = [np.array(a, copy=True) for a in jax.tree_util.tree_leaves(old_state)]
+
+        def mu():  # read through the optimizer: a name holding the Variable would share it
+            return optimizer.opt_state[0].mu["kernel"].get_raw_value().unsafe_buffer_pointer()
+
+        mu_before = mu()
+        losses = [want_losses[0]] + [step(model, optimizer, x, y) for _ in range(2)]
+        assert not old_kernel.is_deleted()
+        for a, v in zip(jax.tree_util.tree_leaves(old_state), values):
+            assert not a.is_deleted()
+            np.testing.assert_array_equal(np.asarray(a), v, strict=True)
+        # what nobody else holds is still donated
+        assert mu() == mu_before
+    _assert_same_arrays(want_losses[1:], losses[1:])
+    _assert_same_arrays(want_state, _nnx_state(nnx, model, optimizer))
+
+
+def test_an_nnx_variable_shared_with_another_object_is_never_donated():
+    nnx, init, train_step, x, y = _nnx_setup()
+    want_losses, want_state = _nnx_plain_run(nnx, init, train_step, x, y, 3)
+
+    class Holder(nnx.Module):
+        def __init__(self, v):
+            self.v = v
+
+    with autoopt.patch():
+        step = nnx.jit(train_step)
+        model, optimizer = init()
+        holder = Holder(model.bias)  # another module shares the Variable
+        losses = []
+        for _ in range(3):
+            bias = model.bias.get_raw_value().unsafe_buffer_pointer()
+            kernel = model.kernel.get_raw_value().unsafe_buffer_pointer()
+            losses.append(step(model, optimizer, x, y))
+            assert model.bias.get_raw_value().unsafe_buffer_pointer() != bias
+            assert model.kernel.get_raw_value().unsafe_buffer_pointer() == kernel
+            assert holder.v is model.bias
+    _assert_same_arrays(want_losses, losses)
+    _assert_same_arrays(want_state, _nnx_state(nnx, model, optimizer))
+
+
+def test_an_array_of_a_variable_also_passed_as_another_argument_is_never_donated():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class M(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones(64))
+
+    def f(m, a):
+        m.w[...] = m.w[...] + a
+        return a * 2
+
+    with autoopt.patch():
+        g = nnx.jit(f)
+        m = M()
+        for _ in range(3):
+            out = g(m, m.w.get_value())
+            assert not out.is_deleted()
+        np.testing.assert_array_equal(np.asarray(m.w[...]), np.full(64, 8.0, np.float32))
+
+
+def test_nnx_jit_decorator_forms_are_routed_and_a_donating_one_keeps_nnxs_own():
+    nnx, init, train_step, x, y = _nnx_setup()
+
+    def scaled(model, optimizer, x, y, scale):
+        return train_step(model, optimizer, x * scale, y)
+
+    want_losses, want_state = None, None
+    model, optimizer = init()
+    plain = nnx.jit(scaled, static_argnums=4)
+    want_losses = [plain(model, optimizer, x, y, s) for s in (1.0, 2.0)]
+    want_state = _nnx_state(nnx, model, optimizer)
+    with autoopt.patch():
+        step = nnx.jit(static_argnums=4)(scaled)
+        assert type(step).__name__ == "NnxJit"
+        model, optimizer = init()
+        before = sorted(_pointers(nnx.state((model, optimizer))))
+        losses = [step(model, optimizer, x, y, s) for s in (1.0, 2.0)]
+        assert sorted(_pointers(nnx.state((model, optimizer)))) == before
+        assert type(nnx.jit(train_step, donate_argnums=(0, 1))).__name__ == "JitWrapped"
+        assert type(nnx.jit(donate_argnames="model")(train_step)).__name__ == "JitWrapped"
+    _assert_same_arrays(want_losses, losses)
+    _assert_same_arrays(want_state, _nnx_state(nnx, model, optimizer))
+
+
+def test_optimize_accepts_an_nnx_jit_function_and_donates_the_variables_it_replaces():
+    nnx, init, train_step, x, y = _nnx_setup()
+    want_losses, want_state = _nnx_plain_run(nnx, init, train_step, x, y, 3)
+    step = autoopt.optimize(nnx.jit(train_step))
+    assert type(step).__name__ == "NnxJit"
+    model, optimizer = init()
+    losses = []
+    for _ in range(3):
+        before = sorted(_pointers(nnx.state((model, optimizer))))
+        losses.append(step(model, optimizer, x, y))
+        assert sorted(_pointers(nnx.state((model, optimizer)))) == before
+    _assert_same_arrays(want_losses, losses)
+    _assert_same_arrays(want_state, _nnx_state(nnx, model, optimizer))
+    kept = autoopt.optimize(nnx.jit(train_step, donate_argnums=0))
+    assert type(kept).__name__ == "JitWrapped"  # the user's own donation: nnx's wrapper
+
+
+def test_a_decorated_nnx_method_and_optimize_over_nnx_jit_under_the_patch_donate():
+    nnx = pytest.importorskip("flax.nnx")
+    with autoopt.patch():
+
+        class C(nnx.Module):
+            def __init__(self):
+                self.s = nnx.Variable(jnp.zeros(1000))
+
+            @nnx.jit
+            def step(self, x):
+                self.s[...] = self.s[...] + x
+
+        @autoopt.optimize
+        @nnx.jit
+        def scale(c, x):
+            c.s[...] = c.s[...] * x
+
+        c = C()
+        p = c.s.get_raw_value().unsafe_buffer_pointer()
+        for _ in range(3):
+            c.step(jnp.ones(1000))
+        assert c.s.get_raw_value().unsafe_buffer_pointer() == p
+        for _ in range(3):
+            scale(c, 2.0)
+        assert type(scale).__name__ == "NnxJit"
+        assert c.s.get_raw_value().unsafe_buffer_pointer() == p
+    np.testing.assert_array_equal(np.asarray(c.s[...]), np.full(1000, 24.0, np.float32))
+
+
+def test_the_summary_lists_the_nnx_variables_considered_and_why_not_donated():
+    from autoopt.patch import format_summary, summary
+
+    nnx, init, train_step, x, y = _nnx_setup()
+    with autoopt.patch():
+        step = nnx.jit(train_step)
+        model, optimizer = init()
+        others = [model.bias]  # a Variable shared with another object: not donated
+        for _ in range(2):
+            step(model, optimizer, x, y)
+        data = summary()
+        text = format_summary(data)
+    (row,) = [
+        r
+        for r in data["functions"]
+        if r["name"].endswith("train_step") and __file__ in (r["location"] or "")
+    ]
+    assert row["applied"].get("donate", 0) >= 5  # kernel, adam's mu and nu of both, step...
+    refused = {n["what"]: n["reason"] for n in row["not_applied"] if n["kind"] == "donate"}
+    assert "`model.bias`" in refused, refused
+    assert "held by another object" in refused["`model.bias`"]
+    assert "not applied: donate `model.bias`" in text
+    del others
+
+
+def _nnx_programs(nnx):
+    """A run through nnx's corners: Dropout's rng streams and BatchNorm's statistics, a
+    decorated method, nnx.jit inside nnx.jit and under nnx.grad, jax.disable_jit, a structural
+    change made inside, a Variable shared inside the model (tied), keyword and static
+    arguments."""
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(4, 4, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+            self.bn = nnx.BatchNorm(4, rngs=rngs)
+            self.count = nnx.Variable(jnp.zeros((), jnp.int32))
+
+        @nnx.jit
+        def method(self, x):
+            self.count[...] += 1
+            return self.lin(x)
+
+        def __call__(self, x):
+            self.count[...] += 1
+            return self.drop(self.bn(self.lin(x)))
+
+    class Tied(nnx.Module):
+        def __init__(self):
+            self.a = nnx.Param(jnp.ones(5))
+            self.b = self.a
+
+    @nnx.jit
+    def f(m, x):
+        return m(x)
+
+    @nnx.jit
+    def outer(m, x):
+        return f(m, x) * 2
+
+    @nnx.jit
+    def add_attr(m):
+        m.extra = nnx.Param(jnp.ones(3))
+        return m
+
+    @nnx.jit
+    def bump(t):
+        t.a[...] += 1
+        return t.b[...]
+
+    @nnx.jit(static_argnames="k")
+    def kw(m, *, x, k):
+        return m(x) * k
+
+    m = Block(nnx.Rngs(0, dropout=1))
+    x = jnp.arange(8.0).reshape(2, 4)
+    out: list = [f(m, x) for _ in range(3)]
+    out += [m.method(x) for _ in range(2)]
+    out += [outer(m, x) for _ in range(2)]
+    out += jax.tree_util.tree_leaves(nnx.state(nnx.grad(lambda m, x: f(m, x).sum())(m, x)))
+    with jax.disable_jit():
+        out.append(f(m, x))
+    out += [add_attr(m) is m, m.extra[...]]
+    t = Tied()
+    out += [bump(t) for _ in range(3)] + [t.a[...], t.b is t.a]
+    out += [kw(m, x=x, k=k) for k in (1, 2, 2)]
+    out += jax.tree_util.tree_leaves(nnx.state(m))
+    return [jax.random.key_data(o) if _is_key(o) else o for o in out]
+
+
+def _is_key(x) -> bool:
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def test_nnx_jit_semantics_are_kept_under_the_patch():
+    nnx = pytest.importorskip("flax.nnx")
+    want = _nnx_programs(nnx)
+    with autoopt.patch():
+        got = _nnx_programs(nnx)
+    assert len(want) == len(got)
+    for w, g in zip(want, got):
+        if isinstance(w, bool):
+            assert w == g
+        else:
+            _assert_same_arrays(w, g)
+
+
+def test_autoopt_run_routes_nnx_jit_imported_after_the_patch(tmp_path):
+    pytest.importorskip("flax.nnx")
+    (tmp_path / "prog.py").write_text(
+        textwrap.dedent(
+            """
+            import jax.numpy as jnp
+            from flax import nnx
+
+            class C(nnx.Module):
+                def __init__(self):
+                    self.s = nnx.Variable(jnp.zeros(1000))
+
+            @nnx.jit
+            def step(c, x):
+                c.s[...] = c.s[...] + x
+
+            c = C()
+            p = c.s.get_raw_value().unsafe_buffer_pointer()
+            for _ in range(3):
+                step(c, jnp.ones(1000))
+            print(type(step).__name__, c.s.get_raw_value().unsafe_buffer_pointer() == p,
+                  float(c.s[0]))
+            """
+        )
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run(
+        [sys.executable, "-m", "autoopt", "run", "prog.py"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "NnxJit True 3.0" in out.stdout
+
+
 def test_undoing_the_patch_gives_equinox_its_filter_jit_back():
     eqx = pytest.importorskip("equinox")
     import equinox._jit as eqx_jit
@@ -290,3 +605,14 @@ def test_undoing_the_patch_gives_equinox_its_filter_jit_back():
         assert eqx.filter_jit is not original
     assert eqx.filter_jit is original and eqx_jit.filter_jit is original
     assert type(eqx.filter_jit(lambda x: x)).__name__ == "_JitWrapper"
+
+
+def test_undoing_the_patch_gives_flax_its_nnx_jit_back():
+    nnx = pytest.importorskip("flax.nnx")
+    from flax.nnx.transforms import compilation
+
+    original = nnx.jit
+    with autoopt.patch():
+        assert nnx.jit is not original
+    assert nnx.jit is original and compilation.jit is original
+    assert type(nnx.jit(lambda m: m)).__name__ == "JitWrapped"

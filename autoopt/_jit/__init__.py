@@ -4,16 +4,19 @@
 from autoopt._jit._equinox import EquinoxJit  # also registers optimize's route for filter_jit
 from autoopt._jit._function import OptimizedFunction, explain, forget_wrappers, optimize
 from autoopt._jit._inspect import Inspection
+from autoopt._jit._nnx import NnxJit, nnx_routable  # also registers optimize's route
 from autoopt._jit._reuse import RECENT, WrapperCache, options_key
 
 __all__ = [
     "EquinoxJit",
     "RECENT",
     "Inspection",
+    "NnxJit",
     "OptimizedFunction",
     "WrapperCache",
     "explain",
     "forget_wrappers",
+    "nnx_routable",
     "optimize",
     "options_key",
 ]
