@@ -15,8 +15,9 @@ Reference counts are read on the Variables and their arrays, calibrated on a pro
 array's identity is then looked up among the split leaves, each at most once. A copy of the old
 array kept by the caller (``old = model.kernel.get_value()``, ``jax.tree.map(lambda a: a,
 nnx.state(model))``), a Variable shared with another object, an array passed as another argument
-too: refused, each with its reason in the report. While another Python thread runs nothing is
-donated: a Variable is shared mutable state, which that thread could read during the call.
+too: refused, each with its reason in the report. While another Python thread runs or a Python
+signal handler is set nothing is donated: a Variable is shared mutable state, which either could
+read during the call.
 
 nnx's semantics are kept by running nnx's own pieces: ``graphlib.update_context``,
 ``extract.to_tree``/``from_tree`` with nnx's split and merge functions, and nnx's ``JitFn`` as
@@ -46,7 +47,6 @@ import functools
 import gc
 import inspect
 import sys
-import threading
 from typing import Any
 
 import jax
@@ -454,8 +454,11 @@ def donatable_variables(args: tuple, kwargs: dict, *, check_refs: bool = True, p
 
 
 def _donatable(args: tuple, kwargs: dict, check_refs: bool, params) -> tuple[dict, list, dict]:
-    if threading.active_count() > 1:
-        why = "another Python thread runs, and could read a Variable while the call runs"
+    if callsite.other_code_may_run():
+        why = (
+            "another Python thread runs or a Python signal handler is set: either could read "
+            "a Variable while the call runs"
+        )
         return {}, [("*", why)], {}
     var_base, value_base = _bases()
     counts = _counts(args, kwargs)
