@@ -265,6 +265,26 @@ def test_an_nnx_object_changed_and_returned_is_not_refused():
     assert float(m2.count[...]) == 3.0 and float(m.count[...]) == 0.0  # as under jax.jit
 
 
+def test_flaxs_own_jitted_functions_keep_jax_jits_semantics_under_the_patch():
+    # nnx.tabulate jits a function that bumps the rng counts of copies, relying on jax.jit to
+    # drop the change: under the patch it must not be refused
+    nnx, _ = _nnx_counter()
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(4, 4, rngs=rngs)
+            self.dropout = nnx.Dropout(0.1, rngs=rngs)
+            self.norm = nnx.BatchNorm(4, rngs=rngs)
+
+        def __call__(self, x):
+            return self.norm(self.dropout(self.linear(x)))
+
+    model = Model(nnx.Rngs(0))
+    plain = nnx.tabulate(model, jnp.ones((2, 4)))
+    with autoopt.patch():
+        assert nnx.tabulate(model, jnp.ones((2, 4))) == plain
+
+
 def test_reading_nnx_variables_is_not_refused():
     _, m = _nnx_counter()
     out = autoopt.optimize(lambda m, x: x * m.w[...] + m.count[...])(m, jnp.full(3, 2.0))

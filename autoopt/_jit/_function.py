@@ -371,7 +371,7 @@ class OptimizedFunction:
         # The user's own errors (shape mismatches, non-array outputs) propagate unchanged, as
         # from jax.jit: they are not autoopt's to swallow.
         fn = self.__wrapped__
-        if _mutations.holds_variables(args, kwargs):  # an assignment to one must not be lost
+        if _mutations.holds_variables(args, kwargs, fn):  # an assignment to one must not be lost
             fn = _mutations.refusing_lost_updates(fn)
         traced = _trace.trace_program(
             fn, args, kwargs, policy.static_argnums, policy.static_argnames

@@ -66,8 +66,14 @@ def _attributes(tree: Any, pytree: type) -> dict[int, tuple[str, Any, dict[str, 
     return found
 
 
-def holds_variables(args: tuple, kwargs: dict) -> bool:
-    """The arguments hold an nnx Variable (checked once per signature, when it is traced)."""
+def holds_variables(args: tuple, kwargs: dict, fn: Any = None) -> bool:
+    """The arguments hold an nnx Variable (checked once per signature, when it is traced), and
+    ``fn`` is not flax's own: flax jits functions that change Variables on purpose, relying on
+    jax.jit to drop the change (``nnx.tabulate`` counts calls on copies), and under
+    ``autoopt.patch()`` they must keep jax.jit's semantics."""
+    module = getattr(fn, "__module__", None) or ""
+    if module == "flax" or module.startswith("flax."):
+        return False
     variable = _variable_type()
     if variable is None:
         return False
