@@ -229,6 +229,16 @@ class OptimizedFunction:
         self._auto_fast = self._caches.auto_fast if policy.donate == "auto" else None
         self._guard = policy.guard_transforms
         self._flat_plain = not (policy.verify or policy.has_static)
+        self._shares: OptimizedFunction | None = None  # the one a ``_fresh`` wrapper shares
+
+    def _fresh(self) -> OptimizedFunction:
+        """A new wrapper object sharing this one's programs and call sites, as each
+        ``jax.jit(f)`` is a new object sharing one cache: attributes a caller sets on it (a name,
+        a flag) stay its own. It keeps this one alive (``_reuse``'s cache may hold it weakly)."""
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new._shares = self
+        return new
 
     # --- jit objects ---------------------------------------------------------------------------
 
@@ -988,13 +998,12 @@ def optimize(fn: Callable | None = None, /, **options: Any):
         opts = make_options(**options)
     key = _reuse.options_key(options)
     made = _WRAPPERS.get(fn, key)
-    if made is not None:
-        return made
-    opts = _with_inferred_argnums(fn, opts)
-    _check_argnums(fn, opts)
-    made = OptimizedFunction(fn, opts)
-    _WRAPPERS.put(fn, key, made)
-    return made
+    if made is None:
+        opts = _with_inferred_argnums(fn, opts)
+        _check_argnums(fn, opts)
+        made = OptimizedFunction(fn, opts)  # kept unseen: each caller gets a fresh wrapper
+        _WRAPPERS.put(fn, key, made)
+    return made._fresh()
 
 
 # The frameworks' jit wrappers ``optimize`` takes apart itself: ``(name, is_theirs(fn),
