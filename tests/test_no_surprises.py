@@ -745,3 +745,33 @@ def test_the_patch_leaves_a_locals_snapshot_of_a_users_call_method_as_it_was():
 
     with autoopt.patch():
         assert Model()(jnp.ones((3, 41)) * 0.5) == (True, ["self", "x"])
+
+
+def test_a_new_bound_method_or_partial_of_immutable_values_per_call_traces_once():
+    traces = []
+
+    @dataclasses.dataclass(frozen=True)
+    class Scale:
+        k: float
+
+        def apply(self, x):
+            traces.append(1)
+            return x * self.k
+
+    f = autoopt.optimize(lambda g, x: g(x))
+    for _ in range(3):
+        f(Scale(2.0).apply, jnp.ones(2))  # a new bound method (and instance) each call
+        f(functools.partial(operator.mul, 2.0), jnp.ones(2))
+    assert len(traces) == 1
+    np.testing.assert_array_equal(f(Scale(3.0).apply, jnp.ones(2)), 3.0)
+
+
+def test_a_functions_cache_entry_pickles_to_nothing():
+    import pickle
+
+    def f(x):
+        return x + 1
+
+    autoopt.optimize(f)(jnp.ones(2))
+    state = pickle.loads(pickle.dumps(dict(vars(f))))  # as cloudpickle pickles a lambda's
+    assert all(v == {} for v in state.values())

@@ -17,7 +17,7 @@ executables, which do not). Hence:
   and its optimized functions that nothing else refers to are one cycle the garbage collector
   frees. The holder records its function (weakly) so that a copy of the attribute
   (``functools.wraps`` copies ``__dict__``) is never taken as the other function's, and pickles
-  to an empty holder (cloudpickle pickles a lambda's ``__dict__``).
+  to an empty dict (cloudpickle pickles a lambda's ``__dict__``).
 - any other callable (a bound method, a callable instance, a partial, a builtin) is found by
   identity while its optimized function is alive elsewhere (weak values): a bound method is a new
   object on each attribute access, so ``optimize(t.step)`` after ``t.lr = 0.5`` traces again, as
@@ -97,7 +97,9 @@ class _Holder:
         self.entries: dict = {}
 
     def __reduce__(self):
-        return (_Holder, ())  # the programs are this process's: never pickled
+        # The programs are this process's: never pickled (cloudpickle pickles a lambda's
+        # ``__dict__``); an empty dict, so unpickling needs no autoopt.
+        return (dict, ())
 
 
 class WrapperCache:
