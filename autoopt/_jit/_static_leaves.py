@@ -267,13 +267,13 @@ def structural_key(x: Any, _depth: int = 0) -> Hashable:
         return ("np", t, x.dtype.str, x.tobytes())
     if isinstance(x, np.dtype):
         return ("dtype", x)
-    if t is types.MethodType:  # a new object on each attribute access
+    if isinstance(x, types.MethodType):  # a new object on each attribute access
         return ("method", structural_key(x.__self__, _depth + 1), structural_key(x.__func__))
     if isinstance(x, _BUILTIN_CALLABLES) and not isinstance(
         getattr(x, "__self__", None), types.ModuleType | type(None)
     ):  # ``(2.0).__mul__``: a new object on each attribute access
         return ("builtin", structural_key(x.__self__, _depth + 1), x.__name__)
-    if t is functools.partial:
+    if t is functools.partial and isinstance(x, functools.partial):
         return (
             t,
             structural_key(x.func, _depth + 1),
