@@ -775,3 +775,16 @@ def test_a_functions_cache_entry_pickles_to_nothing():
     autoopt.optimize(f)(jnp.ones(2))
     state = pickle.loads(pickle.dumps(dict(vars(f))))  # as cloudpickle pickles a lambda's
     assert all(v == {} for v in state.values())
+
+
+def test_a_new_filter_jit_per_call_given_to_optimize_traces_once():
+    eqx = pytest.importorskip("equinox")
+    traces = []
+
+    def f(x):
+        traces.append(1)
+        return x * 2
+
+    for _ in range(4):
+        autoopt.optimize(eqx.filter_jit(f))(jnp.ones(3))
+    assert len(traces) == 1
