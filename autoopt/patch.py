@@ -23,9 +23,9 @@ What stays plain:
   fallback of pass ``"options"`` in the summary.
 
 A wrapper made anew for each call (``jax.jit(f)(x)`` in a loop) finds the optimized function made
-for the same function and options, as jax.jit's wrappers share one trace cache: the cache holds
-the optimized functions weakly, plus the most recent ``RECENT`` of them strongly so that a fresh
-wrapper dropped after one call survives until the next.
+for the same function (by identity) and options, as jax.jit's wrappers share one trace cache;
+each ``jax.jit(f)`` is a new object sharing its programs, and the cache keeps no function alive
+(``_jit._reuse``).
 
 The patch is process-global, like assigning ``jax.jit``: jits created by any thread while a patch
 is active are optimized. Patches nest (the innermost active one's options apply); each undo ends
@@ -115,7 +115,7 @@ class _State:
         self.listening = False
         # fn -> what jax.jit(fn, **options) returned (an optimized function, or the plain jit
         # of options optimize refuses), per options
-        self.wrappers = WrapperCache(RECENT)
+        self.wrappers = WrapperCache()
         self.rows: dict[tuple, FunctionSummary] = {}
         self.row_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.other_compiles: collections.Counter = collections.Counter()
@@ -146,8 +146,9 @@ def _jit_through_optimize(fun: Any, *, kwargs: dict, options: dict):
     key = _options_key(kwargs, options)
     cached = _cached(fun, key)
     if cached is not None:
-        _row(cached).jit_calls += 1
-        return cached
+        row = _row(cached)
+        row.jit_calls += 1
+        return _fresh(cached, row)
     plain = real_jit(fun, **kwargs)  # jax.jit's own errors for bad input, unchanged
     from autoopt._jit import optimize
 
@@ -161,7 +162,18 @@ def _jit_through_optimize(fun: Any, *, kwargs: dict, options: dict):
     if refused is not None:
         _count_fallback(row, "options", f"{type(refused).__name__}: {refused}")
     _remember(fun, key, result)
-    return result
+    return _fresh(result, row)
+
+
+def _fresh(result: Any, row: FunctionSummary) -> Any:
+    """A new wrapper object per ``jax.jit(f)``, as jax.jit returns one (attributes a library
+    sets on its jitted function stay its own), sharing the cached one's programs."""
+    fresh = getattr(result, "_fresh", None)
+    if fresh is None:  # the plain jit of options optimize refuses
+        return result
+    new = fresh()
+    _state.row_of[new] = row
+    return new
 
 
 # --- equinox.filter_jit ----------------------------------------------------------------------
@@ -511,12 +523,17 @@ def _on_duration(event: str, duration_secs: float, **kwargs: Any) -> None:
 
 def _attribute_compile(fun_name: str) -> None:
     """Count a compile against the optimized function whose call made it (found on the stack),
-    and record what its passes did for that call's signature."""
+    and record what its passes did for that call's signature.
+
+    Only autoopt's own call frames are read (``OptimizedFunction.__call__`` and ``_run``, by
+    code object): reading ``f_locals`` of a user's frame would, on Python 3.11, rewrite the dict
+    a ``locals()`` snapshot of that frame holds."""
     frame = sys._getframe(2)
     from autoopt._jit import OptimizedFunction
 
+    own = _own_call_codes(OptimizedFunction)
     while frame is not None:
-        if frame.f_code.co_name in ("__call__", "_run"):
+        if frame.f_code in own:
             local = frame.f_locals
             owner = local.get("self")
             row = _state.row_of.get(owner) if isinstance(owner, OptimizedFunction) else None
@@ -528,6 +545,11 @@ def _attribute_compile(fun_name: str) -> None:
                 return
         frame = frame.f_back
     _state.other_compiles[fun_name] += 1
+
+
+@functools.cache
+def _own_call_codes(cls: type) -> frozenset:
+    return frozenset({cls.__call__.__code__, cls._run.__code__})
 
 
 def _record_program(row: FunctionSummary, fn: Any, args: tuple, kwargs: dict) -> None:

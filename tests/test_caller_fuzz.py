@@ -112,6 +112,9 @@ SHAPES = {
     "cfg passed as argument, cfg.gain changed between calls": ("cfg_gain",),
     "cfg inside a tuple argument": ("cfg_in_tuple",),
     "cfg passed by keyword": ("cfg_kw",),
+    "a class passed as argument, Cfg.gain changed between calls": ("cls_gain",),
+    "d.get passed as argument, d['gain'] changed between calls": ("dict_get",),
+    "a new wrapper of a bound method per call, self.lr changed": ("fresh_wrapper_method",),
     # 5. an nnx module mutated inside, not returned
     "nnx: model.count.value += 1 inside": ("nnx_count",),
     "nnx: model.w.value = ... inside": ("nnx_assign",),

@@ -154,12 +154,11 @@ def test_fresh_wrappers_of_one_function_trace_it_once():
     with autoopt.patch():
         for _ in range(20):
             jax.jit(f)(x)  # a new wrapper per call, as in chex or optax's MultiSteps
-        assert jax.jit(f) is jax.jit(f)
-        assert jax.jit(f) is not jax.jit(f, donate_argnums=0)  # other options: another entry
+        assert jax.jit(f) is not jax.jit(f)  # a new object each, as jax.jit's, sharing programs
     assert len(traces) == 1
     row = _row("test_fresh_wrappers_of_one_function_trace_it_once.<locals>.f")
     assert row["compiles"] == 1
-    assert row["jit_calls"] == 24
+    assert row["jit_calls"] == 22
 
 
 def test_the_wrapper_cache_does_not_keep_functions_alive():

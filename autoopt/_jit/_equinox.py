@@ -280,4 +280,10 @@ def from_filter_jit(fn: Any, options: dict) -> EquinoxJit | None:
         return EquinoxJit(fn.__wrapped__, fn, options)
 
 
-FRAMEWORK_ROUTES.append(("equinox.filter_jit", is_filter_jit, from_filter_jit))
+def filter_jit_subject(fn: Any) -> tuple[Any, tuple]:
+    """What an ``eqx.filter_jit`` wrapper is made of: its function (the wrapper's other fields
+    are derived from it) and its settings."""
+    return fn.__wrapped__, (fn.filter_warning, fn.donate_first, fn.donate_rest)
+
+
+FRAMEWORK_ROUTES.append(("equinox.filter_jit", is_filter_jit, from_filter_jit, filter_jit_subject))

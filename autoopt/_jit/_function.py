@@ -229,6 +229,16 @@ class OptimizedFunction:
         self._auto_fast = self._caches.auto_fast if policy.donate == "auto" else None
         self._guard = policy.guard_transforms
         self._flat_plain = not (policy.verify or policy.has_static)
+        self._shares: OptimizedFunction | None = None  # the one a ``_fresh`` wrapper shares
+
+    def _fresh(self) -> OptimizedFunction:
+        """A new wrapper object sharing this one's programs and call sites, as each
+        ``jax.jit(f)`` is a new object sharing one cache: attributes a caller sets on it (a name,
+        a flag) stay its own. It keeps this one alive (``_reuse``'s cache may hold it weakly)."""
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new._shares = self
+        return new
 
     # --- jit objects ---------------------------------------------------------------------------
 
@@ -979,14 +989,18 @@ def optimize(fn: Callable | None = None, /, **options: Any):
     route = _framework_route(fn)
     if route is not None and not opts.jit_kwargs:
         # a framework's jit (equinox's filter_jit): its semantics, the proof at the caller's
-        # statement (``_jit._equinox``)
+        # statement (``_jit._equinox``). Cached on what the framework's wrapper is made of (its
+        # function, by identity, and its settings): a new ``filter_jit(f)`` per call finds the
+        # first one's programs, as equinox's own cache does.
+        name, make, subject_of = route
+        subject, settings = subject_of(fn)
         okey = _reuse.options_key(options)
-        key = (route[0], okey) if okey is not None else None
-        made = _WRAPPERS.get(fn, key)
+        key = (name, settings, okey) if okey is not None else None
+        made = _WRAPPERS.get(subject, key)
         if made is None:
-            made = route[1](fn, options)
+            made = make(fn, options)
             if made is not None:
-                _WRAPPERS.put(fn, key, made)
+                _WRAPPERS.put(subject, key, made)
         if made is not None:
             return made
     fn, jitted_with = _unwrap_jit(fn)
@@ -996,25 +1010,33 @@ def optimize(fn: Callable | None = None, /, **options: Any):
         opts = make_options(**options)
     key = _reuse.options_key(options)
     made = _WRAPPERS.get(fn, key)
-    if made is not None:
-        return made
-    opts = _with_inferred_argnums(fn, opts)
-    _check_argnums(fn, opts)
-    made = OptimizedFunction(fn, opts)
-    _WRAPPERS.put(fn, key, made)
-    return made
+    if made is None:
+        opts = _with_inferred_argnums(fn, opts)
+        _check_argnums(fn, opts)
+        made = OptimizedFunction(fn, opts)  # kept unseen: each caller gets a fresh wrapper
+        _WRAPPERS.put(fn, key, made)
+    return made._fresh()
 
 
 # The frameworks' jit wrappers ``optimize`` takes apart itself: ``(name, is_theirs(fn),
-# make(fn, options) -> wrapper or None)``, registered by their modules (``_jit._equinox``)
-# so that this module imports none of them.
-FRAMEWORK_ROUTES: list[tuple[str, Callable[[Any], bool], Callable[[Any, dict], Any]]] = []
+# make(fn, options) -> wrapper or None, subject_of(fn) -> (function, hashable settings))``,
+# registered by their modules (``_jit._equinox``) so that this module imports none of them.
+FRAMEWORK_ROUTES: list[
+    tuple[
+        str,
+        Callable[[Any], bool],
+        Callable[[Any, dict], Any],
+        Callable[[Any], tuple[Any, Any]],
+    ]
+] = []
 
 
-def _framework_route(fn: Any) -> tuple[str, Callable[[Any, dict], Any]] | None:
-    for name, is_theirs, make in FRAMEWORK_ROUTES:
+def _framework_route(
+    fn: Any,
+) -> tuple[str, Callable[[Any, dict], Any], Callable[[Any], tuple[Any, Any]]] | None:
+    for name, is_theirs, make, subject_of in FRAMEWORK_ROUTES:
         if is_theirs(fn):
-            return name, make
+            return name, make, subject_of
     return None
 
 

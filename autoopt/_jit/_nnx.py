@@ -536,4 +536,10 @@ def from_nnx_jit(fn: Any, options: dict) -> Any:
     return NnxJit(fn.fun, fn, options, **statics)
 
 
-FRAMEWORK_ROUTES.append(("flax.nnx.jit", is_nnx_jit, from_nnx_jit))
+def nnx_jit_subject(fn: Any) -> tuple[Any, tuple]:
+    """What ``optimize``'s wrapper cache keys an ``nnx.jit`` wrapper on: the wrapper itself (by
+    identity, weakly; its options are fixed at construction)."""
+    return fn, ()
+
+
+FRAMEWORK_ROUTES.append(("flax.nnx.jit", is_nnx_jit, from_nnx_jit, nnx_jit_subject))

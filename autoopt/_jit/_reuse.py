@@ -1,26 +1,50 @@
 """Wrappers made anew for one function find the first one's programs: ``WrapperCache``.
 
-``jax.jit(f)(x)`` in a loop compiles once: jax.jit's cache is keyed (weakly) on ``f`` and the
+``jax.jit(f)(x)`` in a loop compiles once: jax.jit's cache is keyed weakly on ``f`` and the
 options. ``autoopt.optimize(f)(x)`` in the same loop must cost the same, so ``optimize`` (and
-``autoopt.patch()``'s ``jax.jit``) return the optimized function already made for the same
-function and options. The cache holds those weakly, so it keeps no function alive, plus the
-``RECENT`` most recently asked for strongly, so that a wrapper dropped right after its one call
-survives until the next loop iteration asks for it again.
+``autoopt.patch()``'s ``jax.jit``) find the optimized function already made for the same function
+and options, and hand out a fresh wrapper object sharing its programs (``OptimizedFunction.
+_fresh``), as each ``jax.jit(f)`` is a new object sharing one cache.
 
-NB: jax's own is ``jax._src.pjit._cpp_pjit_cache_fun_only``, a ``weakref_lru_cache`` whose
-values (executables) do not refer to the function; an optimized function does (it calls it),
-hence the weak values and the bounded strong ring here.
+The cache must keep no function alive, and match a function by identity only: two callables that
+compare equal (``t.step == t.step``, two layers equal by name, ``Affine(2) == Affine(2.0)``) may
+compute differently. An optimized function refers to its function (it calls it), so a cache
+holding it strongly from a global table would keep the function alive (jax's caches hold
+executables, which do not). Hence:
+
+- a plain Python function (``types.FunctionType``: ``def`` and ``lambda``) holds its own entries,
+  in an attribute (``HOLDER``): the entries live exactly as long as the function, and a function
+  and its optimized functions that nothing else refers to are one cycle the garbage collector
+  frees. The holder records its function (weakly) so that a copy of the attribute
+  (``functools.wraps`` copies ``__dict__``) is never taken as the other function's, and pickles
+  to an empty dict (cloudpickle pickles a lambda's ``__dict__``).
+- any other callable (a bound method, a callable instance, a partial, a builtin) is found by
+  identity while its optimized function is alive elsewhere (weak values): a bound method is a new
+  object on each attribute access, so ``optimize(t.step)`` after ``t.lr = 0.5`` traces again, as
+  jax.jit does (its weak entry dies with the bound method), and a callable instance is never
+  mutated by autoopt.
+
+NB: jax's own is ``jax._src.pjit._cpp_pjit_cache_fun_only``, a ``weakref_lru_cache``.
 """
 
 from __future__ import annotations
 
-import collections
 import threading
+import types
 import weakref
 from typing import Any
 
-# Optimized functions kept alive after their wrapper is dropped.
-RECENT = 256
+# Optimized functions kept alive beyond their functions' lifetime: none (kept as a name for
+# callers of the earlier strongly held ring).
+RECENT = 0
+
+# The attribute of a plain function that holds its optimized functions.
+HOLDER = "__autoopt_optimized__"
+
+# Options whose spellings jax.jit takes as the same: an int or a sequence of ints, a str or a
+# sequence of strs.
+_INDEX_OPTIONS = ("static_argnums", "donate_argnums")
+_NAME_OPTIONS = ("static_argnames", "donate_argnames")
 
 
 def freeze(value: Any) -> Any:
@@ -34,49 +58,130 @@ def freeze(value: Any) -> Any:
     return value
 
 
+def _normalized(options: dict) -> dict:
+    """``static_argnums=1``, ``(1,)`` and ``[1]`` (and the like for the other argnums and
+    argnames options) as one spelling, so they share one entry as jax.jit's do."""
+    out = dict(options)
+    for name in _INDEX_OPTIONS + _NAME_OPTIONS:
+        v = out.get(name)
+        if v is None:
+            continue
+        single = str if name in _NAME_OPTIONS else int
+        if isinstance(v, single) and not isinstance(v, bool):
+            out[name] = (v,)
+        elif isinstance(v, list | tuple) and all(
+            isinstance(i, single) and not isinstance(i, bool) for i in v
+        ):
+            out[name] = tuple(sorted(set(v)))
+    return out
+
+
 def options_key(*options: dict) -> tuple | None:
     """The cache key of these options, or None when one of them is unhashable (a sharding of
     some kinds): such a wrapper is not shared."""
     try:
-        key = tuple(freeze(o) for o in options)
+        key = tuple(freeze(_normalized(o)) for o in options)
         hash(key)
     except TypeError:
         return None
     return key
 
 
-class WrapperCache:
-    """``fn -> {options key: weakref to its wrapper}``, plus the ``RECENT`` latest strongly."""
+class _Holder:
+    """A plain function's entries: ``{(cache tag, generation, options key): wrapper}``."""
 
-    def __init__(self, recent: int = RECENT):
+    __slots__ = ("owner", "entries", "__weakref__")
+
+    def __init__(self, owner: Any = None):
+        self.owner = weakref.ref(owner) if owner is not None else None
+        self.entries: dict = {}
+
+    def __reduce__(self):
+        # The programs are this process's: never pickled (cloudpickle pickles a lambda's
+        # ``__dict__``); an empty dict, so unpickling needs no autoopt.
+        return (dict, ())
+
+
+class WrapperCache:
+    """Optimized functions by (function identity, options key), keeping no function alive."""
+
+    def __init__(self):
         self._lock = threading.RLock()
-        self._by_fn: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._recent: collections.deque = collections.deque(maxlen=recent)
+        self._tag = object()
+        self._generation = 0
+        # id(fn) -> (weakref to fn, {options key: weakref to its wrapper}), for other callables
+        self._by_id: dict = {}
+
+    def _holder(self, fn: Any, create: bool) -> _Holder | None:
+        d = getattr(fn, "__dict__", None)
+        if d is None:
+            return None
+        holder = d.get(HOLDER)
+        if type(holder) is _Holder and holder.owner is not None and holder.owner() is fn:
+            return holder
+        if not create:
+            return None
+        holder = _Holder(fn)
+        d[HOLDER] = holder
+        return holder
 
     def get(self, fn: Any, key: tuple | None) -> Any:
         if key is None:
             return None
         with self._lock:
-            try:
-                ref = self._by_fn.get(fn, {}).get(key)
-            except TypeError:  # not weakly referenceable, or unhashable
+            if type(fn) is types.FunctionType:
+                holder = self._holder(fn, create=False)
+                if holder is None:
+                    return None
+                return holder.entries.get((self._tag, self._generation, key))
+            entry = self._by_id.get(id(fn))
+            if entry is None or entry[0]() is not fn:
                 return None
-            wrapper = ref() if ref is not None else None
-            if wrapper is not None:
-                self._recent.append(wrapper)
-            return wrapper
+            ref = entry[1].get(key)
+            return ref() if ref is not None else None
 
     def put(self, fn: Any, key: tuple | None, wrapper: Any) -> None:
         if key is None:
             return
         with self._lock:
+            if type(fn) is types.FunctionType:
+                holder = self._holder(fn, create=True)
+                if holder is not None:
+                    entries = holder.entries
+                    for k in [k for k in entries if k[0] is self._tag and k[1] != self._generation]:
+                        del entries[k]  # entries of before a ``clear``
+                    entries[(self._tag, self._generation, key)] = wrapper
+                return
+            i = id(fn)
+            entry = self._by_id.get(i)
+            if entry is None or entry[0]() is not fn:
+                try:
+                    ref = weakref.ref(fn, self._forget(i))
+                except TypeError:  # not weakly referenceable: not shared
+                    return
+                entry = self._by_id[i] = (ref, {})
             try:
-                self._by_fn.setdefault(fn, {})[key] = weakref.ref(wrapper)
+                entry[1][key] = weakref.ref(wrapper)
             except TypeError:
                 return
-            self._recent.append(wrapper)
+
+    def _forget(self, i: int):
+        self_ref = weakref.ref(self)
+
+        def forget(ref):
+            cache = self_ref()
+            if cache is None:
+                return
+            with cache._lock:
+                entry = cache._by_id.get(i)
+                if entry is not None and entry[0] is ref:
+                    del cache._by_id[i]
+
+        return forget
 
     def clear(self) -> None:
+        """Later ``get``s find nothing made before (plain functions' entries are dropped as
+        they are next written)."""
         with self._lock:
-            self._by_fn.clear()
-            self._recent.clear()
+            self._generation += 1
+            self._by_id.clear()

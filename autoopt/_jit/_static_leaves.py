@@ -5,12 +5,22 @@ jax.jit refuses them. Each argument holding such leaves is passed as the same tr
 leaves set to None, and a function per set of static leaves (``with_static_leaves``) puts them
 back (and takes non-array leaves out of the output the same way).
 
-A static leaf is a constant of its program, found again by its hash: only a value that cannot
-change under the same identity may be one (``immutable_leaf``: numbers, strings, None, enums,
-classes, functions and partials of such, frozen dataclasses and tuples of such). Anything else
-(a plain object, a list, a bound method of one) could change between two calls and the program
-would compute with its first state: it is refused as jax.jit refuses it (``refusal``), with what
-to do instead.
+A static leaf is a constant of its program: only a value that cannot change under the same
+identity may be one (``immutable_leaf``: numbers, strings, None, enums, functions and partials of
+such, frozen dataclasses and tuples of such, classes that cannot be changed: C types and jax/NumPy
+scalar types, built-in functions bound to nothing, a module or such a value). Anything else (a
+plain object, a list, a user's class, a bound method of one, ``d.get``, ``random.random``) could
+change between two calls and the program would compute with its first state: it is refused as
+jax.jit refuses it (``refusal``), with what to do instead.
+
+The program of a set of static leaves is found again by autoopt's own key of each leaf
+(``Static``, ``structural_key``: the exact type, a float's bits, frozen dataclasses' fields and
+tuples' items, else identity), never by the leaf's own ``__eq__``/``__hash__``, for which
+``2 == 2.0``, ``0.0 == -0.0`` and a class comparing a name only would share a program.
+
+A non-array leaf of the output is handed back only when it is one of the call's own static leaves
+passed through (each call gets its own); anything else is refused as jax.jit refuses it: a later
+call runs no Python, so a value read at trace time would be stale.
 
 The leaves are inspected before jax.jit is called (``split_if_static``), so a TypeError raised by
 the user's own function is never mistaken for jax.jit refusing a leaf, and the function body
@@ -25,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import struct
 import types
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
@@ -72,12 +83,8 @@ _IMMUTABLE_TYPES = (
     type(Ellipsis),
     range,
     enum.Enum,
-    type,  # classes, NumPy and jax scalar types (``jnp.float32``)
     np.dtype,
     types.FunctionType,
-    types.BuiltinFunctionType,
-    types.BuiltinMethodType,
-    types.MethodWrapperType,
     types.WrapperDescriptorType,
     types.MethodDescriptorType,
     np.ufunc,
@@ -94,10 +101,41 @@ _IMMUTABLE_TYPES = (
 _FUNCTION_MODULES = ("jax.", "jaxlib.", "autoopt.", "numpy.")
 
 
+# ``type.__flags__`` bit of a class whose attributes cannot be set (Py_TPFLAGS_IMMUTABLETYPE:
+# ``int``, ``np.float32``, every static C type).
+_IMMUTABLE_TYPE_FLAG = 1 << 8
+# Built-in functions and methods, bound (``d.get``, ``random.random``) or not (``len``).
+_BUILTIN_CALLABLES = (types.BuiltinFunctionType, types.MethodWrapperType)
+
+
+def _immutable_class(x: type) -> bool:
+    """A class whose attributes cannot change: a C type marked immutable (``int``,
+    ``np.float32``), a NumPy or ml_dtypes scalar type, or a jax scalar type (``jnp.float32``,
+    whose metaclass is jax's). A
+    user's class can be changed (``Config.gain = 0.5``): a static copy would keep its first
+    state, so it is refused as jax.jit refuses it."""
+    if x.__flags__ & _IMMUTABLE_TYPE_FLAG:
+        return True
+    if issubclass(x, np.generic) and (x.__module__ or "").startswith(("numpy", "ml_dtypes")):
+        return True  # ``ml_dtypes.bfloat16``, ``jnp.bfloat16.dtype.type``: heap types
+    return (type(x).__module__ or "").startswith(_FUNCTION_MODULES) and type(x) is not type
+
+
 def immutable_leaf(x: Any, _depth: int = 0) -> bool:
     """``x`` may be a static leaf: its value cannot change while its identity stays the same."""
     if _depth > 16:
         return False
+    if isinstance(x, type):
+        return _immutable_class(x)
+    if isinstance(x, _BUILTIN_CALLABLES):
+        # ``len``, ``math.sin``: bound to nothing or to a module; ``d.get``, ``lst.__getitem__``,
+        # ``random.random`` read their instance, which may change
+        owner = getattr(x, "__self__", None)
+        return (
+            owner is None
+            or isinstance(owner, types.ModuleType)
+            or immutable_leaf(owner, _depth + 1)
+        )
     if isinstance(x, _IMMUTABLE_TYPES):
         return True
     t = type(x)
@@ -147,10 +185,13 @@ def refusal(where: Any, path: str, x: Any) -> TypeError:
         at = f"the output at {path}" if path else "the output"
         return TypeError(
             f"The function returned a {type(x).__name__} ({x!r:.60}) in {at}, which is not a "
-            "valid JAX type, and not a value that cannot change (a number, a string, a "
-            "function, a frozen dataclass...), so it cannot be kept as a constant of the "
-            "program either. Return arrays, or pytrees of them (register the class with "
-            "jax.tree_util.register_dataclass, or make it an equinox Module)."
+            "valid JAX type: jax.jit refuses it too. A later call runs the compiled program, "
+            "not the Python function, so autoopt hands back a non-array output only when it is "
+            "one of the call's own static arguments passed through (an equinox model's "
+            "activation function); this one is not, and it could differ on the next call. "
+            "Return arrays, or pytrees of them (register the class with "
+            "jax.tree_util.register_dataclass, or make it an equinox Module), and compute the "
+            "other values outside the optimized function."
         )
     method_hint = (
         " For a decorated method whose instance holds no arrays, mark it static with "
@@ -179,8 +220,79 @@ class StaticSplit(NamedTuple):
     kwargs: dict
 
 
+class Static:
+    """A static leaf in a ``StaticSplit.key``: compared and hashed by ``structural_key`` of its
+    value, never by the value's own ``__eq__``/``__hash__`` (``Cfg(2) == Cfg(2.0)``,
+    ``0.0 == -0.0``, a class comparing a name only: equal, yet they compute differently)."""
+
+    __slots__ = ("value", "key", "_hash")
+
+    def __init__(self, value: Any):
+        self.value = value
+        self.key = structural_key(value)
+        self._hash = hash(self.key)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Static) and (self.value is other.value or self.key == other.key)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __repr__(self) -> str:
+        return f"Static({self.value!r:.60})"
+
+
+def structural_key(x: Any, _depth: int = 0) -> Hashable:
+    """A key equal for two values only when they compute the same: the exact type, a float's
+    bits, the fields of a frozen dataclass and the items of a tuple recursively; any other value
+    by identity (a function, an enum member, a class: as jax.jit keys a static function). Only
+    for values ``immutable_leaf`` accepted (the identity stays valid while the key holds it)."""
+    t = type(x)
+    if t is float:
+        return (t, struct.pack("<d", x))  # -0.0 and 0.0, NaN payloads
+    if t is complex:
+        return (t, struct.pack("<dd", x.real, x.imag))
+    if t in (int, bool, str, bytes) or x is None:
+        return (t, x)
+    if _depth > 16:
+        return ("id", id(x))
+    if t is tuple or t is slice:
+        items = x if t is tuple else (x.start, x.stop, x.step)
+        return (t, tuple(structural_key(v, _depth + 1) for v in items))
+    if t is frozenset:
+        return (t, frozenset(structural_key(v, _depth + 1) for v in x))
+    if t is range:
+        return (t, x.start, x.stop, x.step)
+    if isinstance(x, np.generic) and x.dtype.kind != "O":
+        return ("np", t, x.dtype.str, x.tobytes())
+    if isinstance(x, np.dtype):
+        return ("dtype", x)
+    if isinstance(x, types.MethodType):  # a new object on each attribute access
+        return ("method", structural_key(x.__self__, _depth + 1), structural_key(x.__func__))
+    if isinstance(x, _BUILTIN_CALLABLES) and not isinstance(
+        getattr(x, "__self__", None), types.ModuleType | type(None)
+    ):  # ``(2.0).__mul__``: a new object on each attribute access
+        return ("builtin", structural_key(x.__self__, _depth + 1), x.__name__)
+    if t is functools.partial and isinstance(x, functools.partial):
+        return (
+            t,
+            structural_key(x.func, _depth + 1),
+            structural_key(x.args, _depth + 1),
+            tuple(sorted((k, structural_key(v, _depth + 1)) for k, v in x.keywords.items())),
+        )
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return (
+            "dataclass",
+            id(t),
+            tuple(
+                structural_key(getattr(x, f.name, None), _depth + 1) for f in dataclasses.fields(x)
+            ),
+        )
+    return ("id", id(x))
+
+
 def split_tree(where, value) -> tuple[Any, tuple | None]:
-    """``(value with its non-array leaves set to None, (where, treedef, ((index, leaf), ...)))``;
+    """``(value with its non-array leaves set to None, (where, treedef, ((index, Static), ...)))``;
     the second is None when every leaf is an array. A non-array leaf that may change under the
     same identity raises ``refusal``'s TypeError."""
     leaves, treedef = tree_util.tree_flatten(value)
@@ -193,7 +305,7 @@ def split_tree(where, value) -> tuple[Any, tuple | None]:
     at = dict(fixed)
     return tree_util.tree_unflatten(
         treedef, [None if j in at else x for j, x in enumerate(leaves)]
-    ), (where, treedef, fixed)
+    ), (where, treedef, tuple((j, Static(x)) for j, x in fixed))
 
 
 def _leaf_path(value: Any, index: int) -> str:
@@ -210,7 +322,7 @@ def put_back(part: tuple | None, value):
     if part is None:
         return value
     _, treedef, fixed = part
-    at, arrays = dict(fixed), iter(tree_util.tree_leaves(value))
+    at, arrays = {j: leaf.value for j, leaf in fixed}, iter(tree_util.tree_leaves(value))
     return tree_util.tree_unflatten(
         treedef, [at[j] if j in at else next(arrays) for j in range(treedef.num_leaves)]
     )
@@ -246,15 +358,6 @@ def _split(args: tuple, kwargs: dict, static_argnums, static_argnames) -> Static
     def split(where, value):
         dyn, part = split_tree(where, value)
         if part is not None:
-            try:
-                hash(part)
-            except TypeError:
-                bad = next(x for _, x in part[2] if not isinstance(x, Hashable))
-                raise TypeError(
-                    f"Argument {where!r} holds a {type(bad).__name__}, which is neither an array "
-                    "nor hashable, so it can be neither traced nor made static. Make it hashable, "
-                    "or pass the argument with static_argnums/static_argnames."
-                ) from None
             parts.append(part)
         return dyn
 
@@ -268,11 +371,16 @@ def with_static_leaves(
 ) -> Callable:
     """``fn`` taking the arguments ``split_if_static`` made, with the static leaves put back.
 
-    Its output's non-array leaves are kept in ``.output_parts``, keyed by the signature of the
-    arguments (``_program.trace_signature``: ``jax.typeof`` of each leaf, the same for the
-    tracers inside the trace and the concrete arguments after the call), for
-    ``outputs_put_back``."""
+    A non-array leaf of its output must be one of the call's own static leaves passed through
+    (an equinox model's activation function, returned in the updated model): it is recorded as
+    where it came from, in ``.output_parts``, keyed by the signature of the arguments
+    (``_program.trace_signature``: ``jax.typeof`` of each leaf, the same for the tracers inside
+    the trace and the concrete arguments after the call), and ``outputs_put_back`` takes it from
+    each later call's own arguments. Any other non-array output (a string read from a global, a
+    new object) could differ on the next call, which runs no Python: it is refused as jax.jit
+    refuses it."""
     by_arg = {part[0]: part for part in key}
+    inputs = {id(leaf.value): (part[0], j) for part in key for j, leaf in part[2]}
     output_parts: dict = {}
 
     @functools.wraps(fn)  # jax.jit reads the signature (static_argnames) through __wrapped__
@@ -280,9 +388,23 @@ def with_static_leaves(
         sig = _signature(args, kwargs, static_argnums, static_argnames)
         args = tuple(put_back(by_arg.get(i), a) for i, a in enumerate(args))
         out = fn(*args, **{k: put_back(by_arg.get(k), v) for k, v in kwargs.items()})
-        out, part = split_tree("output", out)
-        output_parts[sig] = part
-        return out
+        leaves, treedef = tree_util.tree_flatten(out)
+        passed: list = []
+        for j, x in enumerate(leaves):
+            if is_array_leaf(x):
+                continue
+            source = inputs.get(id(x))
+            if source is None:
+                raise refusal("output", _leaf_path(out, j), x)
+            passed.append((j, source))
+        if not passed:
+            output_parts[sig] = None
+            return out
+        at = dict(passed)
+        output_parts[sig] = (treedef, at)
+        return tree_util.tree_unflatten(
+            treedef, [None if j in at else x for j, x in enumerate(leaves)]
+        )
 
     # functools.wraps' _Wrapped type declares no attributes of its own
     with_static_leaves.output_parts = output_parts  # pyright: ignore[reportAttributeAccessIssue]
@@ -294,9 +416,22 @@ def with_static_leaves(
 def outputs_put_back(
     fn: Callable, split: StaticSplit, out, static_argnums: tuple, static_argnames: tuple
 ):
-    """The output of ``fn`` (made by ``with_static_leaves``) with its non-array leaves back."""
+    """The output of ``fn`` (made by ``with_static_leaves``) with its non-array leaves back,
+    each taken from this call's own static leaves (``split``) where the trace found it."""
     sig = _signature(split.args, split.kwargs, static_argnums, static_argnames)
-    return put_back(fn.output_parts.get(sig), out)
+    part = fn.output_parts.get(sig)
+    if part is None:
+        return out
+    treedef, at = part
+    mine = {p[0]: dict(p[2]) for p in split.key}
+    arrays = iter(tree_util.tree_leaves(out))
+    return tree_util.tree_unflatten(
+        treedef,
+        [
+            mine[at[j][0]][at[j][1]].value if j in at else next(arrays)
+            for j in range(treedef.num_leaves)
+        ],
+    )
 
 
 def _signature(args: tuple, kwargs: dict, static_argnums, static_argnames):

@@ -380,6 +380,33 @@ TEMPLATES: dict[str, str] = {
         )
         for g in ("LR", "LR2")
     ),
+    "cls_gain": "".join(
+        _mutable_call(
+            f"Cfg.gain = {{{g}}}",
+            "scale(Cfg, {V})",
+            "_np({V}) * np.float32(Cfg.gain)",
+            "scale(Cfg, v), the class itself, computed with a stale Cfg.gain",
+        )
+        for g in ("LR", "LR2")
+    ),
+    "dict_get": "".join(
+        _mutable_call(
+            f"d['gain'] = {{{g}}}",
+            "scale_get(d.get, {V})",
+            "_np({V}) * np.float32(d['gain'])",
+            "scale_get(d.get, v) computed with a stale d['gain']",
+        )
+        for g in ("LR", "LR2")
+    ),
+    "fresh_wrapper_method": "".join(
+        _mutable_call(
+            f"plain.lr = {{{lr}}}",
+            "_wrap(plain.step)({V}, {W})",
+            "_np({V}) - np.float32(plain.lr) * _np({W})",
+            "_wrap(plain.step)(w, g), a new wrapper per call, computed with a stale self.lr",
+        )
+        for lr in ("LR", "LR2")
+    ),
     # 5. nnx modules mutated inside, not returned
     "nnx_count": _nnx_call(
         "nnx_bump(model, {V})",
@@ -453,6 +480,9 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "cfg_gain",
         "cfg_in_tuple",
         "cfg_kw",
+        "cls_gain",
+        "dict_get",
+        "fresh_wrapper_method",
         "alias",
     ),
     "nnx": ("nnx_count", "nnx_assign", "nnx_method", "alias", "read_alias"),
@@ -539,7 +569,28 @@ class Opt:
         "opt = Opt(0.5)\n",
     ),
     (
-        r"\bcfg\b",
+        r"\bplain\b",
+        """
+class PlainOpt:
+    def __init__(self, lr):
+        self.lr = lr
+
+    def step(self, w, g):
+        return w - self.lr * g
+""",
+        "plain = PlainOpt(0.5)\n",
+    ),
+    (
+        r"\bscale_get\b",
+        """
+@_wrap
+def scale_get(get, v):
+    return v * get("gain")
+""",
+        "",
+    ),
+    (
+        r"\b(cfg|Cfg)\b",
         """
 class Cfg:
     gain = 1.0

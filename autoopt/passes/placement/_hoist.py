@@ -112,9 +112,21 @@ class Hoisted:
         self.devs = devs
 
 
-tree_util.register_pytree_node(
-    Hoisted, lambda h: (h.devs, h.keys), lambda keys, devs: Hoisted(keys, tuple(devs))
-)
+def _flatten(h: Hoisted):
+    # The aux data holds the constants weakly: jax keeps treedefs in caches of its own (strong,
+    # LRU), which must not keep a function's closed-over arrays alive after the function and its
+    # optimized function are gone, as jax.jit keeps none. A weak reference hashes and compares
+    # as its constant does (by identity) while that is alive; every trace that unflattens it runs
+    # within a call whose placer holds its constants.
+    return h.devs, tuple(weakref.ref(k) for k in h.keys)
+
+
+def _unflatten(refs: tuple, devs) -> Hoisted:
+    pairs = [(k, d) for k, d in zip((r() for r in refs), devs, strict=True) if k is not None]
+    return Hoisted(tuple(k for k, _ in pairs), tuple(d for _, d in pairs))
+
+
+tree_util.register_pytree_node(Hoisted, _flatten, _unflatten)
 
 
 def large_consts(closed) -> list:
