@@ -238,6 +238,12 @@ def test_contiguous_block_update_matches_jit_bit_for_bit(data):
         # Bounds unproven: a window at the clamped start blends the rows in (issue 18).
         assert left == []
         assert [f.details["guard"] for f in result.findings if f.applied] == ["blend"]
+    elif form == "fori counter" and n // k == 1 and jnp.issubdtype(dtype, jnp.inexact):
+        # A loop of one iteration is inlined by XLA: the rounding rule takes its carry for no
+        # fusion boundary and leaves floating-point windows in it (conservative: it does not
+        # follow the carry to the program's parameter and output).
+        assert len(left) == 1
+        assert any(f.details.get("reason") == "rounding" for f in result.findings)
     else:
         assert left == [], f"{form} block was left as scatter: {result.findings}"
 
