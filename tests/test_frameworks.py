@@ -616,3 +616,36 @@ def test_undoing_the_patch_gives_flax_its_nnx_jit_back():
         assert nnx.jit is not original
     assert nnx.jit is original and compilation.jit is original
     assert type(nnx.jit(lambda m: m)).__name__ == "JitWrapped"
+
+
+def test_a_new_filter_jit_per_call_traces_once_as_under_equinox():
+    # equinox's own tests (test_jit::test_jit_grad, test_ad::test_grad_jit_new) count traces of
+    # ``filter_jit(filter_grad(f))`` made anew per call: equinox shares its jax.jit per function
+    # name, and the function's static part compares equal
+    eqx = pytest.importorskip("equinox")
+    traces = []
+
+    def f(x):
+        traces.append(1)
+        return x + 1
+
+    @eqx.filter_custom_vjp
+    def g(x):
+        return x
+
+    @g.def_fwd
+    def g_fwd(perturbed, x):
+        return x, None
+
+    @g.def_bwd
+    def g_bwd(residual, grad, perturbed, x):
+        traces.append(2)
+        return grad + 2
+
+    with autoopt.patch():
+        for v in (1.0, 2.0):
+            assert eqx.filter_jit(eqx.filter_grad(f))(jnp.array(v)) == 1
+        assert traces.count(1) == 1
+        for _ in range(2):
+            assert eqx.filter_grad(eqx.filter_jit(g))(jnp.array(1.0)) == 3
+        assert traces.count(2) == 1

@@ -38,6 +38,7 @@ from typing import Any
 import jax
 
 from autoopt import _compat
+from autoopt._jit import _reuse
 from autoopt._jit._dispatch import Policy, plan_for
 from autoopt._jit._function import FRAMEWORK_ROUTES, OptimizedFunction, fn_location_of
 from autoopt._jit._program import Site
@@ -47,6 +48,14 @@ from autoopt.passes.donation import callsite, host_callbacks
 __all__ = ["EquinoxJit", "FIRST_ARG", "is_filter_jit", "from_filter_jit"]
 
 FIRST_ARG = 3  # static, dynamic fun, dynamic keyword-only arguments, then the positionals
+
+# (name, qualname, location, options key) -> the inner OptimizedFunction (see EquinoxJit)
+_INNERS: dict[tuple, OptimizedFunction] = {}
+
+
+def forget_inner_functions() -> None:
+    """Later wrappers build new inner functions (``_function.forget_wrappers``)."""
+    _INNERS.clear()
 
 
 def _inner_function(fun_name: str, fun_qualname: str):
@@ -87,12 +96,25 @@ class EquinoxJit:
         self._partition = hashable_partition
         name, qualname = get_fn_names(fun)
         opts = make_options(**{**options, "static_argnums": 0})
-        policy = Policy.build(opts, fn_location_of(fun))
+        location = fn_location_of(fun)
+        policy = Policy.build(opts, location)
         self._donate = policy.donate  # "safe", "auto" or "off"
-        self._inner = OptimizedFunction(_inner_function(name, qualname), opts, policy)
-        # the caller's argument i is the inner function's FIRST_ARG + i (the summary's reasons)
-        self._inner._proof_shift = FIRST_ARG  # pyright: ignore[reportAttributeAccessIssue]
-        self._inner._proof_names = list(self._signature.parameters)  # pyright: ignore[reportAttributeAccessIssue]
+        # One inner function per name, location and options, shared by every wrapper, as
+        # equinox shares its jax.jit per function name (``_filter_jit_cache``): a new
+        # ``filter_jit(filter_grad(f))`` per call finds the programs of the first (the
+        # function's static part, equal by equinox's ``==``, is the inner one's static argument,
+        # hashed as jax.jit hashes it), and ``jax.grad`` of it JAX's caches of the first.
+        key = _reuse.options_key(options)
+        shared = (name, qualname, location, key) if key is not None else None
+        inner = _INNERS.get(shared) if shared is not None else None
+        if inner is None:
+            inner = OptimizedFunction(_inner_function(name, qualname), opts, policy)
+            # the caller's argument i is the inner function's FIRST_ARG + i (the summary)
+            inner._proof_shift = FIRST_ARG  # pyright: ignore[reportAttributeAccessIssue]
+            inner._proof_names = list(self._signature.parameters)  # pyright: ignore[reportAttributeAccessIssue]
+            if shared is not None:
+                inner = _INNERS.setdefault(shared, inner)
+        self._inner = inner
         self._sites: dict = {}
 
     # --- the call --------------------------------------------------------------------------

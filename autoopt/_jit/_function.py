@@ -1050,6 +1050,9 @@ def forget_wrappers() -> None:
     """Later ``optimize`` calls build new optimized functions (those already made keep their
     programs): for tests that need a wrapper's first call, as ``jax.clear_caches()`` gives."""
     _WRAPPERS.clear()
+    equinox_route = sys.modules.get("autoopt._jit._equinox")
+    if equinox_route is not None:  # its inner functions, shared by name (``EquinoxJit``)
+        equinox_route.forget_inner_functions()
 
 
 @_compat.api_boundary
