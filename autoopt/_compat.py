@@ -193,6 +193,11 @@ def debug_nans_enabled() -> bool:
     return _DEBUG_NANS.value or _DEBUG_INFS.value
 
 
+# ``jax_debug_nans`` and ``jax_debug_infs`` as jax's config states, for a cached call plan to
+# read their ``.value`` inline (a Python call costs more than both reads).
+DEBUG_NANS_STATES: tuple[Any, Any] = (_DEBUG_NANS, _DEBUG_INFS)
+
+
 def jit_disabled() -> bool:
     return _DISABLE_JIT.value
 
@@ -273,13 +278,19 @@ def reset_dispatch_cache(jitted: Any) -> None:
         clear()
 
 
+_TRACE_STATE, _AXIS_ENV = _core.trace_state_strong_ref, _core.axis_env_state
+_EVAL_TRACE, _TOP_AXIS_ENV = _core.eval_trace, _core.top_axis_env
+
+
 def trace_state_clean() -> bool:
     """True outside every JAX transformation (no jit, grad, vmap trace is active).
 
-    Wraps ``jax._src.core.trace_state_clean``: ``compiler_options`` are accepted by jax.jit only
-    when it is called at the top level.
+    ``jax._src.core.trace_state_clean`` (``trace_ctx.is_top_level()``) with its two reads
+    inlined: every call of an optimized function asks (three Python calls cost as much as the
+    rest of a cached call's checks). ``compiler_options`` are accepted by jax.jit only when it
+    is called at the top level.
     """
-    return _core.trace_state_clean()
+    return _TRACE_STATE.value is _EVAL_TRACE and _AXIS_ENV.value is _TOP_AXIS_ENV
 
 
 def top_level_trace() -> bool:

@@ -387,3 +387,36 @@ def test_module_code_run_again_with_separate_locals_does_not_reuse_the_module_pr
     other = {"step": step, "x": jnp.arange(3.0) + 1, "b": jnp.ones(3)}
     exec(code if same_code_object else compile(src, filename, "exec"), other, {})  # noqa: S102
     np.testing.assert_array_equal(other["x"], np.arange(3.0) + 1)
+
+
+def test_a_site_reading_a_cell_callee_a_local_and_a_cell_donates_both_and_checks_each():
+    # One statement whose callee is a free variable and whose donated names are a local and a
+    # cell: the check reads all three from the frame on every call, and a name moved by an
+    # argument expression (``swap()`` rebinds the cell) keeps its old array alive.
+    step = autoopt.optimize(lambda a, b, c: (a + 1, b * 2))
+
+    def loop(swap_at: int):
+        a, b = _fresh(), _fresh()
+        held = []
+
+        def swap():  # makes ``b`` a cell of ``loop``
+            nonlocal b
+            held.append(b)
+            b = _fresh()
+            return 0.0
+
+        reused = []
+        for i in range(4):
+            before = (a.unsafe_buffer_pointer(), b.unsafe_buffer_pointer())
+            a, b = step(a, b, swap() if i == swap_at else 1.0)
+            reused.append((a.unsafe_buffer_pointer(), b.unsafe_buffer_pointer()) == before)
+        return reused, held, a, b
+
+    reused, held, a, b = loop(swap_at=-1)
+    assert reused == [True, True, True, True]
+    np.testing.assert_array_equal(a, _fresh() + 4)
+    np.testing.assert_array_equal(b, _fresh() * 16)
+    reused, held, a, b = loop(swap_at=2)
+    assert reused[2] is False and reused[3] is True
+    assert len(held) == 1 and not held[0].is_deleted()
+    np.testing.assert_array_equal(held[0], _fresh() * 4)

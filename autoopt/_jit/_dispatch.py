@@ -1,25 +1,26 @@
-"""One call's route: ``dispatch(site, args, kwargs) -> CallPlan``.
+"""The general path of a call: ``dispatch(site, args, kwargs) -> CallPlan``.
 
 The policy (``Policy``) is fixed when ``optimize`` builds the wrapper, as ``equinox.filter_jit``
-fixes its filter; everything that changes between calls lives in one ``Caches`` object. Every
-call, a function's or a decorated method's, follows these steps (``OptimizedFunction.__call__``
-takes steps 2 and 4's plain plan of a flat call itself, without calling ``dispatch``: they are
-what repeats, and a Python call costs as much as either):
+fixes its filter; everything that changes between calls lives in one ``Caches`` object.
+``Planned.__call__`` first looks up the cached plan of the call's signature
+(``_plans``: per call site under ``"safe"``, per function under ``"auto"``) and runs it; a call
+without one, or whose plan's run-time check refused, a decorated method's call, and a call
+inside a transformation come here, and follow these steps:
 
 1. under a transformation (``jax.grad`` applied eagerly, ``vmap``, an outer jit), the jit object
    made for that case, which donates nothing;
-2. a call site's cached plan for this signature (``Site.fast``), its run-time half re-checked by
-   ``callsite.fast_hit``; a hit proves every leaf an array, a scalar or a NumPy array;
+2. (the cached plans: ``__call__``);
 3. otherwise non-array leaves are looked for before jax.jit is called: a call holding some goes
    to the function made for those static leaves (``_static_leaves``); under ``"safe"`` its
    array leaves are donated as the same call's would be without them (``plan_static_leaves``:
    the reference counts are read on the caller's objects, before the trees are rebuilt);
 4. the donation policy: ``"safe"`` donates what the call site proves dead and the reference
-   counts confirm, ``"auto"`` every aliasable argument, else the plain jit object.
+   counts confirm, ``"auto"`` every aliasable argument, else the plain jit object. The plan
+   for the signature is recorded for the next call (``remember_fast``, ``plan_kept``).
 
-``make_dispatch`` builds the function that does this, once per ``OptimizedFunction``.
+``make_dispatch`` builds the function that does this, once per ``Planned``.
 The plan says which jit object runs, what it donates, whether the placer runs and whether to
-verify; ``OptimizedFunction`` executes it. Nothing here catches a TypeError: the user's own
+verify; ``Planned`` executes it. Nothing here catches a TypeError: the user's own
 errors propagate from the one call of the user's function, as from jax.jit.
 """
 
@@ -28,20 +29,44 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 
 from autoopt import _compat, _trace
-from autoopt._jit import _static_leaves
-from autoopt._jit._program import FAST_ENTRIES, Program, kept_key
+from autoopt._jit import _plans, _static_leaves
+from autoopt._jit._program import FAST_ENTRIES, Program
 from autoopt._jit._static_leaves import PLAIN_TYPES, split_if_static
 from autoopt._options import Options
 from autoopt.passes import jit_options_for
 from autoopt.passes.donation import callsite, host_callbacks
 
-if TYPE_CHECKING:
-    from autoopt._jit._function import OptimizedFunction
+
+class Planned(Protocol):
+    """What the general path reads of the function it plans a call for (an
+    ``OptimizedFunction``, or the function made for a call's static leaves): this module
+    declares it, so it needs nothing else of ``_function``."""
+
+    __wrapped__: Callable
+    _policy: Policy
+    _caches: Caches
+    _plain: Any  # the jax.jit object donating nothing
+    _plain_plan: CallPlan
+    _placer: Any  # the placer, or None
+
+    def _program_for_call(self, args: tuple, kwargs: dict) -> Program | None: ...
+
+    def _jit_for(self, positions: tuple, names: tuple) -> Any: ...
+
+    def _static_leaf_fn(self, key: tuple) -> Planned: ...
+
+    def _static_leaf_plan(self, split: _static_leaves.StaticSplit) -> CallPlan: ...
+
+    def _eager_ad_jit(self) -> Any: ...
+
+    def _nested_jit(self) -> Any: ...
+
+    def _fall_back(self, error: BaseException, where: str) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +177,7 @@ class Caches:
         self.site_proofs: dict[str, callsite.CallSiteProof] = {}  # "file:line" -> proof
         self.jits: dict[tuple, Any] = {}  # (donated positions, names) -> jax.jit object
         self.auto_fast: dict | None = {} if policy.fast_ok else None  # "auto"'s fast plans
-        self.static_leaf_fns: dict[tuple, Any] = {}  # static-leaf key -> OptimizedFunction
+        self.static_leaf_fns: dict[tuple, Any] = {}  # static-leaf key -> Planned
         self.key_locks: dict[tuple, threading.RLock] = {}
         self.lock = threading.Lock()
         self.tls = threading.local()  # the program the last trace on this thread used
@@ -175,9 +200,9 @@ class Caches:
 
 
 class CallPlan(NamedTuple):
-    """What one call runs. Positions 1 and 3 are read by ``callsite.fast_hit``."""
+    """What one call of the general path runs."""
 
-    jit: Any  # the jax.jit object (or, with ``static``, the OptimizedFunction for those leaves)
+    jit: Any  # the jax.jit object (or, with ``static``, the Planned for those leaves)
     positions: tuple = ()  # donated positional arguments
     placer: Any = None  # the placer the call goes through, or None
     const_ids: frozenset = frozenset()  # the program's constants, never donated ("auto")
@@ -188,34 +213,97 @@ class CallPlan(NamedTuple):
     # (positions, names) the executable donates but this call must not: their jax arrays are
     # passed as device copies (``Program.decide``).
     copies: tuple = ()
-    # With ``static``: the OptimizedFunction for those leaves, whose plan this is (``jit`` its
+    # With ``static``: the Planned for those leaves, whose plan this is (``jit`` its
     # jax.jit object); None: ``jit`` is that function, and it plans the call itself.
     static_fn: Any = None
 
 
-def make_dispatch(of: OptimizedFunction) -> Callable[..., CallPlan]:
+def make_dispatch(of: Planned) -> Callable[..., CallPlan]:
     """``dispatch(site, args, kwargs, shift=0) -> CallPlan`` for ``of``, its policy bound once.
 
-    As ``equinox.filter_jit`` builds its wrapper once: the policy's fields are read here, so a
-    call reads them as closure cells, not attributes. ``site``: the caller's ``Site`` under
-    ``"safe"`` (None elsewhere); ``shift``: 1 for a decorated method, whose ``args`` start with
-    the instance (its reference counts are checked against ``callsite.BOUND_BASES``).
+    As ``equinox.filter_jit`` builds its wrapper once: the policy picks its route here (one
+    function per donation policy), and the policy's fields are read here, so a call reads them
+    as closure cells, not attributes. ``site``: the caller's ``Site`` under ``"safe"`` (None
+    elsewhere); ``shift``: 1 for a decorated method, whose ``args`` start with the instance (its
+    reference counts are checked against ``callsite.BOUND_BASES``).
 
     NB: ``args`` is passed down as the tuple the caller's ``*args`` built, never copied or
     unpacked into names while a reference count is read, so the counts the donation checks read
     are those of the calibrated probes (``callsite._Probe``, ``_BoundProbe``).
     """
     policy, caches = of._policy, of._caches
-    donate = policy.donate
-    guard = policy.guard_transforms
     static_argnums, static_argnames = policy.static_argnums, policy.static_argnames
     flat_ok = not policy.has_static
     plain_plan = of._plain_plan
-    split_if_static, fast_hit = _static_leaves.split_if_static, callsite.fast_hit
+    split_if_static = _static_leaves.split_if_static
     trace_state_clean, plain_types = _compat.trace_state_clean, PLAIN_TYPES
-
     eager_plan = CallPlan(of.__wrapped__, direct=False)
     jit_disabled = _compat.jit_disabled
+
+    def has_static_leaves(args: tuple, kwargs: dict) -> bool:
+        """Whether the call may hold non-array leaves (the test ``split_if_static`` makes
+        first, for flat arrays and scalars; ``a`` is freed on return, before any count)."""
+        return not flat_ok or bool(kwargs) or any(type(a) not in plain_types for a in args)
+
+    def transformed(args: tuple, kwargs: dict) -> CallPlan:
+        """1. Under a transformation: nothing donated."""
+        split = split_if_static(args, kwargs, static_argnums, static_argnames)
+        if split is not None:
+            return of._static_leaf_plan(split)
+        # Once an eager-autodiff jit exists, such calls keep going to it after the watch
+        # stops: a second jax.grad of the function must find JAX's caches of the first
+        # (its linearized and transposed programs belong to that jit's trace; a custom_vjp's
+        # backward is traced once, as under jax.jit).
+        if (caches.watch_autodiff or caches.eager_ad_jit is not None) and _compat.eager_autodiff(
+            (args, kwargs)
+        ):
+            return CallPlan(of._eager_ad_jit())
+        return CallPlan(of._nested_jit())
+
+    def plain(site, args: tuple, kwargs: dict, shift: int = 0) -> CallPlan:
+        """3. The function for the call's static leaves, or 4. the plain jit object."""
+        if not has_static_leaves(args, kwargs):
+            return plain_plan
+        split = split_if_static(args, kwargs, static_argnums, static_argnames)
+        if split is not None:
+            return of._static_leaf_plan(split)
+        return plain_plan
+
+    def safe(site, args: tuple, kwargs: dict, shift: int = 0) -> CallPlan:
+        """What the call site proves dead and the reference counts confirm."""
+        if site is None:
+            return plain(site, args, kwargs)
+        matches = site.proof.matches(args, kwargs, shift)  # else positions mean other arguments
+        if caches.lookup_plain and not (site.donates and matches):
+            if has_static_leaves(args, kwargs):
+                # 3. the signature's executable for these leaves, copies of what it donates
+                plan = plan_static_leaves(of, (), (), args, kwargs)
+                if plan is not None:
+                    return plan
+            return plan_kept(of, args, kwargs, site)  # 4. nothing donated
+        if not (site.donates and matches):
+            return plain(site, args, kwargs)
+        proof = site.proof
+        bases = callsite.BOUND_BASES if shift else None
+        if has_static_leaves(args, kwargs):
+            plan = plan_static_leaves(of, proof.positions, proof.names, args, kwargs, bases)
+            if plan is not None:  # 3.
+                return plan
+        return plan_donating(  # 4.
+            of, proof.positions, proof.names, args, kwargs, True, site.plans, bases, proof.unpack
+        )
+
+    def auto(site, args: tuple, kwargs: dict, shift: int = 0) -> CallPlan:
+        """Every argument an output can alias."""
+        split = split_if_static(args, kwargs, static_argnums, static_argnames)
+        if split is not None:  # 3.
+            return of._static_leaf_plan(split)
+        plans = caches.auto_fast if not shift else None
+        return plan_donating(  # 4.
+            of, tuple(range(len(args))), tuple(kwargs), args, kwargs, False, plans
+        )
+
+    route = {"safe": safe, "auto": auto}.get(policy.donate, plain)
 
     def dispatch(site, args: tuple, kwargs: dict, shift: int = 0) -> CallPlan:
         # 0. under ``jax.disable_jit()``: the function runs eagerly, as jax.jit runs it there
@@ -223,103 +311,15 @@ def make_dispatch(of: OptimizedFunction) -> Callable[..., CallPlan]:
         # objects, which do the same)
         if jit_disabled():
             return eager_plan
-        # 1. under a transformation: nothing donated
-        if (caches.watch_autodiff or guard) and not trace_state_clean():
-            split = split_if_static(args, kwargs, static_argnums, static_argnames)
-            if split is not None:
-                return of._static_leaf_plan(split)
-            # Once an eager-autodiff jit exists, such calls keep going to it after the watch
-            # stops: a second jax.grad of the function must find JAX's caches of the first
-            # (its linearized and transposed programs belong to that jit's trace; a custom_vjp's
-            # backward is traced once, as under jax.jit).
-            if (
-                caches.watch_autodiff or caches.eager_ad_jit is not None
-            ) and _compat.eager_autodiff((args, kwargs)):
-                return CallPlan(of._eager_ad_jit())
-            return CallPlan(of._nested_jit())
-        if donate == "safe":
-            if (
-                site is not None
-                and caches.lookup_plain
-                and not (site.donates and site.proof.matches(args, kwargs, shift))
-            ):
-                if not flat_ok or kwargs or any(type(a) not in plain_types for a in args):
-                    # 3. the signature's executable for these leaves, copies of what it donates
-                    plan = plan_static_leaves(of, (), (), args, kwargs)
-                    if plan is not None:
-                        return plan
-                plan = plan_kept(of, args, kwargs, site)  # 4. nothing donated
-                if not kwargs and not plan.copies and len(site.kept) < FAST_ENTRIES:
-                    key = kept_key(args)
-                    if key is not None:
-                        site.kept[key] = plan
-                return plan
-            if site is not None and site.donates:
-                fast = site.fast
-                if fast and not kwargs:  # 2. the site's cached plan
-                    hit = fast_hit(fast, args, True)
-                    if hit is not None:
-                        return hit
-                proof = site.proof
-                if proof.matches(args, kwargs, shift):  # else positions mean other arguments
-                    if not flat_ok or kwargs or any(type(a) not in plain_types for a in args):
-                        plan = plan_static_leaves(  # 3.
-                            of,
-                            proof.positions,
-                            proof.names,
-                            args,
-                            kwargs,
-                            callsite.BOUND_BASES if shift else None,
-                        )
-                        if plan is not None:
-                            return plan
-                    return plan_donating(  # 4.
-                        of,
-                        proof.positions,
-                        proof.names,
-                        args,
-                        kwargs,
-                        True,
-                        fast,
-                        callsite.BOUND_BASES if shift else None,
-                        proof.unpack,
-                    )
-        elif donate == "auto":
-            fast = caches.auto_fast if not shift else None
-            if fast and not kwargs:  # 2.
-                hit = fast_hit(fast, args, False)
-                if hit is not None:
-                    return hit
-            split = split_if_static(args, kwargs, static_argnums, static_argnames)
-            if split is not None:  # 3.
-                return of._static_leaf_plan(split)
-            return plan_donating(
-                of,
-                tuple(range(len(args))),
-                tuple(kwargs),
-                args,
-                kwargs,  # 4.
-                False,
-                fast,
-            )
-        # 3. (split_if_static's first test inlined for flat arrays and scalars; ``a`` is freed
-        # when this returns, and no reference count is read on this route anyway), 4. plain.
-        if flat_ok and not kwargs:
-            for a in args:
-                if type(a) not in plain_types:
-                    break
-            else:
-                return plain_plan
-        split = split_if_static(args, kwargs, static_argnums, static_argnames)
-        if split is not None:
-            return of._static_leaf_plan(split)
-        return plain_plan
+        if not trace_state_clean():
+            return transformed(args, kwargs)
+        return route(site, args, kwargs, shift)
 
     return dispatch
 
 
 def plan_donating(
-    of: OptimizedFunction,
+    of: Planned,
     positions: tuple,
     names: tuple,
     args: tuple,
@@ -379,7 +379,7 @@ def plan_donating(
 
 
 def plan_static_leaves(
-    of: OptimizedFunction,
+    of: Planned,
     positions: tuple,
     names: tuple,
     args: tuple,
@@ -429,7 +429,7 @@ def plan_static_leaves(
     return plan_for(sub, program, d, pos, nms)._replace(static=split, static_fn=sub, direct=False)
 
 
-def plan_kept(of: OptimizedFunction, args: tuple, kwargs: dict, site: Any) -> CallPlan:
+def plan_kept(of: Planned, args: tuple, kwargs: dict, site: Any) -> CallPlan:
     """The plan of a call at a site that donates nothing: the signature's executable, with
     copies of what it donates. A signature's first call made here fixes the plain executable
     (a device copy at every call would cost more than donation saves: benchmarks/RESULTS.md),
@@ -441,7 +441,15 @@ def plan_kept(of: OptimizedFunction, args: tuple, kwargs: dict, site: Any) -> Ca
         return of._plain_plan
     fresh = any(why.startswith(_PASSED_FRESH) for _, why in site.proof.reasons)
     fresh = fresh and not host_callbacks(program.final)  # "safe" never donates into callbacks
-    return plan_for(of, program, program.decide(None if fresh else ((), ())), (), ())
+    plan = plan_for(of, program, program.decide(None if fresh else ((), ())), (), ())
+    plans = site.plans
+    if plan.direct and not kwargs and len(plans) < FAST_ENTRIES:
+        found = _plans.signature_of(args, shallow=False)
+        if found is not None:
+            sig, _, host = found
+            lean = not host and not placer_needed(of, program)
+            plans[sig] = _plans.kept(plan.jit, None if lean else plan.placer)
+    return plan
 
 
 # callsite's reason for an argument written as an expression (a fresh value, not a name)
@@ -449,7 +457,7 @@ _PASSED_FRESH = "it is passed as an expression"
 
 
 def plan_for(
-    of: OptimizedFunction, program: Program, d: tuple[tuple, tuple], pos: tuple, nms: tuple
+    of: Planned, program: Program, d: tuple[tuple, tuple], pos: tuple, nms: tuple
 ) -> CallPlan:
     """The plan running the executable donating ``d``, of which the call donates ``pos`` and
     ``nms`` and passes copies of the rest."""
@@ -472,7 +480,7 @@ def plan_for(
 
 
 def remember_fast(
-    of: OptimizedFunction,
+    of: Planned,
     fast: dict,
     program: Program | None,
     positions: tuple,
@@ -481,24 +489,17 @@ def remember_fast(
     check_refs: bool,
 ) -> None:
     """Record, for a call of positional arguments whose leaves are all jax arrays, Python
-    scalars or NumPy arrays, the plan for its signature.
+    scalars or NumPy arrays, the plan for its signature (``_plans``).
 
     Only the static half of the decision is cached (the program's aliasing, the call site's
-    proof); the run-time half (no other reference, not deleted, no array twice) is re-checked
-    on every fast call by ``callsite.fast_hit``.
+    proof); the plan re-checks the run-time half (no other reference, not deleted, no array
+    twice) on every call.
     """
-    host = False
-    if callsite.is_flat(args):
-        sig = callsite.flat_signature(args)
-        is_donatable: Callable = callsite.is_array
-    elif check_refs and (shallow := callsite.shallow_signature(args)) is not None:
-        sig, is_donatable = shallow, callsite.all_array_leaves  # as fast_hit computes it
-    else:
-        tree = callsite.tree_signature(args)
-        if tree is None:
-            return
-        sig, host = tree[0], callsite.has_host_leaves(tree[1])
-        is_donatable = callsite.all_array_leaves
+    found = _plans.signature_of(args, shallow=check_refs)
+    if found is None:
+        return
+    sig, kind, host = found
+    is_donatable: Callable = callsite.is_array if kind == "flat" else callsite.all_array_leaves
     program = program or of._program_for_call(args, {})
     if program is None:
         return  # the program captured an outer tracer: never cached
@@ -510,16 +511,20 @@ def remember_fast(
     if any(p not in pos and _holds_arrays(args[p]) for p in d[0]):
         return  # this site's calls pass copies of what the executable donates: general path
     jitted = of._jit_for(*d) if d[0] else of._plain
-    # The placer stays in the call for NumPy leaves, for large constants it passes as
-    # arguments, and when an option makes it act on every call. Otherwise it has nothing to
-    # do: it only counts Python scalars as implicit transfers, which this first (general) call
-    # already did, so the fast path skips it.
-    placer = of._placer
-    if placer is not None and not (of._policy.placer_every_call or host or placer.hoists(program)):
-        placer = None
+    # The placer stays in the call for NumPy leaves (``placer_needed`` says when else).
+    placer = of._placer if host or placer_needed(of, program) else None
     # The program's own constants are never donated: under "safe" the reference counts already
-    # refuse them (the program holds one); "auto" compares identities (fast_hit).
-    fast[sig] = CallPlan(jitted, pos, placer, program.const_ids)
+    # refuse them (the program holds one); "auto" compares identities.
+    fast[sig] = _plans.donating(jitted, pos, placer, program.const_ids, check_refs, kind)
+
+
+def placer_needed(of: Planned, program: Program) -> bool:
+    """Whether a call of ``program`` without NumPy leaves must go through the placer: for large
+    constants it passes as arguments, or when an option makes it act on every call. Otherwise it
+    has nothing to do: it only counts Python scalars as implicit transfers, which the
+    signature's first (general) call already did."""
+    placer = of._placer
+    return placer is not None and (of._policy.placer_every_call or placer.hoists(program))
 
 
 def _holds_arrays(x: Any) -> bool:

@@ -243,7 +243,7 @@ class EquinoxJit:
 
     def _prove(self, frame) -> Site:
         proof = callsite.prove_call_site(frame, self)
-        site = Site(proof, None)
+        site = Site(proof, False)
         self._sites[(id(frame.f_code), frame.f_lasti)] = site
         if proof.location:
             self._inner._caches.site_proofs[proof.location] = proof

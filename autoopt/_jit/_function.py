@@ -30,10 +30,11 @@ from jax import tree_util
 
 from autoopt import _compat, _jaxpr, _multiprocess, _trace
 from autoopt._errors import AutooptWarning, FitCheck, PassError, ProcessMismatchError
-from autoopt._jit import _fit, _mutations, _reuse, _static_leaves
+from autoopt._jit import _fit, _mutations, _plans, _reuse, _static_leaves
 from autoopt._jit._dispatch import Caches, CallPlan, Policy, make_dispatch, with_copies
 from autoopt._jit._inspect import Inspection
-from autoopt._jit._program import Program, Site, call_signature, kept_key, trace_signature
+from autoopt._jit._plans import MISS, flat_key, lookup_nested
+from autoopt._jit._program import Program, Site, call_signature, trace_signature
 from autoopt._jit._static_leaves import PLAIN_TYPES
 from autoopt._options import Options
 from autoopt.passes import PassContext, make_options, option_names, run_pipeline
@@ -197,6 +198,9 @@ def _process_independent_id(fn: Callable) -> str:
     return f"{getattr(fn, '__module__', '?')}:{name}:{line}"
 
 
+trace_state_clean = _compat.trace_state_clean
+
+
 class OptimizedFunction:
     """What ``optimize`` returns: call it like the ``jax.jit`` of the original function.
 
@@ -219,15 +223,13 @@ class OptimizedFunction:
         self._plain_plan = CallPlan(
             self._plain, placer=self._placer, verify=policy.verify, direct=not policy.verify
         )
+        self._plain_run = _plans.kept(self._plain, self._placer)  # the plain plan as a plan
         self._dispatch = make_dispatch(self)
-        # What ``__call__`` reads before it looks up a cached plan, as attributes (each a
-        # constant of the policy, or the same object as in ``_caches``): the call sites under
-        # "safe", the fast plans under "auto" (else None), whether a call checks for an outer
-        # transformation (see Policy.guard_transforms), whether the plain plan runs the jit
-        # object as it is.
+        # What ``__call__`` reads before it looks up a plan, as attributes (each a constant of
+        # the policy, or the same object as in ``_caches``): the call sites under "safe", the
+        # plans under "auto" (else None), whether the plain plan runs the jit object as it is.
         self._sites = self._caches.sites if policy.donate == "safe" else None
         self._auto_fast = self._caches.auto_fast if policy.donate == "auto" else None
-        self._guard = policy.guard_transforms
         self._flat_plain = not (policy.verify or policy.has_static)
         self._shares: OptimizedFunction | None = None  # the one a ``_fresh`` wrapper shares
 
@@ -478,16 +480,14 @@ class OptimizedFunction:
     # --- the call path (see _dispatch) -----------------------------------------------------------
 
     def __call__(self, *args, **kwargs):
-        jit = placer = None  # the jit object a direct path calls (a first call is made again)
+        # One story for every call: find the call's plans (its call site's under "safe", the
+        # function's under "auto"), look up the plan for the arguments' signature and run it.
+        # Without a plan, or when its run-time check refuses, the general path plans the call
+        # (``_dispatch``); calls inside another transformation always take it.
+        site = None
         try:
-            # The plans that repeat are looked up here, without a call (each lookup is the same
-            # step of ``_dispatch``, which decides everything else): a call site's cached plan for
-            # this signature (under "safe" ``Site.fast``, under "auto" ``Caches.auto_fast``), and
-            # the plain plan of a call of flat arrays and scalars where nothing is donated.
-            caches = self._caches
-            site = None
-            if not ((caches.watch_autodiff or self._guard) and not _compat.trace_state_clean()):
-                sites = self._sites
+            if trace_state_clean():
+                sites, plans, shallow = self._sites, self._auto_fast, False
                 if sites is not None:  # "safe"
                     frame = sys._getframe(1)
                     # The code object's identity: equal code objects in two modules compare equal.
@@ -498,50 +498,38 @@ class OptimizedFunction:
                         site = site.withheld()  # another callee, or a thread could read a name
                     del frame
                     if site.donates:
-                        fast = site.fast
-                        if fast and not kwargs:
-                            plan = callsite.fast_hit(fast, args, True)
-                            if plan is not None:
-                                jit, placer = plan[0], plan[2]
-                                return jit(*args) if placer is None else placer(jit, args, kwargs)
-                        return self._run(self._dispatch(site, args, kwargs), args, kwargs)
-                    if caches.lookup_plain:  # the signature's executable may donate
-                        if site.kept and not kwargs:
-                            key = kept_key(args)
-                            plan = site.kept.get(key) if key is not None else None
-                            if plan is not None and plan.direct:
-                                jit, placer = plan[0], plan[2]
-                                return jit(*args) if placer is None else placer(jit, args, kwargs)
-                        return self._run(self._dispatch(site, args, kwargs), args, kwargs)
-                else:
-                    fast = self._auto_fast
-                    if fast is not None:  # "auto"
-                        if fast and not kwargs:
-                            plan = callsite.fast_hit(fast, args, False)
-                            if plan is not None:
-                                jit, placer = plan[0], plan[2]
-                                return jit(*args) if placer is None else placer(jit, args, kwargs)
-                        return self._run(self._dispatch(None, args, kwargs), args, kwargs)
-                if self._flat_plain and not kwargs:
+                        plans, shallow = site.plans, True
+                    elif self._caches.lookup_plain:  # the signature's executable may donate
+                        plans = site.plans
+                if plans is not None:
+                    if plans and not kwargs:
+                        plan = plans.get(flat_key(args))
+                        if plan is None:
+                            plan = lookup_nested(plans, args, shallow)
+                        if plan is not None:
+                            out = plan(args)
+                            if out is not MISS:
+                                return out
+                # Nothing to donate (a donating site without plans has static arguments or
+                # verify=True, and so no ``_flat_plain``): flat arrays and scalars run the plain
+                # plan (a static leaf would need the general path).
+                elif self._flat_plain and not kwargs:
                     for a in args:
                         if type(a) not in PLAIN_TYPES:
                             break
-                    else:  # no static leaf, nothing donated: the plain plan
-                        jit, placer = self._plain, self._placer
-                        return jit(*args) if placer is None else placer(jit, args, kwargs)
+                    else:
+                        return self._plain_run(args)
             return self._run(self._dispatch(site, args, kwargs), args, kwargs)
         except FitCheck as e:
-            check = e  # a signature's first call under remat="fit" (``_fit``)
+            check = e  # escaped the general path's own catchers: the program fits as traced
         except Exception as e:
             # autoopt's frames and jax's left out of the traceback, as jax.jit leaves its own
             # (not a wrapper: the body reads its caller's frame)
             _compat.filter_traceback(e)
             raise
         try:
-            if jit is None:  # (not from a direct path: _run catches its own) call again as is
-                check.program.fit = "fits"
-                return self._run(self._dispatch(site, args, kwargs), args, kwargs)
-            return _fit.first_call(check, jit, placer, args, kwargs)
+            check.program.fit = "fits"
+            return self._run(self._dispatch(site, args, kwargs), args, kwargs)
         except Exception as e:
             _compat.filter_traceback(e)
             raise
@@ -615,7 +603,7 @@ class OptimizedFunction:
                 names=tuple(n for n in proof.names if n not in policy.static_argnames),
             )
         # A method's fast path would need its own baselines (callsite.BOUND_BASES): none.
-        site = Site(proof, {} if policy.fast_ok and not shift else None)
+        site = Site(proof, policy.fast_ok and not shift)
         # Keyed by the code object's identity, which ``proof.code`` keeps from being reused.
         caches.sites[key or (id(frame.f_code), frame.f_lasti)] = site
         # A call from inside jax (jax.grad, vmap calling the function) is not the user's call
@@ -816,9 +804,9 @@ class OptimizedFunction:
             caches.eager_ad_programs.clear()
             caches.by_call.clear()
             for site in list(caches.sites.values()):
-                site.kept.clear()
-                if site.fast:
-                    site.fast.clear()
+                for plans in (site.plans, site.withheld().plans):
+                    if plans:
+                        plans.clear()
             if caches.auto_fast:
                 caches.auto_fast.clear()
 
@@ -895,7 +883,7 @@ class OptimizedFunction:
             donation_variants=frozenset(caches.jits) if variants is None else variants,
             call_sites=tuple(caches.site_proofs.values()),
             fast_entries=(
-                sum(len(s.fast or {}) for s in list(caches.sites.values()))
+                sum(len(s.plans or {}) for s in list(caches.sites.values()) if s.donates)
                 + len(caches.auto_fast or {})
             ),
             placement=self._placer.figures() if self._placer is not None else None,

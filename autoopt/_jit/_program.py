@@ -12,7 +12,7 @@ It is computed in three places, each a projection of the same tuple:
   jax array's type is its stored ``.aval`` and a Python scalar's is its Python type (as jax.jit
   weak-types it), both read without computing anything. It indexes a second dict holding the
   same ``Program`` objects, filled after the trace, so the two sides never need to agree;
-- on a call site's fast path (``callsite.fast_hit``): for positional-only calls without static
+- on a call site's plans (``_plans.lookup``): for positional-only calls without static
   arguments, the per-leaf types only (flat arguments: the tree is implied by the per-argument
   types; pytrees: with the treedef). The trace context is not in it: a fast entry belongs to a
   site, whose decision only ever selects among jit objects that key on the context themselves.
@@ -224,46 +224,28 @@ def trace_signature(
 
 
 class Site:
-    """One call site of an OptimizedFunction: its proof, and the fast path's decisions.
+    """One call site of an OptimizedFunction: its proof, and its plans (``_plans``) per
+    signature. A site that donates keeps plans only when the function has no static arguments
+    and no ``verify=True`` (whose general path does more per call), and not for a decorated
+    method (its reference baselines are another call shape's): ``plans`` is None there. A site
+    that donates nothing keeps the plan of each signature whose call runs its executable as it
+    is (no copies)."""
 
-    ``fast`` maps the fast-path signature of positional arguments (see the module docstring) to
-    the cached ``CallPlan``. None when the function has static arguments, ``verify=True`` (whose
-    general path does more per call), or for a decorated method (its reference baselines are
-    another call shape's).
-    """
+    __slots__ = ("proof", "donates", "plans", "_withheld")
 
-    __slots__ = ("proof", "donates", "fast", "kept", "_withheld")
-
-    def __init__(self, proof: callsite.CallSiteProof, fast: dict | None):
+    def __init__(self, proof: callsite.CallSiteProof, plans_ok: bool):
         self.proof = proof
         self.donates = proof.any  # read on every call: an attribute, not the property
-        self.fast = fast
-        # For a site that donates nothing: the plan per signature of flat arguments (jax arrays
-        # by aval, Python scalars by type), so its calls skip the call-side signature.
-        self.kept: dict = {}
+        self.plans: dict | None = {} if plans_ok or not self.donates else None
         self._withheld: Site | None = None
 
     def withheld(self) -> Site:
         """This site for a call whose run-time check refused donation (another callee, or a
-        donated name another thread could read): it donates nothing, with kept plans of its own,
-        so the call runs the signature's one executable on copies, as any non-donating call."""
+        donated name another thread could read): it donates nothing, with plans of its own, so
+        the call runs the signature's one executable on copies, as any non-donating call."""
         w = self._withheld
         if w is None:
-            w = self._withheld = Site(self.proof, None)
+            w = Site(self.proof, True)
             w.donates = False
+            self._withheld = w
         return w
-
-
-def kept_key(args: tuple) -> tuple | None:
-    """``Site.kept``'s key of positional arguments that are all jax arrays or Python scalars,
-    else None."""
-    key = []
-    for a in args:
-        t = type(a)
-        if t is _ARRAY_IMPL:
-            key.append(a.aval)
-        elif t in _PY_SCALARS:
-            key.append(t)
-        else:
-            return None
-    return tuple(key)

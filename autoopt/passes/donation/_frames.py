@@ -114,38 +114,51 @@ def _probe_running(layout: tuple[int | None, int]) -> bool:
 _LAYOUT = _calibrate()
 
 
-def slot_of(code: types.CodeType, name: str) -> tuple[int, bool] | None:
-    """``(index, is a cell)`` of ``name`` in frames running ``code``, for ``read_slot``; None
-    when ``name`` is not a local, cell or free variable of ``code``, or nothing can be read."""
+_WORD_AT = ctypes.c_void_p.from_address
+_CELL = types.CellType
+
+
+def slots_reader(code: types.CodeType, names: tuple[str, ...]) -> Any:
+    """``read(frame) -> tuple`` of the values of ``names`` (locals, cells or free variables of
+    ``code``; ``MISSING`` for an unbound one) in a running frame of ``code``, or None when one
+    is not a variable of ``code`` or nothing can be read on this interpreter. One read of the
+    frame and one view of its locals array for all the names: a call site's check reads the
+    callee and every donated name on each call. ``read`` must only be given frames running
+    ``code`` (the call site cache is keyed by its identity)."""
     if _VIEW or _LAYOUT is None:
         return None
-    index = _slot_index(code, name)
-    if index is None:
-        return None
-    return index, name in code.co_cellvars or name in code.co_freevars
+    spec = []
+    for name in names:
+        index = _slot_index(code, name)
+        if index is None:
+            return None
+        spec.append((index, name in code.co_cellvars or name in code.co_freevars))
+    indirect, offset = _LAYOUT
+    view = ctypes.py_object * (max((i for i, _ in spec), default=0) + 1)
+    at, word_at, cell, missing = view.from_address, _WORD_AT, _CELL, MISSING
+    spec_t = tuple(spec)
 
+    def read(frame) -> tuple | None:
+        start = id(frame) if indirect is None else word_at(id(frame) + indirect).value
+        if not start:
+            return None
+        slots = at(start + offset)
+        out = []
+        for index, is_cell in spec_t:
+            try:
+                value = slots[index]
+            except ValueError:  # NULL: unbound
+                value = missing
+            else:
+                if is_cell and type(value) is cell:
+                    try:
+                        value = value.cell_contents
+                    except ValueError:  # an empty cell: the name is unbound
+                        value = missing
+            out.append(value)
+        return tuple(out)
 
-def read_slot(frame: Any, slot: tuple[int, bool]) -> Any:
-    """``read_local`` with the slot computed once (``slot_of``): two reads of memory and the
-    object's reference, the cost a call site's check pays for each donated local."""
-    layout = _LAYOUT
-    assert layout is not None  # slot_of returns None without a layout
-    indirect, offset = layout
-    start = (
-        id(frame) if indirect is None else ctypes.c_void_p.from_address(id(frame) + indirect).value
-    )
-    if not start:
-        return MISSING
-    try:
-        value = ctypes.py_object.from_address(start + offset + slot[0] * _PTR).value
-    except ValueError:  # NULL: unbound
-        return MISSING
-    if slot[1] and type(value) is types.CellType:
-        try:
-            return value.cell_contents
-        except ValueError:  # an empty cell: the name is unbound
-            return MISSING
-    return value
+    return read
 
 
 def read_local(frame: Any, name: str) -> Any:

@@ -39,7 +39,6 @@ import numpy as np
 
 from autoopt._compat import (
     ARRAY_IMPL,
-    debug_nans_enabled,
     flatten_one_level,
     is_tracer,
     jit_accepts_leaf,
@@ -205,28 +204,10 @@ def _make_check(
     (``other_code_may_run``). ``module_level``: the same code object
     may run again with separate locals (``exec(code, globals, {})``), where the name it reads is
     not the one it binds: checked on each call."""
-    if scope == "global" and not chain and not shared:
-        # every donated name is a local (``shared`` is False): its slot, found once
-        found = tuple((key, _frames.slot_of(code, name)) for key, name, _ in bound)
-        slots = tuple((key, slot) for key, slot in found if slot is not None)
-        if len(slots) < len(found):
-            return lambda frame, callee, args, kwargs: False  # no way to read it: no donation
-        read_slot = _frames.read_slot
-
-        def check_global(frame, callee, args, kwargs) -> bool:
-            value = frame.f_globals.get(root, _MISSING)
-            if value is _MISSING:
-                value = frame.f_builtins.get(root, _MISSING)
-            if value is not callee:
-                return False
-            for key, slot in slots:
-                if read_slot(frame, slot) is not (
-                    args[key] if type(key) is int else kwargs.get(key, _MISSING)
-                ):
-                    return False
-            return True
-
-        return check_global
+    if not chain and not module_level:
+        fast = _slot_check(root, scope, shared, bound, code)
+        if fast is not None:
+            return fast
 
     def check(frame, callee, args, kwargs) -> bool:
         if shared and other_code_may_run():
@@ -247,6 +228,55 @@ def _make_check(
             return True
         except Exception:  # noqa: BLE001 - an unreadable callee proves nothing
             return False
+
+    return check
+
+
+def _slot_check(
+    root: str, scope: str, shared: bool, bound: tuple[tuple[Any, str, str], ...], code: Any
+) -> Callable | None:
+    """``_make_check``'s check for a callee written as a plain name, with the place of every
+    name found once: a global costs one dict lookup; the locals and cells are read together,
+    from the frame's own array (``_frames.slots_reader``). None where that array cannot be read
+    on this interpreter (the general check then reads each name by name)."""
+    in_frame = [name for _, name, where in bound if where != "global"]
+    if scope != "global":
+        in_frame.insert(0, root)
+    read = _frames.slots_reader(code, tuple(in_frame))
+    if read is None:
+        return None
+    callee_in_frame = scope != "global"
+    # (argument, index in what ``read`` returns, or the global's name)
+    wanted = []
+    i = 1 if callee_in_frame else 0
+    for key, name, where in bound:
+        if where == "global":
+            wanted.append((key, None, name))
+        else:
+            wanted.append((key, i, name))
+            i += 1
+    wanted_t = tuple(wanted)
+    may_run, missing = other_code_may_run, _MISSING
+
+    def check(frame, callee, args, kwargs) -> bool:
+        if shared and may_run():
+            return False
+        values = read(frame)
+        if values is None:
+            return False
+        if callee_in_frame:
+            value = values[0]
+        else:
+            value = frame.f_globals.get(root, missing)
+            if value is missing:
+                value = frame.f_builtins.get(root, missing)
+        if value is not callee:
+            return False
+        for key, i, name in wanted_t:
+            value = frame.f_globals.get(name, missing) if i is None else values[i]
+            if value is not (args[key] if type(key) is int else kwargs.get(key, missing)):
+                return False
+        return True
 
     return check
 
@@ -494,6 +524,9 @@ def _calibrate(probe) -> tuple[int, int, int]:
 
 
 _BASE_POS, _BASE_POS_KW, _BASE_KW = _calibrate(_Probe())
+# The reference count of a positional argument nothing but the call holds, read as
+# ``sys.getrefcount(args[i])`` on the ``args`` tuple the call's ``*args`` built.
+CALL_REFS = _BASE_POS
 # A decorated method's call (``obj.step(state, batch)``): the arguments tuple is rebuilt with
 # the instance in front, one more reference to each positional argument while the call runs.
 BOUND_BASES = _calibrate(_BoundProbe())
@@ -502,7 +535,7 @@ BOUND_BASES = _calibrate(_BoundProbe())
 _BUILTIN_NODES = (dict, list, tuple)
 
 
-def _kid_refcounts(obj) -> tuple[list, list[int], int]:
+def kid_refcounts(obj) -> tuple[list, list[int], int]:
     """``(children, their reference counts, the count of a child nothing else refers to)``.
 
     Plain dicts, lists and tuples (jax flattens them to their values) are read directly, ~4x
@@ -535,7 +568,7 @@ _BASE_KID_SAME = _BASE_KID_NEW = _BASE_KID_BUILTIN = _BASE_KID_STORED = _FRESH_C
 
 
 def _calibrate_kids() -> tuple[int, int, int, int, int]:
-    """Each path of ``_kid_refcounts`` on a fresh child: its count when only the node holds it,
+    """Each path of ``kid_refcounts`` on a fresh child: its count when only the node holds it,
     and the count of a container the flatten function built afresh."""
 
     class Fresh:  # flattens to a new list; holds its child itself
@@ -557,7 +590,7 @@ def _calibrate_kids() -> tuple[int, int, int, int, int]:
     _, new_counts, fresh, _ = _registry_counts(Fresh(object()))
     _, stored_counts, stored, _ = _registry_counts(Stored(object()))
     assert stored == fresh + 1
-    builtin = _kid_refcounts({"a": object()})[1][0]
+    builtin = kid_refcounts({"a": object()})[1][0]
     return same_counts[0], new_counts[0], builtin, stored_counts[0], fresh
 
 
@@ -587,7 +620,7 @@ def _array_problem(obj, seen: set[int]) -> str | None:
     return None
 
 
-def _leaf_problem(obj, seen: set[int], check_refs: bool = True) -> str | None:
+def leaf_problem(obj, seen: set[int], check_refs: bool = True) -> str | None:
     """Why the pytree ``obj`` (whose own refcount was checked) cannot be donated, or None.
 
     ``check_refs=False`` (``donate="auto"``: the caller promised not to reuse the argument)
@@ -608,7 +641,7 @@ def _leaf_problem(obj, seen: set[int], check_refs: bool = True) -> str | None:
                 "on every call, so donating saves nothing"
             )
     try:
-        kids, counts, base = _kid_refcounts(obj)
+        kids, counts, base = kid_refcounts(obj)
     except ValueError:
         return f"it holds a leaf of type {type(obj).__name__} that is not a jax.Array"
     if kids and set(map(type, kids)) == _ONLY_ARRAYS:
@@ -631,7 +664,7 @@ def _leaf_problem(obj, seen: set[int], check_refs: bool = True) -> str | None:
             continue  # passed as a constant of the program, never donated
         if check_refs and count > base:
             return "a part of it is also referenced from elsewhere"
-        why = _leaf_problem(kid, seen, check_refs)
+        why = leaf_problem(kid, seen, check_refs)
         if why is not None:
             return why
     return None
@@ -722,7 +755,7 @@ def donation_checks(
         if check_refs and sys.getrefcount(args[key]) > base_pos:
             reasons.append((key, "another reference to the same object exists"))
             continue
-        why = _leaf_problem(args[key], seen, check_refs)
+        why = leaf_problem(args[key], seen, check_refs)
         if why is None:
             ok_pos.append(key)
         else:
@@ -733,7 +766,7 @@ def donation_checks(
         if check_refs and sys.getrefcount(kwargs[key]) > base_kw:
             reasons.append((key, "another reference to the same object exists"))
             continue
-        why = _leaf_problem(kwargs[key], seen, check_refs)
+        why = leaf_problem(kwargs[key], seen, check_refs)
         if why is None:
             ok_names.append(key)
         else:
@@ -741,18 +774,16 @@ def donation_checks(
     return tuple(ok_pos), tuple(ok_names), tuple(reasons)
 
 
-# --- the fast path's checks ------------------------------------------------------------------
+# --- signatures and checks of the cached plans (``_jit._plans``) --------------------------------
 # A call site that rebinds its arguments calls with the same signature again and again.
 # ``OptimizedFunction`` caches the static half of the donation decision per site and signature
-# (the program's aliasing, the site's proof), and ``fast_hit`` re-checks only the run-time half:
-# ~1 us for flat arguments (each a jax array or a Python scalar), a few us for pytrees, instead
-# of the general path's 5-12 us (benchmarks/overhead.py).
+# (the program's aliasing, the site's proof) as a plan, which re-checks only the run-time half.
 
 _FLAT_SCALARS = (int, float, bool, complex)
 
 
 def flat_signature(args: tuple) -> tuple:
-    """The signature of flat positional arguments, as ``fast_hit`` computes it.
+    """The signature of flat positional arguments, as ``_jit._plans.lookup`` computes it.
 
     ``aval`` is a stored attribute of a jax array, and the same object across the outputs of one
     executable, so building and hashing this tuple costs ~0.3 us. Only signatures of flat
@@ -834,65 +865,8 @@ def all_array_leaves(x) -> bool:
     return bool(leaves) and all(type(v) is _ARRAY_IMPL for v in leaves)
 
 
-def _distinct_arrays(values, exclude: frozenset[int]) -> bool:
+def distinct_arrays(values, exclude: frozenset[int]) -> bool:
     """No array occurs twice in ``values``, and none is in ``exclude`` (a program's constants)."""
     ids = [id(a) for a in values if type(a) is _ARRAY_IMPL]
     unique = set(ids)
     return len(unique) == len(ids) and unique.isdisjoint(exclude)
-
-
-def fast_hit(fast: dict, args: tuple, check_refs: bool):
-    """The site's cached ``(jit object, donated positions, placer, program constants)`` for this
-    call, or None when the call must take the general path.
-
-    Re-checks the run-time half of ``donation_checks``: with ``check_refs`` (``donate="safe"``)
-    every donated argument, and every container and leaf inside it, is referenced only by the
-    call (so no array appears anywhere else in the arguments either); without it (``"auto"``)
-    identities are compared instead. Never under ``jax_debug_nans``/``jax_debug_infs`` (jax
-    re-runs the inputs op by op on a NaN).
-    """
-    hit = fast.get(tuple([a.aval if type(a) is _ARRAY_IMPL else type(a) for a in args]))
-    if hit is not None:  # flat: each donated argument is one array
-        for p in hit[1]:
-            # Measured before binding a local name, exactly as ``_measure`` does.
-            if (check_refs and sys.getrefcount(args[p]) > _BASE_POS) or args[p].is_deleted():
-                return None
-        if not check_refs and hit[1] and not _distinct_arrays(args, hit[3]):
-            return None
-    elif check_refs and (sig := shallow_signature(args)) is not None:
-        hit = fast.get(sig)
-        if hit is None:
-            return None
-        # The reference counts alone prove each donated container and array is the call's only
-        # (an array also passed elsewhere, or held by a program, counts more). A deleted array
-        # is not looked for: jax's call raises for it before it donates any input, as the
-        # general path's plan would.
-        for p in hit[1]:
-            if sys.getrefcount(args[p]) > _BASE_POS:
-                return None
-            if type(args[p]) is not _ARRAY_IMPL:
-                _, counts, base = _kid_refcounts(args[p])
-                if max(counts) > base:
-                    return None
-            elif args[p].is_deleted():
-                return None
-    else:
-        tree = tree_signature(args)
-        if tree is None:
-            return None
-        hit = fast.get(tree[0])
-        if hit is None:
-            return None
-        if not check_refs and hit[1] and not _distinct_arrays(tree[1], hit[3]):
-            return None
-        # The leaves list holds a reference to every leaf: gone before the counts are read.
-        del tree
-        seen: set[int] = set()
-        for p in hit[1]:
-            if check_refs and sys.getrefcount(args[p]) > _BASE_POS:
-                return None
-            if _leaf_problem(args[p], seen, check_refs) is not None:
-                return None
-    if debug_nans_enabled():
-        return None
-    return hit
