@@ -79,6 +79,105 @@ def dispatch(rounds: int, n: int) -> dict[str, float]:
     return {k: v / (n + 1 if k in ("jit", "autoopt") else n) for k, v in med.items()}
 
 
+def check_profile(rounds: int, n: int) -> dict[str, float]:
+    """Per-call cost of each check of ``x = f(x)``'s cached plan (issue 30), as staged loops:
+    each stage is a wrapper around ``jax.jit(tiny, donate_argnums=0)`` doing what the previous
+    did plus one more of the real path's steps, with autoopt's own objects (the call site's
+    proof check and the signature's plan, read from the optimized function's caches: a profile
+    of internals, not an API). The differences between stages are the checks' costs."""
+    import sys
+
+    from autoopt import _compat
+    from autoopt._jit._plans import MISS
+
+    def tiny(x):
+        return x + 1.0
+
+    def ones():
+        return jnp.ones(8)
+
+    expert = jax.jit(tiny, donate_argnums=0)
+    fast = autoopt.optimize(tiny)
+    go, _ = _rebinding(fast, ones, 3)
+    go(ones())  # proves the loop's call site (every stage's loop runs the same code) and plans
+    sites = fast._caches.sites  # noqa: SLF001 - a profile of internals
+    site = next(s for s in sites.values() if s.donates and s.proof.code is go.__code__)
+    check = site.proof.check  # reads the loop's frame: only ever called from that loop
+    ((key, plan),) = site.plans.items()
+    clean = _compat.trace_state_clean
+    array = _compat.ARRAY_IMPL
+
+    # Each stage is an instance with ``__call__``, as ``OptimizedFunction`` is: the call enters
+    # the same way (and from the same instruction offset, which keys the call site).
+    class Call:
+        def __call__(self, *args, **kwargs):
+            return expert(*args, **kwargs)
+
+    class Trace:
+        def __call__(self, *args, **kwargs):
+            if clean():
+                return expert(*args, **kwargs)
+
+    class Site:
+        def __call__(self, *args, **kwargs):
+            if clean():
+                frame = sys._getframe(1)
+                s = sites.get((id(frame.f_code), frame.f_lasti))
+                del frame
+                if s is site:
+                    return expert(*args, **kwargs)
+
+    class Check:
+        def __call__(self, *args, **kwargs):
+            if clean():
+                frame = sys._getframe(1)
+                sites.get((id(frame.f_code), frame.f_lasti))
+                ok = check(frame, self, args, kwargs)
+                del frame
+                if ok:
+                    return expert(*args, **kwargs)
+
+    class Lookup:
+        def __call__(self, *args, **kwargs):
+            if clean():
+                frame = sys._getframe(1)
+                sites.get((id(frame.f_code), frame.f_lasti))
+                ok = check(frame, self, args, kwargs)
+                del frame
+                p = site.plans.get(tuple([a.aval if type(a) is array else type(a) for a in args]))
+                if ok and p is not None:
+                    return expert(*args, **kwargs)
+
+    class Plan:
+        def __call__(self, *args, **kwargs):
+            if clean():
+                frame = sys._getframe(1)
+                sites.get((id(frame.f_code), frame.f_lasti))
+                ok = check(frame, self, args, kwargs)
+                del frame
+                p = site.plans.get(tuple([a.aval if type(a) is array else type(a) for a in args]))
+                if ok and p is not None:
+                    out = p(args)
+                    if out is not MISS:
+                        return out
+
+    stages = {
+        "jax.jit(donate_argnums=0)": expert,
+        "+ a Python call (*args, **kwargs)": Call(),
+        "+ outside any transformation?": Trace(),
+        "+ the call site (frame, dict)": Site(),
+        "+ the proof's check (callee, names)": Check(),
+        "+ the signature's plan looked up": Lookup(),
+        "+ the plan's checks (references, deleted, nans)": Plan(),
+        "autoopt.optimize": fast,
+    }
+    runs, prepare = {}, {}
+    for name, f in stages.items():
+        runs[name], prepare[name] = _rebinding(f, ones, n)
+    times = interleave(runs, rounds, warmup=1, prepare=prepare)
+    return {k: v / n for k, v in times.medians().items()}
+
+
 def _big_state(leaves: int):
     """A state of ``leaves`` small arrays (an optimizer state, a simulation's fields)."""
     return lambda: {f"p{i:03d}": jnp.full(8, float(i)) for i in range(leaves)}
@@ -155,15 +254,30 @@ def first_call(rounds: int) -> dict[str, dict[str, float]]:
     return out
 
 
+def print_profile(rounds: int, calls: int) -> None:
+    prof = check_profile(rounds, calls)
+    print("| `x = f(x)`, tiny f32[8]: the cached plan's steps, staged | us/call | step |")
+    print("|---|---:|---:|")
+    last = None
+    for name, t in prof.items():
+        step = "" if last is None else f"{(t - last) * 1e6:+.2f}"
+        print(f"| {name} | {t * 1e6:.2f} | {step} |")
+        last = t
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--quick", action="store_true", help="3 rounds of 200 calls (a smoke run)")
     p.add_argument("--trees-only", action="store_true", help="only the 64/512-leaf states")
+    p.add_argument("--profile", action="store_true", help="only the per-check profile")
     a = p.parse_args()
     if a.quick:
         a.rounds, a.calls = 3, 200
+    if a.profile:
+        print_profile(a.rounds, a.calls)
+        return
     if a.trees_only:
         b = big_trees(a.rounds, max(20, a.calls // 20))
         for k, v in b.items():
@@ -211,6 +325,8 @@ def main() -> None:
             f"| N={size}: autoopt, `f(s)`, s kept (copies donated) | {ak * 1e6:.1f} | "
             f"{ak / jk:.2f} vs jax.jit |"
         )
+    print()
+    print_profile(a.rounds, a.calls)
     fc = first_call(max(3, a.rounds // 3))
     print("\n| first call (trace + passes + compile + run) | jax.jit ms | autoopt ms | ratio |")
     print("|---|---:|---:|---:|")
