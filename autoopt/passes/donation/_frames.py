@@ -118,47 +118,32 @@ _WORD_AT = ctypes.c_void_p.from_address
 _CELL = types.CellType
 
 
-def slots_reader(code: types.CodeType, names: tuple[str, ...]) -> Any:
-    """``read(frame) -> tuple`` of the values of ``names`` (locals, cells or free variables of
-    ``code``; ``MISSING`` for an unbound one) in a running frame of ``code``, or None when one
-    is not a variable of ``code`` or nothing can be read on this interpreter. One read of the
-    frame and one view of its locals array for all the names: a call site's check reads the
-    callee and every donated name on each call. ``read`` must only be given frames running
-    ``code`` (the call site cache is keyed by its identity)."""
+def locals_view(code: types.CodeType, names: tuple[str, ...]) -> tuple[Any, tuple] | None:
+    """``(view, places)`` for reading ``names`` (locals, cells or free variables of ``code``) in
+    a running frame of ``code``, or None when one is not a variable of ``code`` or nothing can be
+    read on this interpreter. ``view(frame)`` is the frame's locals array (None if it has none),
+    indexed by each name's ``(index, is a cell)`` in ``places``: an index holds NULL (indexing
+    raises ValueError) while the name is unbound, and a cell's slot holds the cell. One read of
+    the frame and one view for all the names: a call site's check reads the callee and every
+    donated name on each call. ``view`` must only be given frames running ``code`` (the call
+    site cache is keyed by its identity)."""
     if _VIEW or _LAYOUT is None:
         return None
-    spec = []
+    places = []
     for name in names:
         index = _slot_index(code, name)
         if index is None:
             return None
-        spec.append((index, name in code.co_cellvars or name in code.co_freevars))
+        places.append((index, name in code.co_cellvars or name in code.co_freevars))
     indirect, offset = _LAYOUT
-    view = ctypes.py_object * (max((i for i, _ in spec), default=0) + 1)
-    at, word_at, cell, missing = view.from_address, _WORD_AT, _CELL, MISSING
-    spec_t = tuple(spec)
+    at = (ctypes.py_object * (max((i for i, _ in places), default=0) + 1)).from_address
+    word_at = _WORD_AT
 
-    def read(frame) -> tuple | None:
+    def view(frame) -> Any:
         start = id(frame) if indirect is None else word_at(id(frame) + indirect).value
-        if not start:
-            return None
-        slots = at(start + offset)
-        out = []
-        for index, is_cell in spec_t:
-            try:
-                value = slots[index]
-            except ValueError:  # NULL: unbound
-                value = missing
-            else:
-                if is_cell and type(value) is cell:
-                    try:
-                        value = value.cell_contents
-                    except ValueError:  # an empty cell: the name is unbound
-                        value = missing
-            out.append(value)
-        return tuple(out)
+        return at(start + offset) if start else None
 
-    return read
+    return view, tuple(places)
 
 
 def read_local(frame: Any, name: str) -> Any:

@@ -237,43 +237,46 @@ def _slot_check(
 ) -> Callable | None:
     """``_make_check``'s check for a callee written as a plain name, with the place of every
     name found once: a global costs one dict lookup; the locals and cells are read together,
-    from the frame's own array (``_frames.slots_reader``). None where that array cannot be read
-    on this interpreter (the general check then reads each name by name)."""
-    in_frame = [name for _, name, where in bound if where != "global"]
-    if scope != "global":
-        in_frame.insert(0, root)
-    read = _frames.slots_reader(code, tuple(in_frame))
-    if read is None:
+    from one view of the frame's own array (``_frames.locals_view``). None where that array
+    cannot be read on this interpreter (the general check then reads each name by name)."""
+    in_frame = [(None, root)] if scope != "global" else []
+    in_frame += [(key, name) for key, name, where in bound if where != "global"]
+    found = _frames.locals_view(code, tuple(name for _, name in in_frame))
+    if found is None:
         return None
-    callee_in_frame = scope != "global"
-    # (argument, index in what ``read`` returns, or the global's name)
-    wanted = []
-    i = 1 if callee_in_frame else 0
-    for key, name, where in bound:
-        if where == "global":
-            wanted.append((key, None, name))
-        else:
-            wanted.append((key, i, name))
-            i += 1
-    wanted_t = tuple(wanted)
-    may_run, missing = other_code_may_run, _MISSING
+    view, places = found
+    # (slot index, is a cell, the argument it must hold: None for the callee)
+    slots_t = tuple((i, cell, key) for (i, cell), (key, _) in zip(places, in_frame))
+    globals_t = tuple((key, name) for key, name, where in bound if where == "global")
+    callee_global = scope == "global"
+    may_run, missing, cell_type = other_code_may_run, _MISSING, types.CellType
 
     def check(frame, callee, args, kwargs) -> bool:
         if shared and may_run():
             return False
-        values = read(frame)
-        if values is None:
-            return False
-        if callee_in_frame:
-            value = values[0]
-        else:
+        if callee_global:
             value = frame.f_globals.get(root, missing)
             if value is missing:
                 value = frame.f_builtins.get(root, missing)
-        if value is not callee:
+            if value is not callee:
+                return False
+        slots = view(frame)
+        if slots is None:
             return False
-        for key, i, name in wanted_t:
-            value = frame.f_globals.get(name, missing) if i is None else values[i]
+        for index, is_cell, key in slots_t:
+            try:
+                value = slots[index]  # ValueError: NULL, the name is unbound
+                if is_cell and type(value) is cell_type:
+                    value = value.cell_contents  # ValueError: an empty cell
+            except ValueError:
+                return False
+            if key is None:
+                if value is not callee:
+                    return False
+            elif value is not (args[key] if type(key) is int else kwargs.get(key, missing)):
+                return False
+        for key, name in globals_t:
+            value = frame.f_globals.get(name, missing)
             if value is not (args[key] if type(key) is int else kwargs.get(key, missing)):
                 return False
         return True
