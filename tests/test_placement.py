@@ -259,6 +259,33 @@ def test_auto_leaves_a_feed_to_jit_when_packing_measured_slower_and_goes_lean(ca
     assert not opt.inspect(w, feats).placement.active  # nothing left to place: the lean path
 
 
+def test_a_pack_decision_is_timed_again_and_dropped_when_the_loop_measures_it_slower(monkeypatch):
+    # The decision is the loop's own: after _RETUNE_AFTER packed calls both ways are timed
+    # again, and packing that now loses goes back to jit's own transfers (issue 30).
+    monkeypatch.setattr(_packing, "_RETUNE_AFTER", 8)
+    w, feats = jnp.eye(8), _feats(n=16)
+    opt = autoopt.optimize(_step, donate="off", fallback="raise")
+    timings = {"jit": 1.0, "pack": 0.5}
+
+    def fake(trial, out, t0):
+        layout, strategy, pos = trial
+        if pos == _packing._TUNE_RUN - 1:
+            layout.record(strategy, timings[strategy])
+
+    monkeypatch.setattr(_placement, "time_trial", fake)
+    ref = jax.jit(_step)(w, feats)
+    tuning = 2 * (_packing._TUNE_SAMPLES + 1) * _packing._TUNE_RUN
+    for _ in range(tuning):
+        assert_trees_equivalent(ref, opt(w, feats))
+    (layout,) = opt.inspect(w, feats).placement.packed_layouts
+    assert layout.decisions == ["pack"]
+    timings["pack"] = 2.0  # packing became the slower way
+    for _ in range(8 + tuning):
+        assert_trees_equivalent(ref, opt(w, feats))
+    assert layout.decisions == ["pack", "jit"]
+    assert layout.mode == "jit"
+
+
 def test_auto_tuning_on_real_timings_settles_and_keeps_every_value():
     w, feats = jnp.eye(8), _feats(n=8)
     opt = autoopt.optimize(_step, donate="off", fallback="raise")

@@ -111,6 +111,12 @@ POOL_MAX_BYTES = 256 << 20
 _TUNE_RUN = 4
 _TUNE_SAMPLES = 3
 _TUNE_MARGIN = 0.9
+# A "pack" decision is timed again after this many packed calls, then after twice as many each
+# time it holds: the loop's own timings confirm it (a program recompiled, another process taking
+# the cores, batches that stopped fitting the cache can each turn it into a loss). A re-check
+# costs 2 * (_TUNE_SAMPLES + 1) * _TUNE_RUN calls, half of them fed the other way. A "jit"
+# decision is not re-timed: its calls are jax.jit's own (the placer goes lean).
+_RETUNE_AFTER = 1024
 
 
 class Layout:
@@ -140,6 +146,9 @@ class Layout:
         "run",
         "run_t0",
         "run_ok",
+        "packed_calls",
+        "retune_after",
+        "decisions",
     )
 
     def __init__(
@@ -162,6 +171,9 @@ class Layout:
         self.run: list = []  # outputs of the timed run in progress (see time_trial)
         self.run_t0 = 0.0
         self.run_ok = False
+        self.packed_calls = 0  # packed calls since the last "pack" decision
+        self.retune_after = _RETUNE_AFTER
+        self.decisions: list[str] = []  # every tuning's outcome, in order
 
     def buffer(self, g: int) -> np.ndarray:
         """A host buffer for group ``g`` that no computation is reading (see ``Pool``)."""
@@ -171,6 +183,11 @@ class Layout:
         """``("pack" or "jit", position in the timed run or -1)`` for this call. While tuning,
         alternates runs (jit first: the plain program is usually compiled already)."""
         mode = self.mode
+        if mode == "pack" and self.decisions:  # decided by tuning (not placement="pack")
+            self.packed_calls += 1
+            if self.packed_calls > self.retune_after:
+                self.retune()
+                mode = "tune"
         if mode != "tune":
             return mode, -1
         n = self.trials
@@ -180,6 +197,12 @@ class Layout:
             self.mode = "jit"
             return "jit", -1
         return ("jit" if run % 2 == 0 else "pack"), pos
+
+    def retune(self) -> None:
+        """Time both ways again (a "pack" decision's re-check, ``_RETUNE_AFTER``)."""
+        self.mode, self.trials, self.packed_calls = "tune", 0, 0
+        self.timings = {"jit": [], "pack": []}
+        self.retune_after *= 2
 
     def record(self, strategy: str, seconds: float) -> None:
         """One timed run's time a call (the first run of each strategy warms up: dropped)."""
@@ -191,6 +214,7 @@ class Layout:
         if len(jit) > _TUNE_SAMPLES and len(pack) > _TUNE_SAMPLES:
             j, p = min(jit[1:]), min(pack[1:])
             self.mode = "pack" if p < _TUNE_MARGIN * j else "jit"
+            self.decisions.append(self.mode)
             log.debug(
                 "autoopt: %s: packed %.1f us, per-leaf jit %.1f us a call: %s",
                 self,
