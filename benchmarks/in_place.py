@@ -198,9 +198,12 @@ def _rewritten_under_jit(fn, make_state, make_args):
 VARIANTS = ("naive", "autoopt", "rewrite", "expert")
 
 
-def run(rounds: int, n: int, loop_n: int) -> list[tuple]:
+def run(rounds: int, n: int, loop_n: int, only: tuple[str, ...] | None = None) -> list[tuple]:
+    """One row per workload (``only``: the workloads whose names start with one of these)."""
     rows = []
     for name, (naive, expert, make_state, make_args, reps) in workloads(n, loop_n).items():
+        if only is not None and not name.startswith(only):
+            continue
         fns = {
             "naive": jax.jit(naive, donate_argnums=0),
             "autoopt": autoopt.optimize(naive),

@@ -5,6 +5,8 @@ Targets (issue 2): cached-call dispatch on a tiny function within 1.3x of jax.ji
 medians reported; quote the ratios (the machine is shared and noisy).
 
     python benchmarks/overhead.py [--rounds 15] [--quick]
+    python benchmarks/overhead.py --issue30   # issue 30's table (rows from in_place.py and
+                                              # host_feed.py too) and the per-check profile
 """
 
 from __future__ import annotations
@@ -254,6 +256,60 @@ def first_call(rounds: int) -> dict[str, dict[str, float]]:
     return out
 
 
+def issue_table(rounds: int, calls: int) -> None:
+    """Every row of issue 30's table, with its target: the cached-call rows here, the in-place
+    rows from ``in_place.py``, the host-feed row from ``host_feed.py`` (the same workloads and
+    harness those scripts print in full)."""
+    import host_feed
+    import in_place
+
+    d = dispatch(rounds, calls)
+    b = big_trees(rounds, max(20, calls // 20), sizes=(64,))
+    rows = in_place.run(rounds, 4096, 1024, only=("row set", "64-row block", "8-row window"))
+    ip = {name.split(" `")[0]: (naive, auto, expert) for name, naive, auto, _, expert, _ in rows}
+    feats = host_feed.many_leaves(rounds, 200).medians()
+    bound = host_feed.many_leaves(rounds, 200, step=host_feed.feed_bound_step).medians()
+    table = [
+        ("`y = f(x)`, tiny function, vs jax.jit", d["autoopt"] / d["jit"], "<= 1.1x"),
+        (
+            "`x = f(x)` donated, vs `jax.jit(donate_argnums=0)`",
+            d["autoopt x=f(x)"] / d["jit donate"],
+            "<= 1.1x",
+        ),
+        (
+            "64-leaf dict state, donated, vs jit with donate_argnums",
+            b["autoopt 64"] / b["jit donate 64"],
+            "<= 1.05x",
+        ),
+        (
+            "row update f32[4096,4096] in a Python loop, vs the expert's donated DUS",
+            ip["row set"][1] / ip["row set"][2],
+            "<= 1.15x",
+        ),
+        (
+            "64-row block, donated, vs the naive `.at` under donating jit (speed-up)",
+            ip["64-row block"][0] / ip["64-row block"][1],
+            ">= 1.0x",
+        ),
+        ("64-row block, vs the expert", ip["64-row block"][1] / ip["64-row block"][2], "<= 1.15x"),
+        ("8-row window vs the expert", ip["8-row window"][1] / ip["8-row window"][2], "<= 1.15x"),
+        (
+            "64 NumPy leaves, placement='auto', vs jax.jit (speed-up), per-feature step",
+            feats["naive"] / feats["autoopt"],
+            ">= 1.0x",
+        ),
+        (
+            "64 NumPy leaves, placement='auto', vs jax.jit (speed-up), feed-bound step",
+            bound["naive"] / bound["autoopt"],
+            ">= 1.0x (>= 1.5x where packing wins)",
+        ),
+    ]
+    print(f"\n| issue 30's rows ({rounds} interleaved rounds, medians) | measured | target |")
+    print("|---|---:|---|")
+    for name, ratio, target in table:
+        print(f"| {name} | {ratio:.2f}x | {target} |")
+
+
 def print_profile(rounds: int, calls: int) -> None:
     prof = check_profile(rounds, calls)
     print("| `x = f(x)`, tiny f32[8]: the cached plan's steps, staged | us/call | step |")
@@ -272,9 +328,15 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="3 rounds of 200 calls (a smoke run)")
     p.add_argument("--trees-only", action="store_true", help="only the 64/512-leaf states")
     p.add_argument("--profile", action="store_true", help="only the per-check profile")
+    p.add_argument("--issue30", action="store_true", help="only issue 30's table and profile")
     a = p.parse_args()
     if a.quick:
         a.rounds, a.calls = 3, 200
+    if a.issue30:
+        issue_table(a.rounds, a.calls)
+        print()
+        print_profile(a.rounds, a.calls)
+        return
     if a.profile:
         print_profile(a.rounds, a.calls)
         return
