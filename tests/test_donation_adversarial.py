@@ -1,4 +1,4 @@
-"""Adversarial cases for ``donate="safe"`` and the per-site fast path (``_Site``/``fast_hit``).
+"""Adversarial cases for ``donate="safe"`` and the per-site cached plans (``Site.plans``, ``_jit._plans``).
 
 Every test states a property that jax.jit of the same function has: no argument the caller can
 still reach is ever deleted, no extra warning, same values. The tests in the first section came
