@@ -1,4 +1,4 @@
-"""Adversarial cases for ``donate="safe"`` and the per-site cached plans (``Site.plans``, ``_jit._plans``).
+"""Adversarial cases for ``donate="safe"`` and the per-site cached plans (``_jit._plans``).
 
 Every test states a property that jax.jit of the same function has: no argument the caller can
 still reach is ever deleted, no extra warning, same values. The tests in the first section came
