@@ -9,7 +9,7 @@
 #   result of `fit` (final parameters' checksum, time per step, peak RSS: see _bench.py); fit
 #   also returns its `step` and last batch for the epilogue's alias figure;
 # - expert variant (AUTOOPT_PUBLIC_EXPERT=1): `jax.jit(step, donate_argnums=(0, 1))` (params and
-#   opt_state, which the loop rebinds).
+#   opt_state, which the loop rebinds), with `import functools` for it.
 # Steps unchanged (1,000 steps of a (8, 32) + (32, 2) network: the loop of small steps).
 # fmt: off
 # ruff: noqa

@@ -9,7 +9,7 @@
 #   at the end (final parameters' and optimizer state's checksum, time per step, peak RSS: see
 #   _bench.py);
 # - expert variant (AUTOOPT_PUBLIC_EXPERT=1): `nnx.jit(donate_argnums=(0, 1))` on train_step
-#   (model and optimizer, which nnx updates in place).
+#   (model and optimizer, which nnx updates in place), with `import functools` for it.
 # fmt: off
 # ruff: noqa
 import functools
