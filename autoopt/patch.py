@@ -604,6 +604,8 @@ def _not_applied_of(fn: Any, out: dict) -> None:
     subs = list(caches.static_leaf_fns.values())
     shift = getattr(fn, "_proof_shift", 0)  # positions of the caller's arguments (equinox)
     proofs = list(caches.site_proofs.values())
+    # called inside another trace (an outer jit, grad, vmap): its programs were inlined there
+    nested = caches.nested is not None or caches.eager_ad_jit is not None
     for program in list(caches.programs.values()):
         if program.pipeline is None:
             continue
@@ -618,7 +620,7 @@ def _not_applied_of(fn: Any, out: dict) -> None:
                 if shift and names and isinstance(arg, int) and 0 <= arg - shift < len(names):
                     name = names[arg - shift]
                 what = f"`{name}`" if name else f"argument {arg}"
-                reason = _donation_reason(proofs, arg, shift, program.donates is None)
+                reason = _donation_reason(proofs, arg, shift, program.donates is None, nested)
             elif f.applied:
                 continue
             else:
@@ -628,8 +630,16 @@ def _not_applied_of(fn: Any, out: dict) -> None:
         _not_applied_of(sub, out)
 
 
-def _donation_reason(proofs: list, arg: Any, shift: int, undecided: bool) -> str:
+def _donation_reason(
+    proofs: list, arg: Any, shift: int, undecided: bool, nested: bool = False
+) -> str:
     """Why an argument an output can alias is not donated, from the call sites' proofs."""
+    if undecided and nested:
+        return (
+            "no top-level call of this signature has run: it was called inside another jit's "
+            "trace (or a transformation's), where its arguments are the outer program's values "
+            "and XLA inlines it; the outer call's donation covers them"
+        )
     if undecided:
         return "no call of this signature has run (traced for a report only)"
     key = arg - shift if isinstance(arg, int) else arg

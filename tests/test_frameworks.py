@@ -649,3 +649,48 @@ def test_a_new_filter_jit_per_call_traces_once_as_under_equinox():
         for _ in range(2):
             assert eqx.filter_grad(eqx.filter_jit(g))(jnp.array(1.0)) == 3
         assert traces.count(2) == 1
+
+
+def test_nnx_variables_in_lists_dicts_and_shared_submodules_are_found_as_nnx_finds_them():
+    # The route walks the arguments' graph itself (by type, as nnx.iter_graph does): Variables
+    # in an nnx.List, in an nnx.data dict and under a submodule reached twice are all updated
+    # by the call, donated when only their module holds them, and bit-identical to plain.
+    nnx = pytest.importorskip("flax.nnx")
+    optax = pytest.importorskip("optax")
+
+    class Net(nnx.Module):
+        def __init__(self):
+            rngs = nnx.Rngs(0)
+            self.first = nnx.Linear(4, 4, rngs=rngs)
+            self.layers = nnx.List([nnx.Linear(4, 4, rngs=rngs), nnx.Linear(4, 4, rngs=rngs)])
+            self.heads = nnx.data({"b": nnx.Linear(4, 4, rngs=rngs)})
+            self.again = self.first  # the same submodule twice: its Variables once
+
+        def __call__(self, x):
+            for layer in [self.first, *self.layers, self.heads["b"], self.again]:
+                x = jnp.tanh(layer(x))
+            return x
+
+    def init():
+        model = Net()
+        return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    def train_step(model, optimizer, x):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    x = jnp.ones((2, 4))
+    model, optimizer = init()
+    plain = nnx.jit(train_step)
+    want = [plain(model, optimizer, x) for _ in range(3)]
+    want_state = _nnx_state(nnx, model, optimizer)
+    with autoopt.patch():
+        step = nnx.jit(train_step)
+        model, optimizer = init()
+        got = [step(model, optimizer, x)]
+        before = sorted(_pointers(nnx.state((model, optimizer))))
+        got += [step(model, optimizer, x) for _ in range(2)]
+        assert sorted(_pointers(nnx.state((model, optimizer)))) == before
+    _assert_same_arrays(want, got)
+    _assert_same_arrays(want_state, _nnx_state(nnx, model, optimizer))

@@ -285,6 +285,48 @@ def test_flaxs_own_jitted_functions_keep_jax_jits_semantics_under_the_patch():
         assert nnx.tabulate(model, jnp.ones((2, 4))) == plain
 
 
+# A Variable of an object made for the call alone (``f(x, nnx.Rngs(0))``) is reachable by nobody
+# after it: its update is dropped under jax.jit as under autoopt, and nobody can see the
+# difference (flax's own spmd_test::test_out_sharding_dropout does this). Only an update to an
+# object the caller still holds would surprise. Deciding that needs the caller's objects at each
+# call (the program is traced once per signature, from jax's copies of the arguments): a check in
+# the call path, not in the trace. Until the call path has it, these two stay expected failures.
+_PER_CALL = pytest.mark.xfail(
+    strict=True,
+    reason="needs a per-call check of the arguments' holders in the call path (issue 31)",
+)
+
+
+def _dropout():
+    nnx = pytest.importorskip("flax.nnx")
+    layer = nnx.Dropout(rate=0.5, deterministic=False, rngs=nnx.Rngs(0))
+
+    def f(x, rngs):
+        return layer(x, rngs=rngs)
+
+    return nnx, f
+
+
+@_PER_CALL
+def test_an_update_to_an_nnx_object_made_for_the_call_alone_is_not_refused():
+    nnx, f = _dropout()
+    x = jnp.arange(8.0).reshape(2, 4)
+    expected = jax.jit(f)(x, nnx.Rngs(0))
+    out = autoopt.optimize(f)(x, nnx.Rngs(0))
+    np.testing.assert_array_equal(out, expected)
+
+
+@_PER_CALL
+def test_an_update_to_a_held_nnx_object_is_refused_after_a_call_with_a_temporary_one():
+    nnx, f = _dropout()
+    x = jnp.arange(8.0).reshape(2, 4)
+    fast = autoopt.optimize(f)
+    fast(x, nnx.Rngs(0))  # made for the call alone: nobody sees the dropped update
+    rngs = nnx.Rngs(0)  # held by the caller: the same mask every call would surprise
+    with pytest.raises(TypeError, match=r"nnx Variable at args\[1\].*nnx\.jit"):
+        fast(x, rngs)
+
+
 def test_reading_nnx_variables_is_not_refused():
     _, m = _nnx_counter()
     out = autoopt.optimize(lambda m, x: x * m.w[...] + m.count[...])(m, jnp.full(3, 2.0))

@@ -252,3 +252,28 @@ def test_the_summary_counts_compiles_and_what_was_applied():
     assert row["compiles"] == 1 and row["signatures"] == 1
     assert row["applied"] == {"donate": 1}
     assert row["bytes_saved"] == 4000
+
+
+def test_the_summary_says_a_jit_called_only_inside_another_trace_was_inlined_there():
+    # optax's ``tree_bias_correction`` is a jax.jit called inside the user's training step: its
+    # arguments are the outer trace's tracers, XLA inlines it into the outer program, and what
+    # the outer call donates covers it. The summary must say so, not "traced for a report".
+    with autoopt.patch():
+
+        @jax.jit
+        def helper(m, c):
+            return m / (1 - 0.9**c)
+
+        @jax.jit
+        def outer_step(m, c):
+            return helper(m, c), c + 1
+
+        m, c = jnp.ones(100), jnp.ones(())
+        for _ in range(2):
+            m, c = outer_step(m, c)
+    row = _row("inside_another_trace_was_inlined_there.<locals>.helper")
+    assert row["compiles"] == 0 and row["applied"] == {}
+    reasons = {n["what"]: n["reason"] for n in row["not_applied"] if n["kind"] == "donate"}
+    assert reasons, row
+    for reason in reasons.values():
+        assert "inside another jit" in reason and "report only" not in reason, reason
