@@ -19,6 +19,7 @@ from jax._src import distributed as _distributed
 from jax._src import linear_util as _lu
 from jax._src import source_info_util as _siu
 from jax._src import traceback_util as _tbu
+from jax._src import tree_util as _tree_util
 from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import partial_eval as _pe
 from jax.core import Tracer
@@ -243,15 +244,21 @@ def _register_traceback_exclusion() -> None:
 _register_traceback_exclusion()
 
 
+_FLATTEN_ONE_LEVEL = _tree_util.default_registry.flatten_one_level
+
+
 def flatten_one_level(tree):
     """``(children, aux)`` of one pytree node; ValueError for a leaf.
 
-    Wraps ``jax._src.tree_util.flatten_one_level``: the public API flattens whole trees only, and
-    donation's reference checks need each node's direct children.
+    ``jax._src.tree_util.flatten_one_level`` (its registry's C++ method, bound once): the public
+    API flattens whole trees only, and donation's reference checks need each node's direct
+    children, on every call of a step whose state holds registered nodes (an optax state's
+    NamedTuples, an equinox module).
     """
-    from jax._src.tree_util import flatten_one_level as _f
-
-    return _f(tree)
+    out = _FLATTEN_ONE_LEVEL(tree)
+    if out is None:
+        raise ValueError(f"can't tree-flatten type: {type(tree)}")
+    return out
 
 
 def in_transpose(source_info) -> bool:

@@ -631,7 +631,8 @@ def leaf_problem(obj, seen: set[int], check_refs: bool = True) -> str | None:
     t = type(obj)
     if t is _ARRAY_IMPL:
         return _array_problem(obj, seen)
-    if t not in _BUILTIN_NODES:  # plain containers skip these checks (~1 us of ABC lookups)
+    if t not in _BUILTIN_NODES and t not in _NODE_TYPES:
+        # (plain containers and known node types skip these checks: ~1 us of ABC lookups)
         if isinstance(obj, jax.Array):
             if is_tracer(obj):
                 return "it is traced by an enclosing transformation"
@@ -680,9 +681,15 @@ def _static_leaf(x) -> bool:
     t = type(x)
     if t in _STATIC_LEAF_TYPES:
         return True
+    if t in _BUILTIN_NODES or t in _NODE_TYPES:
+        return False
     if isinstance(x, _HOST_SCALARS) or isinstance(x, jax.Array):
         return False
-    if t in _BUILTIN_NODES or not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x)):
+    if not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x)):
+        # A pytree node with children (an optax state's NamedTuple, an equinox module): being
+        # a node is a fact about its type (jax's registry, or a NamedTuple's fields), kept
+        # per type so a training step's state is not asked again on every call.
+        _NODE_TYPES.add(t)
         return False
     static = not hasattr(x, "__jax_array__") and not jit_accepts_leaf(x)
     if static and (t is types.FunctionType or (t.__module__ or "").startswith("jax._src.")):
@@ -695,6 +702,7 @@ def _static_leaf(x) -> bool:
 
 
 _STATIC_LEAF_TYPES: set[type] = set()
+_NODE_TYPES: set[type] = set()  # types seen as pytree nodes with children (``_static_leaf``)
 
 
 def _add_leaf_ids(value, seen: set[int]) -> None:
