@@ -6,6 +6,8 @@ path cheaper; these are the holes a cheaper check could open)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -21,15 +23,41 @@ def decay_with(s, w):
     return jax.tree_util.tree_map(lambda a: a * 0.5 + w, s)
 
 
+class AdamLike(NamedTuple):  # an optax state's shape: a count, then dicts of moments
+    count: jax.Array
+    mu: dict
+    nu: dict
+
+
+class Empty(NamedTuple):  # optax's EmptyState: a node without leaves
+    pass
+
+
+def _f(v: float) -> jax.Array:
+    return jnp.full(4, v)
+
+
 STATES = {
-    "dict": lambda: {f"p{i}": jnp.full(4, float(i + 1)) for i in range(6)},
-    "list": lambda: [jnp.full(4, float(i + 1)) for i in range(6)],
-    "tuple": lambda: tuple(jnp.full(4, float(i + 1)) for i in range(6)),
+    "dict": lambda: {f"p{i}": _f(i + 1.0) for i in range(6)},
+    "list": lambda: [_f(i + 1.0) for i in range(6)],
+    "tuple": lambda: tuple(_f(i + 1.0) for i in range(6)),
+    # Nested states take the plan keyed by jax's treedef (``_plans``, kind "tree"), whose check
+    # is the reference counts of every part (``callsite.shared_parts``).
+    "nested": lambda: {
+        "a": {"x": _f(1), "y": _f(2)},
+        "b": [_f(3), _f(4)],
+        "c": (_f(5), {"z": _f(6)}),
+    },
+    "optax-like": lambda: (
+        AdamLike(_f(1), {"p": _f(2), "q": _f(3)}, {"p": _f(4), "q": _f(5)}),
+        Empty(),
+        _f(6),
+    ),
 }
 
 
 def _leaf(s, i):
-    return list(s.values())[i] if isinstance(s, dict) else s[i]
+    return jax.tree_util.tree_leaves(s)[i]
 
 
 def _pointer(x) -> int:
@@ -104,3 +132,40 @@ def test_a_deleted_leaf_at_a_warm_site_raises_jax_error_and_deletes_nothing_else
         s = fast(s)
     assert not any(v.is_deleted() for v in others.values())
     assert float(others["p0"][0]) == 1.0 / 8
+
+
+@pytest.mark.parametrize(
+    "kind, part",
+    [
+        ("nested", lambda s: s["a"]),
+        ("nested", lambda s: s["c"]),
+        ("optax-like", lambda s: s[0].mu),
+        ("optax-like", lambda s: s[0]),
+    ],
+)
+def test_a_nested_part_held_by_another_name_at_a_warm_site_is_not_deleted(kind, part):
+    fast = autoopt.optimize(decay, fallback="raise")
+    s = STATES[kind]()
+    for _ in range(3):
+        s = fast(s)  # warm: the plan of this signature is cached
+    held = part(s)
+    values = [float(x[0]) for x in jax.tree_util.tree_leaves(held)]
+    s = fast(s)
+    assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(held))
+    assert [float(x[0]) for x in jax.tree_util.tree_leaves(held)] == values
+    before = _pointer(_leaf(s, 0))
+    del held
+    s = fast(s)  # nothing else holds it now: donated again
+    assert _pointer(_leaf(s, 0)) == before
+
+
+def test_a_deleted_leaf_of_a_nested_state_at_a_warm_site_raises_and_deletes_nothing_else():
+    fast = autoopt.optimize(decay, fallback="raise")
+    s = STATES["optax-like"]()
+    for _ in range(3):
+        s = fast(s)
+    s[0].mu["q"].delete()
+    others = [x for x in jax.tree_util.tree_leaves(s) if not x.is_deleted()]
+    with pytest.raises(RuntimeError, match="deleted"):
+        s = fast(s)
+    assert not any(x.is_deleted() for x in others)

@@ -190,6 +190,15 @@ def donating(
                     return MISS
             return MISS if nans.value or infs.value else run(args)
 
+    elif check_refs:
+        shared_parts = callsite.shared_parts
+
+        def plan(args):
+            for p in positions:
+                if getrefcount(args[p]) > base or shared_parts(args[p]):
+                    return MISS
+            return MISS if nans.value or infs.value else run(args)
+
     else:
         leaf_problem, distinct = callsite.leaf_problem, callsite.distinct_arrays
         tree_leaves = jax.tree_util.tree_leaves

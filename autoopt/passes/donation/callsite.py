@@ -674,6 +674,27 @@ def leaf_problem(obj, seen: set[int], check_refs: bool = True) -> str | None:
     return None
 
 
+def shared_parts(obj) -> bool:
+    """Whether a part of the pytree ``obj`` (whose own count was checked) is also referenced from
+    elsewhere, read from the reference counts alone: a cached plan's check (``_jit._plans``),
+    whose signature already fixed everything else ``leaf_problem`` looks at (no tracer, no
+    static leaf, where the NumPy leaves are). A deleted array or one passed twice needs no
+    look: jax's call raises for the first before it donates anything, and the second counts
+    one reference more."""
+    if type(obj) is _ARRAY_IMPL:
+        return False
+    try:
+        kids, counts, base = kid_refcounts(obj)
+    except ValueError:  # a leaf that is not a jax array (a scalar, a NumPy array): no buffer
+        return False
+    if kids and max(counts) > base:
+        return True
+    for kid in kids:
+        if type(kid) is not _ARRAY_IMPL and kid is not None and shared_parts(kid):
+            return True
+    return False
+
+
 def _static_leaf(x) -> bool:
     """A leaf jax.jit cannot trace (an equinox module's activation function, a string): the
     call path makes it static (``_jit._static_leaves``), so it holds no buffer to donate and
