@@ -204,3 +204,27 @@ def test_a_program_with_hoisted_constants_is_checked_too(how):
     (finding,) = _remat(fast, ws, x)
     assert finding.applied, finding.message
     assert_trees_equivalent(jax.jit(train_step_with_a_large_constant)(ws, x), got)
+
+
+def test_planning_for_a_short_budget_compiles_the_original_once():
+    """The call's own check compiled the original and read its peak: planning takes the
+    original's figures from it instead of compiling the original a second time (issue 29).
+    The call site rebinds what it donates, so the check's executable donates what the plan's
+    measurements assume. Compiled: the check, the candidates the planner tried, the plan."""
+    ws, x = _args()
+    original = _peak(jax.jit(train_step, donate_argnums=0), ws, x)
+    jax.clear_caches()
+    fast = autoopt.optimize(train_step, memory_budget=int(0.75 * original), fallback="raise")
+    kept = jax.tree_util.tree_map(jnp.copy, ws)
+    expected = jax.jit(train_step)(kept, x)
+    jax.clear_caches()
+    with _Compiles() as ours:
+        ws, value = fast(ws, x)  # rebinds: the check's executable donates ws
+    (finding,) = _remat(fast, ws, x)
+    assert finding.applied, finding.message
+    tried = finding.details["tried"]
+    measuring = [n for n in ours.names if n != "jit(train_step)"]
+    assert len(measuring) == len(tried), (ours.names, tried)  # no second compile of the original
+    assert ours.names.count("jit(train_step)") == 2, ours.names  # the original, then the plan
+    assert finding.details["before"]["peak_bytes"] == original
+    assert_trees_equivalent(expected, (ws, value))

@@ -303,6 +303,7 @@ def _choose(
     budget: int | None,
     bisect: bool = True,
     floor_extra: list[Candidate] | None = None,
+    base: Measured | None = None,
 ) -> Decision:
     """``_choose_here``, or the same decision measured before: by another process of a
     ``jax.distributed`` job (process 0 measures, the others read its decision: compiled memory
@@ -313,7 +314,9 @@ def _choose(
     by_name = {c.name: c for c in [*auto_order, *front, *(floor_extra or [])]}
 
     def here() -> Decision:
-        return _choose_here(auto_order, front, measure, base_program, budget, bisect, floor_extra)
+        return _choose_here(
+            auto_order, front, measure, base_program, budget, bisect, floor_extra, base
+        )
 
     def on_disk() -> Decision:
         parts = [
@@ -414,6 +417,7 @@ def _choose_here(
     budget: int | None,
     bisect: bool = True,
     floor_extra: list[Candidate] | None = None,
+    known_base: Measured | None = None,
 ) -> Decision:
     """Apply the rule, compiling as few programs as possible.
 
@@ -425,6 +429,7 @@ def _choose_here(
     the budget, the next ones not yet compiled are tried too. The estimate ranks far-apart
     plans well but not plans a few MiB apart (the benchmark's transformer: the lowest
     estimate compiles to 75 MiB, the second lowest to 67 MiB).
+    ``known_base``: the original's figures, already measured (``_known_base``): not compiled.
     """
     tried: list[tuple[str, Measured | None]] = []
     cache: dict[str, Measured | None] = {}
@@ -460,7 +465,7 @@ def _choose_here(
     with concurrent.futures.ThreadPoolExecutor(max_workers=1 + len(first)) as pool:
         for c in first:
             pending[c.name] = pool.submit(attempt, c)
-        base = measure(base_program)
+        base = known_base if known_base is not None else measure(base_program)
         if base is None:
             for fut in pending.values():
                 fut.result()  # finish before the pool closes; the figures are not used
@@ -670,10 +675,11 @@ def _plan_joint(
     options = ctx.options
     total = _remat_plan.jaxpr_flops(closed)
     compiler_options = ctx.options.jit_kwargs.get("compiler_options")
+    donate = _donated_leaves(closed, ctx)
     measure = functools.partial(
         _measure_closed,
         compiler_options=measuring_options(compiler_options, ctx.backend),
-        donate=_donated_leaves(closed, ctx),
+        donate=donate,
     )
     fence = fence_for(ctx.backend, compiler_options)
     mechanism = (
@@ -725,6 +731,7 @@ def _plan_joint(
             closed,
             options.memory_budget,
             floor_extra=_lowest_estimates(cands),
+            base=_known_base(closed, ctx, donate),
         )
 
     if _multiprocess.several():  # (process 0 decides for all: _choose)
@@ -1122,11 +1129,52 @@ def remat(closed: ClosedJaxpr, ctx: PassContext) -> PassResult:
 @dataclasses.dataclass(frozen=True)
 class Fit:
     """Why remat="fit" plans (``PassContext.extra["fit"]``): the budget a plan must reach, what
-    set it, and the values live at the original's peak (``_memory.live_at_peak``)."""
+    set it, and the values live at the original's peak (``_memory.live_at_peak``).
+    ``original``: the executable the call's check compiled (``Original``), whose figures stand
+    for the original's measuring compile when it is the same computation (``_known_base``)."""
 
     budget: int
     reason: str
     live: tuple = ()
+    original: Original | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Original:
+    """The original program as the call's fit check compiled it: the jaxpr it evaluated into
+    jit's trace, the flat inputs that executable donates, and its figures."""
+
+    program: ClosedJaxpr
+    donated: tuple[int, ...]
+    measured: Measured
+
+
+def measured_of(compiled, seconds: float) -> Measured | None:
+    """A compiled executable's figures, as a measuring compile reads them."""
+    mem = compiled_memory(compiled)
+    return None if mem is None else Measured(mem, _flops(compiled), seconds)
+
+
+def _known_base(closed: ClosedJaxpr, ctx: PassContext, donate: tuple) -> Measured | None:
+    """The original's figures without compiling it again: those of the executable the call's
+    fit check compiled, when that executable is the program measured here (the same equations,
+    the top level, donating the same inputs). Its options differ only by what
+    ``measuring_options`` adds, which leaves memory and FLOPs as they are
+    (tests/test_remat_first_call.py); anything else (another donation, constants passed as
+    arguments) is compiled as before."""
+    fit = ctx.extra.get("fit")
+    original = getattr(fit, "original", None)
+    if original is None or ctx.extra.get("remat_top") is not closed:
+        return None
+    if tuple(original.donated) != tuple(donate):
+        return None
+    if original.program is not closed and (
+        original.program.in_avals != closed.in_avals
+        or original.program.out_avals != closed.out_avals
+        or str(original.program) != str(closed)
+    ):
+        return None
+    return original.measured
 
 
 def with_remat(options, remat: str, budget: int | None):
@@ -1246,4 +1294,4 @@ PASS = Pass(
 )
 
 
-__all__ = ["PASS", "Fit", "remat", "jit_options", "with_remat"]
+__all__ = ["PASS", "Fit", "Original", "measured_of", "remat", "jit_options", "with_remat"]
