@@ -195,11 +195,13 @@ def checked_call(of: OptimizedFunction, program: Program, jit: Any, args: tuple,
 
 def _checked_call(of: OptimizedFunction, program: Program, jit: Any, args: tuple, kwargs: dict):
     device = _device_of(args, kwargs, of._policy.platform())
-    memory = None
+    memory = compiled = None
     planned: Program | None = None
+    seconds = 0.0
     try:
         t0 = time.perf_counter()
         compiled = jit.lower(*args, **kwargs).compile()
+        seconds = time.perf_counter() - t0
         memory = compiled_memory(compiled)
         over = _does_not_fit(of, memory, device)
         if _multiprocess.several():
@@ -214,7 +216,7 @@ def _checked_call(of: OptimizedFunction, program: Program, jit: Any, args: tuple
                 lambda v: None if v is None else (int(v[0]), str(v[1])),
             )
         if over is not None:
-            original = _original(of, program, jit, kwargs, compiled, time.perf_counter() - t0)
+            original = _original(of, program, jit, kwargs, compiled, seconds)
             planned = replan(of, program, jit, over[0], over[1], original)
             if planned is not None:
                 memory = compiled_memory(jit.lower(*args, **kwargs).compile())
@@ -232,8 +234,18 @@ def _checked_call(of: OptimizedFunction, program: Program, jit: Any, args: tuple
         if planned is None and program.fit == "checking" and not _multiprocess.several():
             budget = _oom_budget(e, memory, device)
             if budget is not None:
+                original = (
+                    None
+                    if compiled is None  # (compiling it ran out of memory)
+                    else _original(of, program, jit, kwargs, compiled, seconds)
+                )
                 planned = replan(
-                    of, program, jit, budget, f"out of memory: {str(e).splitlines()[0][:200]}"
+                    of,
+                    program,
+                    jit,
+                    budget,
+                    f"out of memory: {str(e).splitlines()[0][:200]}",
+                    original,
                 )
             if planned is not None:
                 try:
