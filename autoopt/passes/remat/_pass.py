@@ -669,11 +669,25 @@ def _joint_candidates(
     return cands, est_base
 
 
-def _plan_joint(
-    closed: ClosedJaxpr, g, ctx: PassContext, where: str
-) -> tuple[ClosedJaxpr, list[Finding]]:
-    options = ctx.options
-    total = _remat_plan.jaxpr_flops(closed)
+@dataclasses.dataclass(frozen=True)
+class _JointSetup:
+    """How a joint level is measured and fenced, and the key of its decision on disk: all
+    known before the level's graph is built."""
+
+    donate: tuple[int, ...]
+    measure: Callable[[ClosedJaxpr], Measured | None]
+    fence: str
+
+    @property
+    def mechanism(self) -> str:
+        return (
+            "recompute in the backward behind optimization barriers"
+            if self.fence == "barrier"
+            else "recompute in the backward inside conditionals (XLA:CPU)"
+        )
+
+
+def _joint_setup(closed: ClosedJaxpr, ctx: PassContext) -> _JointSetup:
     compiler_options = ctx.options.jit_kwargs.get("compiler_options")
     donate = _donated_leaves(closed, ctx)
     measure = functools.partial(
@@ -681,12 +695,47 @@ def _plan_joint(
         compiler_options=measuring_options(compiler_options, ctx.backend),
         donate=donate,
     )
-    fence = fence_for(ctx.backend, compiler_options)
-    mechanism = (
-        "recompute in the backward behind optimization barriers"
-        if fence == "barrier"
-        else "recompute in the backward inside conditionals (XLA:CPU)"
-    )
+    return _JointSetup(donate, measure, fence_for(ctx.backend, compiler_options))
+
+
+def _joint_parts(closed: ClosedJaxpr, ctx: PassContext, setup: _JointSetup) -> list:
+    """What a joint decision on disk is keyed by besides the device and versions."""
+    return [str(closed), ctx.options.memory_budget, setup.fence, _measure_key(setup.measure)]
+
+
+def _stored_joint(closed: ClosedJaxpr, ctx: PassContext):
+    """``(setup, parts, stored value)`` of the top level's joint decision when it is kept on
+    disk (read before the level's graph is built: a stored "no plan" needs none), else None."""
+    if (
+        ctx.options.remat != "auto"
+        or ctx.extra.get("remat_top") is not closed
+        or _multiprocess.several()
+        or _plan_cache.directory() is None
+    ):
+        return None
+    setup = _joint_setup(closed, ctx)
+    parts = _joint_parts(closed, ctx, setup)
+    return setup, parts, _plan_cache.stored("remat-joint", _backend_of(), parts)
+
+
+def _stored_no_plan(found: Any) -> Decision | None:
+    """A stored joint decision that applies no plan (it needs no graph to rebuild)."""
+    if not isinstance(found, dict) or "unusable" in found or found.get("chosen", "") is not None:
+        return None
+    try:
+        return _decision_from(found, {})
+    except Exception:  # noqa: BLE001 - a stale entry: measured again
+        return None
+
+
+def _plan_joint(
+    closed: ClosedJaxpr, g, ctx: PassContext, where: str, stored: tuple | None = None
+) -> tuple[ClosedJaxpr, list[Finding]]:
+    """``stored``: what ``_stored_joint`` read, if it was asked."""
+    options = ctx.options
+    setup = stored[0] if stored is not None else _joint_setup(closed, ctx)
+    donate, measure, fence = setup.donate, setup.measure, setup.fence
+    mechanism = setup.mechanism
     if options.remat not in ("auto", "off"):
         plan = _remat_plan.policy_plan(g, _policy(options.remat))
         if not plan.recompute:
@@ -723,6 +772,7 @@ def _plan_joint(
         return closed, []
 
     def decide() -> Decision:
+        total = _remat_plan.jaxpr_flops(closed)
         cands, est_base = _joint_candidates(closed, g, total, options.memory_budget, fence)
         return _choose(
             _auto_order(cands, est_base, total),
@@ -743,10 +793,11 @@ def _plan_joint(
         dec = _plan_cache.cached(
             "remat-joint",
             _backend_of(),
-            [str(closed), options.memory_budget, fence, _measure_key(measure)],
+            stored[1] if stored is not None else _joint_parts(closed, ctx, setup),
             decide,
             _joint_decision_to,
             lambda v: _joint_decision_from(v, closed, g, fence),
+            **({"found": stored[2]} if stored is not None else {}),
         )
     return _finish(closed, dec, where, ctx, mechanism=mechanism)
 
@@ -1047,10 +1098,16 @@ def _plan_level(
     closed: ClosedJaxpr, ctx: PassContext, where: str
 ) -> tuple[ClosedJaxpr, list[Finding]]:
     """Plan this level if it holds a backward, else the sub-jaxprs (loop and branch bodies,
-    inner jits) that do."""
+    inner jits) that do. A decision kept on disk for the top level is read first: when it
+    applies no plan, the level's graph is not built (a warm process's first call)."""
+    stored = _stored_joint(closed, ctx)
+    if stored is not None:
+        dec = _stored_no_plan(stored[2])
+        if dec is not None:
+            return _finish(closed, dec, where, ctx, mechanism=stored[0].mechanism)
     g = _remat_plan.joint_graph(closed.jaxpr)
     if g is not None:
-        return _plan_joint(closed, g, ctx, where)
+        return _plan_joint(closed, g, ctx, where, stored)
     findings: list[Finding] = []
     new_eqns = []
     changed = False
