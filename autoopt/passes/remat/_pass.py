@@ -336,7 +336,8 @@ def _choose(
         return _plan_cache.cached("remat", _backend_of(), parts, here, _decision_to, decode)
 
     if not _multiprocess.several():
-        return on_disk()
+        # (nothing kept on disk: the key, the program's text, is not computed)
+        return here() if _plan_cache.directory() is None else on_disk()
 
     def decode_shared(v: dict) -> Decision:
         chosen = v["chosen"]
@@ -784,7 +785,8 @@ def _plan_joint(
             base=_known_base(closed, ctx, donate),
         )
 
-    if _multiprocess.several():  # (process 0 decides for all: _choose)
+    if _multiprocess.several() or (stored is None and _plan_cache.directory() is None):
+        # (process 0 decides for all: _choose; or nothing is kept: no key to compute)
         dec = decide()
     else:
         # Kept whole, with the chosen plan's recomputed nodes: a later process rebuilds that
