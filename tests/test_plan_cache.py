@@ -67,6 +67,10 @@ _SCRIPT = textwrap.dedent(
         ]
         x = jax.block_until_ready(jax.random.normal(k[-1], (1024, d)))
         step = train_step
+    elif program == "small":  # residuals far below remat's gate (1 MiB): never planned
+        ps = [(jnp.ones((16, 64)) / 8, jnp.ones((64, 16)) / 8)]
+        x = jax.block_until_ready(jnp.ones((32, 16)))
+        step = train_step
     else:
         ps = [jax.random.normal(jax.random.key(i), (256, 256)) / 16 for i in range(16)]
         x = jax.block_until_ready(jnp.ones((1024, 256)))
@@ -184,3 +188,13 @@ def test_a_stored_decision_skips_the_analyses_it_holds(tmp_path, program, planne
     assert "_joint_candidates" not in second["calls"], second["calls"]
     assert "jaxpr_flops" not in second["calls"], second["calls"]
     assert second["calls"].get("joint_graph", 0) == (1 if planned else 0), second["calls"]
+
+
+def test_a_step_with_small_residuals_costs_no_key_even_with_a_cache(tmp_path):
+    """Remat leaves a step whose residuals are below its gate alone, and stores nothing for
+    it: the decision's key (the program's text) is not computed to look one up."""
+    cache = tmp_path / "jax-cache"
+    for _ in range(2):
+        got = _process(tmp_path, str(cache), {"remat": "auto"}, "small")
+        assert got["applied"] == [], got["messages"]
+        assert "pp_jaxpr" not in got["calls"], got["calls"]

@@ -171,6 +171,7 @@ def test_the_estimate_is_the_reference_on_every_schedule(name, monkeypatch):
     _plan.partial_plans(g, base, math.inf, allow_heavy=False)
     _plan.segment_plans(g, base)
     assert len(seen) > 10
+    assert _plan.residual_bytes(g.jaxpr) == g.residual_bytes  # the gate read before the graph
     rng = random.Random(0)
     eligible = sorted(g.eligible)
     for _ in range(50):

@@ -706,13 +706,18 @@ def _joint_parts(closed: ClosedJaxpr, ctx: PassContext, setup: _JointSetup) -> l
 
 def _stored_joint(closed: ClosedJaxpr, ctx: PassContext):
     """``(setup, parts, stored value)`` of the top level's joint decision when it is kept on
-    disk (read before the level's graph is built: a stored "no plan" needs none), else None."""
+    disk (read before the level's graph is built: a stored "no plan" needs none), else None.
+    Not asked for a level the residual gate of ``_plan_joint`` would leave alone (nothing is
+    stored for it, and its key would cost more than the gate)."""
     if (
         ctx.options.remat != "auto"
         or ctx.extra.get("remat_top") is not closed
         or _multiprocess.several()
         or _plan_cache.directory() is None
     ):
+        return None
+    residual = _remat_plan.residual_bytes(closed.jaxpr)
+    if residual is None or (residual < MIN_RESIDUAL_BYTES and ctx.options.memory_budget is None):
         return None
     setup = _joint_setup(closed, ctx)
     parts = _joint_parts(closed, ctx, setup)

@@ -243,6 +243,28 @@ class JointGraph:
         return _jaxpr.user_location(self.jaxpr.eqns[i])
 
 
+def residual_bytes(jaxpr: Jaxpr) -> int | None:
+    """``joint_graph(jaxpr).residual_bytes`` without building the graph (None without a
+    backward): the gate a level passes before its decision is looked up."""
+    eqns = jaxpr.eqns
+    backward = [_compat.in_transpose(e.source_info) for e in eqns]
+    if not any(backward):
+        return None
+    forward_defined = set()
+    for e, bwd in zip(eqns, backward):
+        if not bwd:
+            forward_defined.update(v for v in e.outvars if is_var(v))
+    seen: set = set()
+    total = 0
+    for e, bwd in zip(eqns, backward):
+        if bwd:
+            for v in e.invars:
+                if is_var(v) and v in forward_defined and v not in seen:
+                    seen.add(v)
+                    total += aval_bytes(v.aval)
+    return total
+
+
 def joint_graph(jaxpr: Jaxpr) -> JointGraph | None:
     """The split of ``jaxpr`` (one level, sub-jaxprs not entered), or None without a backward."""
     eqns = jaxpr.eqns
