@@ -192,9 +192,11 @@ def test_a_stored_decision_skips_the_analyses_it_holds(tmp_path, program, planne
 
 def test_a_step_with_small_residuals_costs_no_key_even_with_a_cache(tmp_path):
     """Remat leaves a step whose residuals are below its gate alone, and stores nothing for
-    it: the decision's key (the program's text) is not computed to look one up."""
+    it: the decision's key (the program's text) is not computed to look one up, nor the
+    forward/backward graph (the gate counts the residuals without it)."""
     cache = tmp_path / "jax-cache"
     for _ in range(2):
         got = _process(tmp_path, str(cache), {"remat": "auto"}, "small")
         assert got["applied"] == [], got["messages"]
         assert "pp_jaxpr" not in got["calls"], got["calls"]
+        assert "joint_graph" not in got["calls"], got["calls"]

@@ -1107,6 +1107,10 @@ def _plan_level(
     """Plan this level if it holds a backward, else the sub-jaxprs (loop and branch bodies,
     inner jits) that do. A decision kept on disk for the top level is read first: when it
     applies no plan, the level's graph is not built (a warm process's first call)."""
+    if ctx.options.remat == "auto" and ctx.options.memory_budget is None:
+        residual = _remat_plan.residual_bytes(closed.jaxpr)
+        if residual is not None and residual < MIN_RESIDUAL_BYTES:
+            return closed, []  # (``_plan_joint``'s gate, without building the graph)
     stored = _stored_joint(closed, ctx)
     if stored is not None:
         dec = _stored_no_plan(stored[2])
