@@ -99,6 +99,27 @@ def key(kind: str, backend: str | None, parts: list) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
+_UNREAD: Any = object()
+
+
+def stored(kind: str, backend: str | None, parts: list) -> Any:
+    """The value stored for this key as it was written (JSON), or None: for a caller that can
+    skip analyses when it knows the decision before making it (then it passes the value to
+    ``cached`` as ``found``, which does not read the file again)."""
+    folder = directory()
+    if folder is None:
+        return None
+    return _read(os.path.join(folder, key(kind, backend, parts) + ".json"))
+
+
+def _read(path: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
 def cached(
     kind: str,
     backend: str | None,
@@ -106,21 +127,19 @@ def cached(
     compute: Callable[[], T],
     encode: Callable[[T], Any],
     decode: Callable[[Any], T | None],
+    found: Any = _UNREAD,
 ) -> T:
     """``compute()``, or the decision stored for the same key. ``decode`` returns None for a
-    stored value this process cannot use (then it is computed again)."""
+    stored value this process cannot use (then it is computed again). ``found``: what
+    ``stored`` returned for the same key, if the caller read it already."""
     folder = directory()
     if folder is None:
         return compute()
     path = os.path.join(folder, key(kind, backend, parts) + ".json")
-    try:
-        with open(path, encoding="utf-8") as fh:
-            stored = json.load(fh)
-    except (OSError, ValueError):
-        stored = None
-    if stored is not None:
+    value = _read(path) if found is _UNREAD else found
+    if value is not None:
         try:
-            got = decode(stored)
+            got = decode(value)
         except Exception as e:  # noqa: BLE001 - a stale entry is a miss
             log.debug("autoopt: plan cache entry %s unusable: %s", path, e)
             got = None

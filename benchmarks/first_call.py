@@ -9,7 +9,7 @@ else, under the expert's version (hand-placed ``jax.checkpoint``); rounds interl
 variants. Workloads: a forward-only KV-cache decode loop (``lax.scan`` over steps), a small GPT
 training step with optax adamw, an equinox MLP training step, a 16-layer MLP training step.
 
-    python benchmarks/first_call.py [--rounds 5] [--warm-cache]
+    python benchmarks/first_call.py [--rounds 5] [--warm-cache] [--cpu]
 
 Prints medians of wall time and the ratios to jax.jit's first call, then the backend compiles
 of one more first call of each variant (jax.monitoring's backend_compile event, every function
@@ -17,7 +17,9 @@ name: a count, which the machine's load does not move) and, with ``--warm-cache`
 them JAX's persistent cache did not answer. ``--warm-cache`` configures JAX's persistent
 compilation cache in a temporary folder (autoopt keeps its measured remat decisions beside
 it): after the untimed warm-up round every variant's first call finds both caches warm, as a
-second process of the same program would.
+second process of the same program would. ``--cpu`` takes the ratios from the process's CPU
+time instead of wall time (all threads: compiles too): on a shared machine other jobs stretch
+wall time unevenly, while CPU time measures the work each variant does.
 """
 
 from __future__ import annotations
@@ -173,6 +175,11 @@ def main() -> None:
         action="store_true",
         help="JAX's persistent compilation cache (and autoopt's plans beside it) in a temp dir",
     )
+    parser.add_argument(
+        "--cpu",
+        action="store_true",
+        help="ratios of the process's CPU time (all threads) instead of wall time",
+    )
     args = parser.parse_args()
 
     import jax
@@ -214,6 +221,8 @@ def main() -> None:
             runs["expert"] = first_call
             prepare["expert"] = fresh(jax.jit, make=expert)
         times = interleave(runs, args.rounds, warmup=1, prepare=prepare)
+        if args.cpu:
+            times = times.cpu
         base = statistics.median(times["jax.jit"])
         cells = [f"{base:.2f} s"]
         for v in ("autoopt", "remat=auto", "expert"):
@@ -225,7 +234,13 @@ def main() -> None:
         rows.append([name, *cells])
         print(name, cells, flush=True)
     print()
-    header = ["first call", "jax.jit", "default (fit) / jit", "remat='auto' / jit", "expert / jit"]
+    header = [
+        "first call",
+        "jax.jit (CPU time)" if args.cpu else "jax.jit",
+        "default (fit) / jit",
+        "remat='auto' / jit",
+        "expert / jit",
+    ]
     what = "compiles (not from JAX's cache)" if args.warm_cache else "compiles"
     header += [f"{what}: jax.jit", "default", "remat='auto'"]
     print(markdown_table(header, rows))

@@ -15,7 +15,7 @@ import pytest
 
 _SCRIPT = textwrap.dedent(
     """
-    import hashlib, json, sys
+    import cProfile, hashlib, json, pstats, sys
     import jax, jax.numpy as jnp, numpy as np
 
     if sys.argv[1] != "-":
@@ -25,6 +25,7 @@ _SCRIPT = textwrap.dedent(
     import autoopt
 
     names, cache = [], []
+    program = sys.argv[3] if len(sys.argv) > 3 else "residual"
 
     def on_event(event, duration, fun_name=None, **kw):
         if event == "/jax/core/compile/backend_compile_duration":
@@ -45,23 +46,50 @@ _SCRIPT = textwrap.dedent(
         value, g = jax.value_and_grad(block_loss)(ps, x)
         return [(w1 - 0.1 * g1, w2 - 0.1 * g2) for (w1, w2), (g1, g2) in zip(ps, g)], value
 
-    layers, d = 3, 64
-    k = jax.random.split(jax.random.key(1), 2 * layers + 1)
-    ps = [
-        (
-            jax.random.normal(k[2 * i], (d, 4 * d)) / 8,
-            jax.random.normal(k[2 * i + 1], (4 * d, d)) / 16,
-        )
-        for i in range(layers)
-    ]
-    x = jax.block_until_ready(jax.random.normal(k[-1], (1024, d)))
+    def deep_loss(ws, x):
+        for w in ws:
+            x = jnp.tanh(x @ w)
+        return jnp.mean(x**2)
+
+    def deep_step(ws, x):  # no plan cuts its peak by 20% (tests/test_remat_first_call.py)
+        value, g = jax.value_and_grad(deep_loss)(ws, x)
+        return [w - 0.1 * gw for w, gw in zip(ws, g)], value
+
+    if program == "residual":
+        layers, d = 3, 64
+        k = jax.random.split(jax.random.key(1), 2 * layers + 1)
+        ps = [
+            (
+                jax.random.normal(k[2 * i], (d, 4 * d)) / 8,
+                jax.random.normal(k[2 * i + 1], (4 * d, d)) / 16,
+            )
+            for i in range(layers)
+        ]
+        x = jax.block_until_ready(jax.random.normal(k[-1], (1024, d)))
+        step = train_step
+    elif program == "small":  # residuals far below remat's gate (1 MiB): never planned
+        ps = [(jnp.ones((16, 64)) / 8, jnp.ones((64, 16)) / 8)]
+        x = jax.block_until_ready(jnp.ones((32, 16)))
+        step = train_step
+    else:
+        ps = [jax.random.normal(jax.random.key(i), (256, 256)) / 16 for i in range(16)]
+        x = jax.block_until_ready(jnp.ones((1024, 256)))
+        step = deep_step
     options = json.loads(sys.argv[2])
-    fast = autoopt.optimize(train_step, fallback="raise", **options)
+    fast = autoopt.optimize(step, fallback="raise", **options)
     jax.monitoring.register_event_duration_secs_listener(on_event)
     jax.monitoring.register_event_listener(on_cache)
+    profile = cProfile.Profile()
+    profile.enable()
     out = jax.block_until_ready(fast(ps, x))
+    profile.disable()
     jax.monitoring.unregister_event_duration_listener(on_event)
     jax.monitoring.unregister_event_listener(on_cache)
+    # how many times planning's analyses ran (counted by the profiler, by function name)
+    calls = {}
+    for (_, _, name), row in pstats.Stats(profile).stats.items():
+        if name in ("joint_graph", "jaxpr_flops", "_joint_candidates", "pp_jaxpr"):
+            calls[name] = calls.get(name, 0) + row[0]  # (calls, not counting recursion)
     remat = [f for f in fast.inspect(ps, x).findings if f.kind == "remat"]
     digest = hashlib.sha256()
     for leaf in jax.tree_util.tree_leaves(out):
@@ -72,17 +100,18 @@ _SCRIPT = textwrap.dedent(
         "applied": [f.applied for f in remat],
         "messages": [f.message for f in remat],
         "out": digest.hexdigest(),
+        "calls": calls,
     }))
     """
 )
 
 
-def _process(tmp_path, cache: str, options: dict) -> dict:
+def _process(tmp_path, cache: str, options: dict, program: str = "residual") -> dict:
     script = tmp_path / "plan_once.py"
     script.write_text(_SCRIPT)
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOOPT_SIMULATED")}
     result = subprocess.run(
-        [sys.executable, str(script), cache, json.dumps(options)],
+        [sys.executable, str(script), cache, json.dumps(options), program],
         capture_output=True,
         text=True,
         timeout=300,
@@ -122,6 +151,8 @@ def test_without_a_compilation_cache_nothing_is_kept(tmp_path):
     assert first["applied"] == [True]
     assert first["compiles"] == second["compiles"]  # measured again
     assert not any(p.name == "autoopt-plans" for p in tmp_path.rglob("*"))
+    # and the key is never computed (the program's text: tens of ms on a GPT step)
+    assert "pp_jaxpr" not in first["calls"], first["calls"]
 
 
 def test_an_entry_this_process_cannot_use_is_measured_again(tmp_path):
@@ -138,3 +169,34 @@ def test_an_entry_this_process_cannot_use_is_measured_again(tmp_path):
     second = _process(tmp_path, str(cache), {"remat": "auto"})
     assert second["messages"] == first["messages"] and second["out"] == first["out"]
     assert [n for n in second["compiles"] if n != "jit(train_step)"]  # measured again
+
+
+@pytest.mark.parametrize(
+    ("program", "planned"), [("residual", True), ("deep", False)], ids=["planned", "not planned"]
+)
+def test_a_stored_decision_skips_the_analyses_it_holds(tmp_path, program, planned):
+    """A second process reads the decision before analysing the program for it: the
+    candidates are never enumerated nor their FLOPs counted, and where the decision is that no
+    plan applies, the forward/backward graph is not built either (where one applies, the graph
+    is what the stored plan is rebuilt on). Counted by the profiler."""
+    cache = tmp_path / "jax-cache"
+    first = _process(tmp_path, str(cache), {"remat": "auto"}, program)
+    assert first["applied"] == [planned], first["messages"]  # the premise
+    assert first["calls"].get("_joint_candidates") == 1, first["calls"]
+    second = _process(tmp_path, str(cache), {"remat": "auto"}, program)
+    assert second["messages"] == first["messages"] and second["out"] == first["out"]
+    assert "_joint_candidates" not in second["calls"], second["calls"]
+    assert "jaxpr_flops" not in second["calls"], second["calls"]
+    assert second["calls"].get("joint_graph", 0) == (1 if planned else 0), second["calls"]
+
+
+def test_a_step_with_small_residuals_costs_no_key_even_with_a_cache(tmp_path):
+    """Remat leaves a step whose residuals are below its gate alone, and stores nothing for
+    it: the decision's key (the program's text) is not computed to look one up, nor the
+    forward/backward graph (the gate counts the residuals without it)."""
+    cache = tmp_path / "jax-cache"
+    for _ in range(2):
+        got = _process(tmp_path, str(cache), {"remat": "auto"}, "small")
+        assert got["applied"] == [], got["messages"]
+        assert "pp_jaxpr" not in got["calls"], got["calls"]
+        assert "joint_graph" not in got["calls"], got["calls"]

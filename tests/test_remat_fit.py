@@ -204,3 +204,33 @@ def test_a_program_with_hoisted_constants_is_checked_too(how):
     (finding,) = _remat(fast, ws, x)
     assert finding.applied, finding.message
     assert_trees_equivalent(jax.jit(train_step_with_a_large_constant)(ws, x), got)
+
+
+@pytest.mark.parametrize("how", ["budget", "out of memory"])
+def test_planning_for_a_short_memory_compiles_the_original_once(how):
+    """The call's own check compiled the original and read its peak: planning takes the
+    original's figures from it instead of compiling the original a second time (issue 29).
+    The call site rebinds what it donates, so the check's executable donates what the plan's
+    measurements assume. Compiled: the check, the candidates the planner tried, the plan."""
+    ws, x = _args()
+    original = _peak(jax.jit(train_step, donate_argnums=0), ws, x)
+    short = int(0.75 * original)
+    kept = jax.tree_util.tree_map(jnp.copy, ws)
+    expected = jax.jit(train_step)(kept, x)
+    jax.clear_caches()
+    options = {"memory_budget": short} if how == "budget" else {}
+    fast = autoopt.optimize(train_step, fallback="raise", **options)
+    with _Compiles() as ours:
+        if how == "budget":
+            ws, value = fast(ws, x)  # rebinds: the check's executable donates ws
+        else:  # a device that does not report its memory: running the original raises
+            with simulated_device_memory(short, reported=False):
+                ws, value = fast(ws, x)
+    (finding,) = _remat(fast, ws, x)
+    assert finding.applied, finding.message
+    tried = finding.details["tried"]
+    measuring = [n for n in ours.names if n != "jit(train_step)"]
+    assert len(measuring) == len(tried), (ours.names, tried)  # no second compile of the original
+    assert ours.names.count("jit(train_step)") == 2, ours.names  # the original, then the plan
+    assert finding.details["before"]["peak_bytes"] == original
+    assert_trees_equivalent(expected, (ws, value))

@@ -32,6 +32,7 @@ import dataclasses
 import logging
 import sys
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -194,10 +195,14 @@ def checked_call(of: OptimizedFunction, program: Program, jit: Any, args: tuple,
 
 def _checked_call(of: OptimizedFunction, program: Program, jit: Any, args: tuple, kwargs: dict):
     device = _device_of(args, kwargs, of._policy.platform())
-    memory = None
+    memory = compiled = None
     planned: Program | None = None
+    seconds = 0.0
     try:
-        memory = compiled_memory(jit.lower(*args, **kwargs).compile())
+        t0 = time.perf_counter()
+        compiled = jit.lower(*args, **kwargs).compile()
+        seconds = time.perf_counter() - t0
+        memory = compiled_memory(compiled)
         over = _does_not_fit(of, memory, device)
         if _multiprocess.several():
             # Every process of a jax.distributed job must build the same program: process 0's
@@ -211,7 +216,8 @@ def _checked_call(of: OptimizedFunction, program: Program, jit: Any, args: tuple
                 lambda v: None if v is None else (int(v[0]), str(v[1])),
             )
         if over is not None:
-            planned = replan(of, program, jit, over[0], over[1])
+            original = _original(of, program, jit, kwargs, compiled, seconds)
+            planned = replan(of, program, jit, over[0], over[1], original)
             if planned is not None:
                 memory = compiled_memory(jit.lower(*args, **kwargs).compile())
         simulated_out_of_memory(memory)
@@ -228,8 +234,18 @@ def _checked_call(of: OptimizedFunction, program: Program, jit: Any, args: tuple
         if planned is None and program.fit == "checking" and not _multiprocess.several():
             budget = _oom_budget(e, memory, device)
             if budget is not None:
+                original = (
+                    None
+                    if compiled is None  # (compiling it ran out of memory)
+                    else _original(of, program, jit, kwargs, compiled, seconds)
+                )
                 planned = replan(
-                    of, program, jit, budget, f"out of memory: {str(e).splitlines()[0][:200]}"
+                    of,
+                    program,
+                    jit,
+                    budget,
+                    f"out of memory: {str(e).splitlines()[0][:200]}",
+                    original,
                 )
             if planned is not None:
                 try:
@@ -245,18 +261,56 @@ def _checked_call(of: OptimizedFunction, program: Program, jit: Any, args: tuple
     return out
 
 
+def _original(
+    of: OptimizedFunction, program: Program, jit: Any, kwargs: dict, compiled: Any, seconds: float
+):
+    """What planning may take from the check's executable instead of compiling the original
+    again (``passes.remat.Original``): the program it evaluated, the flat inputs it donates,
+    its figures. None where its inputs are not the program's (constants the placer passes as
+    arguments, packed host leaves) or its donation is not known here."""
+    from autoopt.passes.remat import Original, measured_of
+
+    if program.ctx is None or any(k.startswith("_autoopt_") for k in kwargs):
+        return None
+    policy = of._policy
+    if policy.donate == "explicit":
+        nums = policy.jit_kwargs.get("donate_argnums")
+        names = policy.jit_kwargs.get("donate_argnames")
+        positions = (nums,) if isinstance(nums, int) else tuple(nums or ())
+        names = (names,) if isinstance(names, str) else tuple(names or ())
+    elif jit is of._plain:
+        positions, names = (), ()
+    else:
+        found = [key for key, j in list(of._caches.jits.items()) if j is jit]
+        if not found:
+            return None
+        positions, names = found[0]
+    chosen = set(positions) | set(names)
+    donated = tuple(i for i, a in enumerate(program.ctx.in_arg_of_leaf) if a in chosen)
+    measured = measured_of(compiled, seconds)
+    if measured is None:
+        return None
+    return Original(program.final, donated, measured)
+
+
 def replan(
-    of: OptimizedFunction, program: Program, jit: Any, budget: int, reason: str
+    of: OptimizedFunction,
+    program: Program,
+    jit: Any,
+    budget: int,
+    reason: str,
+    original: Any = None,
 ) -> Program | None:
     """The signature's program planned for ``budget``, in place of ``program`` in the caches
-    (``jit``'s cleared, so its next call traces it); None when no pass changed anything."""
+    (``jit``'s cleared, so its next call traces it); None when no pass changed anything.
+    ``original``: the check's executable (``_original``), whose figures planning reuses."""
     from autoopt.passes import run_pipeline
     from autoopt.passes.remat import Fit
 
     if program.ctx is None or program.key is None:
         return None
     live = tuple(live_at_peak(program.final, _jaxpr.user_location))
-    fit = Fit(budget, reason, live)
+    fit = Fit(budget, reason, live, original)
     ctx = dataclasses.replace(program.ctx, extra={**program.ctx.extra, "fit": fit})
     try:
         pipeline = run_pipeline(program.traced.closed, ctx)

@@ -303,6 +303,7 @@ def _choose(
     budget: int | None,
     bisect: bool = True,
     floor_extra: list[Candidate] | None = None,
+    base: Measured | None = None,
 ) -> Decision:
     """``_choose_here``, or the same decision measured before: by another process of a
     ``jax.distributed`` job (process 0 measures, the others read its decision: compiled memory
@@ -313,7 +314,9 @@ def _choose(
     by_name = {c.name: c for c in [*auto_order, *front, *(floor_extra or [])]}
 
     def here() -> Decision:
-        return _choose_here(auto_order, front, measure, base_program, budget, bisect, floor_extra)
+        return _choose_here(
+            auto_order, front, measure, base_program, budget, bisect, floor_extra, base
+        )
 
     def on_disk() -> Decision:
         parts = [
@@ -333,7 +336,8 @@ def _choose(
         return _plan_cache.cached("remat", _backend_of(), parts, here, _decision_to, decode)
 
     if not _multiprocess.several():
-        return on_disk()
+        # (nothing kept on disk: the key, the program's text, is not computed)
+        return here() if _plan_cache.directory() is None else on_disk()
 
     def decode_shared(v: dict) -> Decision:
         chosen = v["chosen"]
@@ -414,6 +418,7 @@ def _choose_here(
     budget: int | None,
     bisect: bool = True,
     floor_extra: list[Candidate] | None = None,
+    known_base: Measured | None = None,
 ) -> Decision:
     """Apply the rule, compiling as few programs as possible.
 
@@ -425,6 +430,7 @@ def _choose_here(
     the budget, the next ones not yet compiled are tried too. The estimate ranks far-apart
     plans well but not plans a few MiB apart (the benchmark's transformer: the lowest
     estimate compiles to 75 MiB, the second lowest to 67 MiB).
+    ``known_base``: the original's figures, already measured (``_known_base``): not compiled.
     """
     tried: list[tuple[str, Measured | None]] = []
     cache: dict[str, Measured | None] = {}
@@ -460,7 +466,7 @@ def _choose_here(
     with concurrent.futures.ThreadPoolExecutor(max_workers=1 + len(first)) as pool:
         for c in first:
             pending[c.name] = pool.submit(attempt, c)
-        base = measure(base_program)
+        base = known_base if known_base is not None else measure(base_program)
         if base is None:
             for fut in pending.values():
                 fut.result()  # finish before the pool closes; the figures are not used
@@ -664,23 +670,78 @@ def _joint_candidates(
     return cands, est_base
 
 
-def _plan_joint(
-    closed: ClosedJaxpr, g, ctx: PassContext, where: str
-) -> tuple[ClosedJaxpr, list[Finding]]:
-    options = ctx.options
-    total = _remat_plan.jaxpr_flops(closed)
+@dataclasses.dataclass(frozen=True)
+class _JointSetup:
+    """How a joint level is measured and fenced, and the key of its decision on disk: all
+    known before the level's graph is built."""
+
+    donate: tuple[int, ...]
+    measure: Callable[[ClosedJaxpr], Measured | None]
+    fence: str
+
+    @property
+    def mechanism(self) -> str:
+        return (
+            "recompute in the backward behind optimization barriers"
+            if self.fence == "barrier"
+            else "recompute in the backward inside conditionals (XLA:CPU)"
+        )
+
+
+def _joint_setup(closed: ClosedJaxpr, ctx: PassContext) -> _JointSetup:
     compiler_options = ctx.options.jit_kwargs.get("compiler_options")
+    donate = _donated_leaves(closed, ctx)
     measure = functools.partial(
         _measure_closed,
         compiler_options=measuring_options(compiler_options, ctx.backend),
-        donate=_donated_leaves(closed, ctx),
+        donate=donate,
     )
-    fence = fence_for(ctx.backend, compiler_options)
-    mechanism = (
-        "recompute in the backward behind optimization barriers"
-        if fence == "barrier"
-        else "recompute in the backward inside conditionals (XLA:CPU)"
-    )
+    return _JointSetup(donate, measure, fence_for(ctx.backend, compiler_options))
+
+
+def _joint_parts(closed: ClosedJaxpr, ctx: PassContext, setup: _JointSetup) -> list:
+    """What a joint decision on disk is keyed by besides the device and versions."""
+    return [str(closed), ctx.options.memory_budget, setup.fence, _measure_key(setup.measure)]
+
+
+def _stored_joint(closed: ClosedJaxpr, ctx: PassContext):
+    """``(setup, parts, stored value)`` of the top level's joint decision when it is kept on
+    disk (read before the level's graph is built: a stored "no plan" needs none), else None.
+    Not asked for a level the residual gate of ``_plan_joint`` would leave alone (nothing is
+    stored for it, and its key would cost more than the gate)."""
+    if (
+        ctx.options.remat != "auto"
+        or ctx.extra.get("remat_top") is not closed
+        or _multiprocess.several()
+        or _plan_cache.directory() is None
+    ):
+        return None
+    residual = _remat_plan.residual_bytes(closed.jaxpr)
+    if residual is None or (residual < MIN_RESIDUAL_BYTES and ctx.options.memory_budget is None):
+        return None
+    setup = _joint_setup(closed, ctx)
+    parts = _joint_parts(closed, ctx, setup)
+    return setup, parts, _plan_cache.stored("remat-joint", _backend_of(), parts)
+
+
+def _stored_no_plan(found: Any) -> Decision | None:
+    """A stored joint decision that applies no plan (it needs no graph to rebuild)."""
+    if not isinstance(found, dict) or "unusable" in found or found.get("chosen", "") is not None:
+        return None
+    try:
+        return _decision_from(found, {})
+    except Exception:  # noqa: BLE001 - a stale entry: measured again
+        return None
+
+
+def _plan_joint(
+    closed: ClosedJaxpr, g, ctx: PassContext, where: str, stored: tuple | None = None
+) -> tuple[ClosedJaxpr, list[Finding]]:
+    """``stored``: what ``_stored_joint`` read, if it was asked."""
+    options = ctx.options
+    setup = stored[0] if stored is not None else _joint_setup(closed, ctx)
+    donate, measure, fence = setup.donate, setup.measure, setup.fence
+    mechanism = setup.mechanism
     if options.remat not in ("auto", "off"):
         plan = _remat_plan.policy_plan(g, _policy(options.remat))
         if not plan.recompute:
@@ -717,6 +778,7 @@ def _plan_joint(
         return closed, []
 
     def decide() -> Decision:
+        total = _remat_plan.jaxpr_flops(closed)
         cands, est_base = _joint_candidates(closed, g, total, options.memory_budget, fence)
         return _choose(
             _auto_order(cands, est_base, total),
@@ -725,9 +787,11 @@ def _plan_joint(
             closed,
             options.memory_budget,
             floor_extra=_lowest_estimates(cands),
+            base=_known_base(closed, ctx, donate),
         )
 
-    if _multiprocess.several():  # (process 0 decides for all: _choose)
+    if _multiprocess.several() or (stored is None and _plan_cache.directory() is None):
+        # (process 0 decides for all: _choose; or nothing is kept: no key to compute)
         dec = decide()
     else:
         # Kept whole, with the chosen plan's recomputed nodes: a later process rebuilds that
@@ -736,10 +800,11 @@ def _plan_joint(
         dec = _plan_cache.cached(
             "remat-joint",
             _backend_of(),
-            [str(closed), options.memory_budget, fence, _measure_key(measure)],
+            stored[1] if stored is not None else _joint_parts(closed, ctx, setup),
             decide,
             _joint_decision_to,
             lambda v: _joint_decision_from(v, closed, g, fence),
+            **({"found": stored[2]} if stored is not None else {}),
         )
     return _finish(closed, dec, where, ctx, mechanism=mechanism)
 
@@ -1040,10 +1105,20 @@ def _plan_level(
     closed: ClosedJaxpr, ctx: PassContext, where: str
 ) -> tuple[ClosedJaxpr, list[Finding]]:
     """Plan this level if it holds a backward, else the sub-jaxprs (loop and branch bodies,
-    inner jits) that do."""
+    inner jits) that do. A decision kept on disk for the top level is read first: when it
+    applies no plan, the level's graph is not built (a warm process's first call)."""
+    if ctx.options.remat == "auto" and ctx.options.memory_budget is None:
+        residual = _remat_plan.residual_bytes(closed.jaxpr)
+        if residual is not None and residual < MIN_RESIDUAL_BYTES:
+            return closed, []  # (``_plan_joint``'s gate, without building the graph)
+    stored = _stored_joint(closed, ctx)
+    if stored is not None:
+        dec = _stored_no_plan(stored[2])
+        if dec is not None:
+            return _finish(closed, dec, where, ctx, mechanism=stored[0].mechanism)
     g = _remat_plan.joint_graph(closed.jaxpr)
     if g is not None:
-        return _plan_joint(closed, g, ctx, where)
+        return _plan_joint(closed, g, ctx, where, stored)
     findings: list[Finding] = []
     new_eqns = []
     changed = False
@@ -1122,11 +1197,52 @@ def remat(closed: ClosedJaxpr, ctx: PassContext) -> PassResult:
 @dataclasses.dataclass(frozen=True)
 class Fit:
     """Why remat="fit" plans (``PassContext.extra["fit"]``): the budget a plan must reach, what
-    set it, and the values live at the original's peak (``_memory.live_at_peak``)."""
+    set it, and the values live at the original's peak (``_memory.live_at_peak``).
+    ``original``: the executable the call's check compiled (``Original``), whose figures stand
+    for the original's measuring compile when it is the same computation (``_known_base``)."""
 
     budget: int
     reason: str
     live: tuple = ()
+    original: Original | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Original:
+    """The original program as the call's fit check compiled it: the jaxpr it evaluated into
+    jit's trace, the flat inputs that executable donates, and its figures."""
+
+    program: ClosedJaxpr
+    donated: tuple[int, ...]
+    measured: Measured
+
+
+def measured_of(compiled, seconds: float) -> Measured | None:
+    """A compiled executable's figures, as a measuring compile reads them."""
+    mem = compiled_memory(compiled)
+    return None if mem is None else Measured(mem, _flops(compiled), seconds)
+
+
+def _known_base(closed: ClosedJaxpr, ctx: PassContext, donate: tuple) -> Measured | None:
+    """The original's figures without compiling it again: those of the executable the call's
+    fit check compiled, when that executable is the program measured here (the same equations,
+    the top level, donating the same inputs). Its options differ only by what
+    ``measuring_options`` adds, which leaves memory and FLOPs as they are
+    (tests/test_remat_first_call.py); anything else (another donation, constants passed as
+    arguments) is compiled as before."""
+    fit = ctx.extra.get("fit")
+    original = getattr(fit, "original", None)
+    if original is None or ctx.extra.get("remat_top") is not closed:
+        return None
+    if tuple(original.donated) != tuple(donate):
+        return None
+    if original.program is not closed and (
+        original.program.in_avals != closed.in_avals
+        or original.program.out_avals != closed.out_avals
+        or str(original.program) != str(closed)
+    ):
+        return None
+    return original.measured
 
 
 def with_remat(options, remat: str, budget: int | None):
@@ -1246,4 +1362,4 @@ PASS = Pass(
 )
 
 
-__all__ = ["PASS", "Fit", "remat", "jit_options", "with_remat"]
+__all__ = ["PASS", "Fit", "Original", "measured_of", "remat", "jit_options", "with_remat"]

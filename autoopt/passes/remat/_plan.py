@@ -243,6 +243,28 @@ class JointGraph:
         return _jaxpr.user_location(self.jaxpr.eqns[i])
 
 
+def residual_bytes(jaxpr: Jaxpr) -> int | None:
+    """``joint_graph(jaxpr).residual_bytes`` without building the graph (None without a
+    backward): the gate a level passes before its decision is looked up."""
+    eqns = jaxpr.eqns
+    backward = [_compat.in_transpose(e.source_info) for e in eqns]
+    if not any(backward):
+        return None
+    forward_defined = set()
+    for e, bwd in zip(eqns, backward):
+        if not bwd:
+            forward_defined.update(v for v in e.outvars if is_var(v))
+    seen: set = set()
+    total = 0
+    for e, bwd in zip(eqns, backward):
+        if bwd:
+            for v in e.invars:
+                if is_var(v) and v in forward_defined and v not in seen:
+                    seen.add(v)
+                    total += aval_bytes(v.aval)
+    return total
+
+
 def joint_graph(jaxpr: Jaxpr) -> JointGraph | None:
     """The split of ``jaxpr`` (one level, sub-jaxprs not entered), or None without a backward."""
     eqns = jaxpr.eqns
@@ -351,8 +373,7 @@ def schedule(g: JointGraph, recompute: Iterable[int]) -> Schedule:
     # Dead-code: a forward equation stays when one of its outputs is still read in the original
     # form (by the forward, the backward through a kept value, a recompute block, or the outputs).
     needed = {v for v in g.jaxpr.outvars if is_var(v)} | external_reads
-    for t in g.backward:
-        needed.update(v for v in ins[t] if producer.get(v) not in rec)
+    needed.update(v for v in _backward_reads(g) if producer.get(v) not in rec)
     dead = set()
     eqns = g.jaxpr.eqns
     for i in reversed(g.forward):
@@ -363,47 +384,109 @@ def schedule(g: JointGraph, recompute: Iterable[int]) -> Schedule:
     return Schedule(rec, blocks, frozenset(dead), flops)
 
 
+def _backward_reads(g: JointGraph) -> tuple:
+    """The distinct values backward equations read (computed once per graph)."""
+    got = g.__dict__.get("_backward_reads")
+    if got is None:
+        got = g.__dict__["_backward_reads"] = tuple(
+            dict.fromkeys(v for t in sorted(g.backward) for v in g.ins[t])
+        )
+    return got
+
+
 def simulated_peak(g: JointGraph, s: Schedule) -> tuple[int, int]:
     """``(peak, integral)`` of live bytes over the rewritten program in program order, inputs not
-    counted. A static stand-in for XLA's allocator, good for ranking plans of one program."""
-    producer, rec, nb = g.producer, s.recompute, g.nbytes
-    ops: list[tuple[list, list]] = []
-    for t in range(len(g.ins)):
-        if t in s.dead:
+    counted. A static stand-in for XLA's allocator, good for ranking plans of one program.
+
+    Values are numbered once per graph (``_numbered``): a value ``i`` recomputed in the backward
+    is ``i + n``. Called for every step of every plan family's search (``partial_plans``)."""
+    num = _numbered(g)
+    n, prod, nb, ins, outs, backward = num.n, num.prod, num.nb, num.ins, num.outs, num.backward
+    rec, dead, blocks = s.recompute, s.dead, s.blocks
+    op_ins: list = []
+    op_outs: list = []
+    empty: tuple = ()
+    for t in range(len(ins)):
+        if t in dead:
             continue
-        b = s.blocks.get(t)
+        b = blocks.get(t)
         if b is not None:
-            ops.append((list(b.externals) + ([b.anchor] if b.anchor is not None else []), []))
+            head = [num.idx[v] for v in b.externals]
+            if b.anchor is not None:
+                head.append(num.idx[b.anchor])
+            op_ins.append(set(head))
+            op_outs.append(empty)
             for p in b.eqns:
-                ops.append(
-                    (
-                        [("re", u) if producer.get(u) in rec else u for u in g.ins[p]],
-                        [("re", v) for v in g.outs[p]],
-                    )
-                )
-        if t in g.backward:
-            ops.append(([("re", u) if producer.get(u) in rec else u for u in g.ins[t]], g.outs[t]))
+                op_ins.append([u + n if prod[u] in rec else u for u in ins[p]])
+                op_outs.append([v + n for v in outs[p]])
+        if backward[t]:
+            op_ins.append([u + n if prod[u] in rec else u for u in ins[t]])
         else:
-            ops.append((g.ins[t], g.outs[t]))
-    last: dict = {}
-    for k, (ins, _) in enumerate(ops):
-        for v in ins:
+            op_ins.append(ins[t])
+        op_outs.append(outs[t])
+    count = len(op_ins)
+    last = [-1] * (2 * n)
+    for k, vs in enumerate(op_ins):
+        for v in vs:
             last[v] = k
-    for v in g.jaxpr.outvars:
-        if is_var(v):
-            last[v] = len(ops)
+    for v in num.outvars:
+        last[v] = count
     live = peak = integral = 0
-    for k, (ins, outs) in enumerate(ops):
-        for v in outs:
-            if v in last:
-                live += nb[v[1]] if isinstance(v, tuple) else nb[v]
+    for k in range(count):
+        for v in op_outs[k]:
+            if last[v] >= 0:
+                live += nb[v]
         if live > peak:
             peak = live
         integral += live
-        for v in set(ins):
-            if last.get(v) == k:
-                live -= nb[v[1]] if isinstance(v, tuple) else nb[v]
+        for v in op_ins[k]:
+            if last[v] == k:
+                live -= nb[v]
     return peak, integral
+
+
+@dataclasses.dataclass(frozen=True)
+class _Numbered:
+    """A graph's values as integers (see ``simulated_peak``): ``idx`` Var -> i; per equation
+    its distinct inputs and its outputs; ``prod[i]``, the equation defining i (-1: an input);
+    ``nb[i]`` and ``nb[i + n]``, its bytes; the program's outputs; which equations are
+    backward."""
+
+    n: int
+    idx: dict
+    ins: list
+    outs: list
+    prod: list
+    nb: list
+    outvars: list
+    backward: list
+
+
+def _numbered(g: JointGraph) -> _Numbered:
+    got = g.__dict__.get("_numbered")
+    if got is None:
+        idx: dict = {}
+        for vs in [*g.ins, *g.outs, [v for v in g.jaxpr.outvars if is_var(v)]]:
+            for v in vs:
+                if v not in idx:
+                    idx[v] = len(idx)
+        n = len(idx)
+        prod = [-1] * n
+        nb = [0] * n
+        for v, i in idx.items():
+            prod[i] = g.producer.get(v, -1)
+            nb[i] = g.nbytes[v]
+        got = g.__dict__["_numbered"] = _Numbered(
+            n,
+            idx,
+            [list(dict.fromkeys(idx[v] for v in vs)) for vs in g.ins],
+            [[idx[v] for v in vs] for vs in g.outs],
+            prod,
+            nb + nb,
+            [idx[v] for v in g.jaxpr.outvars if is_var(v)],
+            [t in g.backward for t in range(len(g.ins))],
+        )
+    return got
 
 
 # --- plan families -------------------------------------------------------------------------------
