@@ -126,8 +126,11 @@ class EquinoxJit:
             positions: tuple = ()
             proof = None
             if self._donate != "off" and _compat.trace_state_clean():
-                if self._donate == "safe":
-                    frame = sys._getframe(1)
+                try:
+                    frame = sys._getframe(1) if self._donate == "safe" else None
+                except ValueError:  # no Python caller (a thread's entry point): no site
+                    frame = None
+                if frame is not None:
                     site = self._sites.get((id(frame.f_code), frame.f_lasti))
                     if site is None:
                         site = self._prove(frame)
@@ -141,7 +144,7 @@ class EquinoxJit:
                                     args, kwargs, positions, (), check_refs=True
                                 )[0]
                     del frame
-                else:  # "auto": every argument an output can alias; the caller promised
+                elif self._donate == "auto":  # every argument an output can alias: promised
                     positions = tuple(range(len(args)))
             parts = self._parts(args, kwargs)
             return self._run(parts, positions, proof, __equinox_jit_id__)

@@ -489,7 +489,10 @@ class OptimizedFunction:
             if trace_state_clean():
                 sites, plans, shallow = self._sites, self._auto_fast, False
                 if sites is not None:  # "safe"
-                    frame = sys._getframe(1)
+                    try:
+                        frame = sys._getframe(1)
+                    except ValueError:  # no Python caller (a thread's entry point): no site
+                        return self._run(self._dispatch(None, args, kwargs), args, kwargs)
                     # The code object's identity: equal code objects in two modules compare equal.
                     site = sites.get((id(frame.f_code), frame.f_lasti))
                     if site is None:
@@ -918,8 +921,11 @@ class _BoundOptimized:
             owner = self._owner
             # A new name, so the caller's tuple stays alive exactly as in the calibrated probe.
             full = (self._instance, *args)
-            if owner._policy.donate == "safe":
-                frame = sys._getframe(1)
+            try:
+                frame = sys._getframe(1) if owner._policy.donate == "safe" else None
+            except ValueError:  # no Python caller (a thread's entry point): no site
+                frame = None
+            if frame is not None:
                 key = ("bound", id(frame.f_code), frame.f_lasti)
                 site = owner._caches.sites.get(key)
                 if site is None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import dis
 import importlib
 import inspect
 import operator
@@ -297,9 +298,14 @@ def other_code_may_run() -> bool:
     started with ``_thread``, unlike ``threading.active_count``), or a Python signal handler
     (a checkpoint hook on SIGTERM or a timer: it runs on this thread between two bytecodes,
     such as right after the executable is dispatched). Python's own SIGINT handler raises
-    KeyboardInterrupt and reads nothing. Reads every signal's handler (about 5 us): only
-    calls that donate a shared name pay it."""
+    KeyboardInterrupt and reads nothing. Also a trace or profile function on this thread (a
+    debugger's watch expression runs on the return events of autoopt's own frames). Not seen:
+    code the garbage collector runs (``__del__``, ``weakref.finalize``, ``gc.callbacks``, which
+    hypothesis and jax register for their own timing), the README's limit. Reads every
+    signal's handler (about 5 us): only calls that donate a shared name pay it."""
     if len(sys._current_frames()) > 1:
+        return True
+    if sys.gettrace() is not None or sys.getprofile() is not None:
         return True
     return sum(map(callable, map(_getsignal, _SIGNALS))) > (
         _getsignal(signal.SIGINT) is _default_int_handler
@@ -318,6 +324,36 @@ def _resolve(frame, root: str, scope: str, chain: tuple[str, ...]) -> Any:
             break
         value = _static_attr(value, attr)
     return value
+
+
+# Instructions between a call and the stores of its result: unpacking, copies for chained
+# targets, and the interpreter's own filler.
+_BETWEEN_STORES = frozenset(
+    {"CACHE", "EXTENDED_ARG", "NOP", "UNPACK_SEQUENCE", "UNPACK_EX", "COPY", "SWAP", "DUP_TOP"}
+)
+
+
+def _stored_after_call(code, lasti: int) -> set[str] | None:
+    """The names the instructions right after the call at ``lasti`` store its result in (an
+    empty set: the result is not assigned to names), or None when the call is not found."""
+    instructions = [i for i in dis.get_instructions(code) if i.opname != "CACHE"]
+    at = None
+    for n, ins in enumerate(instructions):
+        if ins.offset > lasti:
+            break
+        at = n
+    if at is None or not instructions[at].opname.startswith("CALL"):
+        return None
+    stored: set[str] = set()
+    for ins in instructions[at + 1 :]:
+        if ins.opname in _BETWEEN_STORES:
+            continue
+        if ins.opname.startswith("STORE_") and ins.opname not in ("STORE_ATTR", "STORE_SUBSCR"):
+            names = ins.argval if isinstance(ins.argval, tuple) else (ins.argval,)
+            stored.update(str(name) for name in names)
+            continue
+        break
+    return stored
 
 
 def prove_call_site(frame, callee: Any = None) -> CallSiteProof:
@@ -414,6 +450,16 @@ def prove_call_site(frame, callee: Any = None) -> CallSiteProof:
                 code,
             )
         targets = {parent.target.id}
+    if _stored_after_call(code, frame.f_lasti) != targets:
+        # The source was read from the file as it is now (linecache), which may not be the text
+        # the running code was compiled from (a script edited while it runs): the names the
+        # instructions store after the call must be the statement's targets.
+        return _refuse(
+            loc,
+            "the running code does not store what its source line says (the file was edited "
+            "since it was compiled?), so autoopt cannot tell which names the statement rebinds",
+            code,
+        )
     stmt = parent if isinstance(parent, ast.stmt) else None
     try:
         text = ast.unparse(stmt if stmt is not None else node)
@@ -559,7 +605,9 @@ def _registry_kid_refcounts(obj) -> tuple[list, list[int], int]:
     kids, counts, container, same = _registry_counts(obj)
     if same:  # a list node: jax returns the node itself as its children
         return kids, counts, _BASE_KID_SAME
-    if container == _FRESH_CONTAINER:  # a new container: the node holds each child itself
+    if container == _FRESH_CONTAINER:  # a new container: built from what the node holds
+        if _inner_container_shared(obj, kids):
+            return kids, counts, -1
         return kids, counts, _BASE_KID_NEW
     if container == _FRESH_CONTAINER + 1:  # the node's own stored container (``b.parts``)
         return kids, counts, _BASE_KID_STORED
@@ -567,6 +615,77 @@ def _registry_kid_refcounts(obj) -> tuple[list, list[int], int]:
     return kids, counts, -1
 
 
+def _attribute_values(obj) -> list:
+    """The values of ``obj``'s attributes (its ``__dict__``, else its slots), read without
+    running its code (no ``__getattr__``, no property)."""
+    try:
+        return list(object.__getattribute__(obj, "__dict__").values())
+    except (AttributeError, TypeError):
+        pass
+    values = []
+    for klass in type(obj).__mro__:
+        for name in getattr(klass, "__slots__", ()):
+            try:
+                values.append(object.__getattribute__(obj, name))
+            except (AttributeError, TypeError):
+                continue
+    return values
+
+
+def _holds_array(container, depth: int = 0) -> bool:
+    """A plain dict, list or tuple holding a jax array, at any depth of plain containers."""
+    if depth > 8:
+        return True  # deeper than any state is written: assume it does
+    kids = container.values() if type(container) is dict else container
+    return any(
+        type(k) is _ARRAY_IMPL or (type(k) in _BUILTIN_NODES and _holds_array(k, depth + 1))
+        for k in kids
+    )
+
+
+def _inner_container_shared(obj, kids: list) -> bool:
+    """Whether the node ``obj``, whose flatten built a fresh container of its children, holds
+    them through a plain container of its own that something else also holds: a node storing
+    ``self.layers = [...]`` and flattening to ``tuple(self.layers)``, or to
+    ``list(self.d.values())``, with the caller holding ``layers = model.layers``. The children's
+    own counts cannot show it (the node's container holds each once, as the node itself would);
+    each such container's count can. Containers holding no array (a shape tuple) are left out."""
+    kid_ids = set(map(id, kids))
+    values = _attribute_values(obj)
+    counts = [sys.getrefcount(v) for v in values]
+    for value, count in zip(values, counts):
+        if type(value) not in _BUILTIN_NODES or id(value) in kid_ids or not _holds_array(value):
+            continue
+        if count > _BASE_ATTRIBUTE or _container_shared(value):
+            return True
+    return False
+
+
+def _container_shared(container, depth: int = 0) -> bool:
+    """A plain container (held once) that holds, at any depth, a plain container holding an
+    array that something else also holds."""
+    if depth > 8:
+        return True
+    inner, counts, base = kid_refcounts(container)
+    for value, count in zip(inner, counts):
+        if type(value) in _BUILTIN_NODES and _holds_array(value):
+            if count > base or _container_shared(value, depth + 1):
+                return True
+    return False
+
+
+def _calibrate_attribute() -> int:
+    """``_inner_container_shared``'s count of an attribute value that only its object holds."""
+
+    class Probe:
+        def __init__(self):
+            self.held = [object()]
+
+    values = _attribute_values(Probe())
+    return [sys.getrefcount(v) for v in values][0]
+
+
+_BASE_ATTRIBUTE = 0
 _BASE_KID_SAME = _BASE_KID_NEW = _BASE_KID_BUILTIN = _BASE_KID_STORED = _FRESH_CONTAINER = 0
 
 
@@ -600,6 +719,7 @@ def _calibrate_kids() -> tuple[int, int, int, int, int]:
 (_BASE_KID_SAME, _BASE_KID_NEW, _BASE_KID_BUILTIN, _BASE_KID_STORED, _FRESH_CONTAINER) = (
     _calibrate_kids()
 )
+_BASE_ATTRIBUTE = _calibrate_attribute()
 
 
 # The concrete array type jax returns from every computation: checked with ``type(x) is`` first,
@@ -631,14 +751,15 @@ def leaf_problem(obj, seen: set[int], check_refs: bool = True) -> str | None:
     t = type(obj)
     if t is _ARRAY_IMPL:
         return _array_problem(obj, seen)
+    if t not in _BUILTIN_NODES:
+        if getattr(t, "_autoopt_never_donate", False):
+            return "it holds an autoopt.constant, whose device copy every call shares"
     if t not in _BUILTIN_NODES and t not in _NODE_TYPES:
         # (plain containers and known node types skip these checks: ~1 us of ABC lookups)
         if isinstance(obj, jax.Array):
             if is_tracer(obj):
                 return "it is traced by an enclosing transformation"
             return _array_problem(obj, seen)
-        if getattr(t, "_autoopt_never_donate", False):
-            return "it holds an autoopt.constant, whose device copy every call shares"
         if isinstance(obj, _HOST_SCALARS):
             return (
                 "it holds a NumPy array or Python scalar; jax copies those to the device "
@@ -681,16 +802,21 @@ def shared_parts(obj) -> bool:
     static leaf, where the NumPy leaves are). A deleted array or one passed twice needs no
     look: jax's call raises for the first before it donates anything, and the second counts
     one reference more."""
-    if type(obj) is _ARRAY_IMPL:
+    t = type(obj)
+    if t is _ARRAY_IMPL:
         return False
+    if t not in _BUILTIN_NODES and getattr(t, "_autoopt_never_donate", False):
+        return True  # an autoopt.constant: its device copy is every call's
     try:
         kids, counts, base = kid_refcounts(obj)
     except ValueError:  # a leaf that is not a jax array (a scalar, a NumPy array): no buffer
         return False
-    if kids and max(counts) > base:
-        return True
-    for kid in kids:
-        if type(kid) is not _ARRAY_IMPL and kid is not None and shared_parts(kid):
+    for kid, count in zip(kids, counts):
+        if kid is None:  # an empty node (a None field): no buffer, and None is shared by all
+            continue
+        if count > base:
+            return True
+        if type(kid) is not _ARRAY_IMPL and shared_parts(kid):
             return True
     return False
 
@@ -709,8 +835,10 @@ def _static_leaf(x) -> bool:
     if not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x)):
         # A pytree node with children (an optax state's NamedTuple, an equinox module): being
         # a node is a fact about its type (jax's registry, or a NamedTuple's fields), kept
-        # per type so a training step's state is not asked again on every call.
-        _NODE_TYPES.add(t)
+        # per type so a training step's state is not asked again on every call (never an
+        # autoopt.constant's type: ``leaf_problem`` refuses it by its type).
+        if not getattr(t, "_autoopt_never_donate", False):
+            _NODE_TYPES.add(t)
         return False
     static = not hasattr(x, "__jax_array__") and not jit_accepts_leaf(x)
     if static and (t is types.FunctionType or (t.__module__ or "").startswith("jax._src.")):
