@@ -167,6 +167,7 @@ class Caches:
         "shape_jit",
         "any_aliasable",
         "lookup_plain",
+        "lost_updates",
     )
 
     def __init__(self, policy: Policy):
@@ -197,6 +198,9 @@ class Caches:
         # (it may donate: another call site decided it), until the programs built show that no
         # signature has anything to donate.
         self.lookup_plain = policy.donate == "safe"
+        # Some program drops an update to an nnx object of its arguments
+        # (``Program.lost_updates``): the general path checks each call's arguments.
+        self.lost_updates = False
 
 
 class CallPlan(NamedTuple):
@@ -443,7 +447,7 @@ def plan_kept(of: Planned, args: tuple, kwargs: dict, site: Any) -> CallPlan:
     fresh = fresh and not host_callbacks(program.final)  # "safe" never donates into callbacks
     plan = plan_for(of, program, program.decide(None if fresh else ((), ())), (), ())
     plans = site.plans
-    if plan.direct and not kwargs and len(plans) < FAST_ENTRIES:
+    if plan.direct and not kwargs and not program.lost_updates and len(plans) < FAST_ENTRIES:
         found = _plans.signature_of(args, shallow=False)
         if found is not None:
             sig, _, host = found
@@ -503,6 +507,8 @@ def remember_fast(
     program = program or of._program_for_call(args, {})
     if program is None:
         return  # the program captured an outer tracer: never cached
+    if program.lost_updates:
+        return  # every call checks its arguments (``OptimizedFunction._run``)
     d = program.donates
     if d is None or d[1]:
         return

@@ -201,6 +201,15 @@ def _process_independent_id(fn: Callable) -> str:
 trace_state_clean = _compat.trace_state_clean
 
 
+def _refuse_nested(program: Program) -> None:
+    """A call inside another transformation (an outer jit, grad, vmap) of a program that drops
+    an update to an nnx object of its arguments: those are the outer function's objects, which
+    it goes on using, so the update would be lost where the function can see it. Raised from
+    the trace, before anything runs."""
+    if not _compat.top_level_trace():
+        raise TypeError(program.lost_updates[0].message)
+
+
 class OptimizedFunction:
     """What ``optimize`` returns: call it like the ``jax.jit`` of the original function.
 
@@ -343,6 +352,8 @@ class OptimizedFunction:
         program = programs.get(key)
         if program is not None:
             caches.tls.last_program = program
+            if program.lost_updates:
+                _refuse_nested(program)
             if program.fit in (None, "checking") and policy.fit and not eager_autodiff:
                 self._check_fit(program)
             if not program.compiled and not getattr(caches.tls, "trace_only", False):
@@ -358,6 +369,8 @@ class OptimizedFunction:
                 if not program.traced.captures_tracers:
                     programs[key] = program
         caches.tls.last_program = program
+        if program.lost_updates:
+            _refuse_nested(program)
         if program.fit in (None, "checking") and policy.fit and not eager_autodiff:
             self._check_fit(program)
         if not getattr(caches.tls, "trace_only", False):
@@ -383,11 +396,28 @@ class OptimizedFunction:
         # The user's own errors (shape mismatches, non-array outputs) propagate unchanged, as
         # from jax.jit: they are not autoopt's to swallow.
         fn = self.__wrapped__
+        lost: list[_mutations.LostUpdate] = []
         if _mutations.holds_variables(args, kwargs, fn):  # an assignment to one must not be lost
-            fn = _mutations.refusing_lost_updates(fn)
+            fn = _mutations.recording_lost_updates(fn, lost)
         traced = _trace.trace_program(
             fn, args, kwargs, policy.static_argnums, policy.static_argnames
         )
+        program = self._build_from(traced, eager_autodiff)
+        if lost:
+            program.lost_updates = tuple(lost)
+            caches.lost_updates = True
+        if policy.donate == "safe" and not eager_autodiff:
+            self._note_aliasing(program)
+        if policy.options.explain:
+            from autoopt.report import log_report
+
+            # once per signature: _build runs once per signature. No call yet: no jit chosen.
+            log_report(self._inspection(program, None, ((), ())))
+        return program
+
+    def _build_from(self, traced: _trace.TracedProgram, eager_autodiff: bool) -> Program:
+        """The program of a traced signature: the passes run on it (``_build``)."""
+        policy, caches = self._policy, self._caches
         several = _multiprocess.several()
         if several:  # a jax.distributed job: every process must trace this signature alike
             fn_id = _process_independent_id(self.__wrapped__)
@@ -424,13 +454,6 @@ class OptimizedFunction:
         program.ctx = ctx
         if several:  # and build the same program from it (_multiprocess)
             program.fingerprint = _multiprocess.check_program(fn_id, str(program.final))
-        if policy.donate == "safe" and not eager_autodiff:
-            self._note_aliasing(program)
-        if policy.options.explain:
-            from autoopt.report import log_report
-
-            # once per signature: _build runs once per signature. No call yet: no jit chosen.
-            log_report(self._inspection(program, None, ((), ())))
         return program
 
     def _note_aliasing(self, program: Program) -> None:
@@ -519,6 +542,9 @@ class OptimizedFunction:
                 elif self._flat_plain and not kwargs:
                     for a in args:
                         if type(a) not in PLAIN_TYPES:
+                            # a name left bound to an argument would be one more reference to
+                            # it, which the general path's reference counts would see
+                            a = None
                             break
                     else:
                         return self._plain_run(args)
@@ -537,8 +563,47 @@ class OptimizedFunction:
             _compat.filter_traceback(e)
             raise
 
-    def _run(self, plan: CallPlan, args: tuple, kwargs: dict):
-        """Execute a plan (``__call__`` inlines the common case)."""
+    def _run(self, plan: CallPlan, args: tuple, kwargs: dict, bases: tuple | None = None):
+        """Execute a plan (``__call__`` inlines the common case). ``args``: the tuple the call's
+        ``*args`` built; ``bases``: its reference-count baselines, for a decorated method's."""
+        out = self._execute(plan, args, kwargs)
+        if self._caches.lost_updates or plan.static is not None:
+            self._refuse_held_lost_update(plan, args, kwargs, bases)
+        return out
+
+    def _refuse_held_lost_update(
+        self, plan: CallPlan, args: tuple, kwargs: dict, bases: tuple | None
+    ) -> None:
+        """Raise when the call's program assigned to an nnx object of the arguments that the
+        caller can still reach (``_mutations.held_lost_update``): its update is lost, as under
+        jax.jit, and the caller would read the old value. The program donates nothing, so the
+        arguments are as they were. Checked after the run: a signature's first call learns of
+        the assignment from its own trace. Calls inside a transformation refuse in the trace
+        (``_refuse_nested``); under ``jax.disable_jit()`` the function ran on the caller's
+        objects, and nothing was lost."""
+        if _compat.jit_disabled() or not trace_state_clean():
+            return
+        split = plan.static
+        if split is not None:
+            sub = plan.static_fn or plan.jit
+            if not sub._caches.lost_updates:
+                return
+            program = sub._program_for_call(split.args, split.kwargs, report_only=True)
+        else:
+            program = self._program_for_call(args, kwargs, report_only=True)
+        if program is None or not program.lost_updates:
+            return
+        caller = sys._getframe(1)
+        while caller is not None and caller.f_globals.get("__name__", "").startswith("autoopt."):
+            caller = caller.f_back
+        try:
+            update = _mutations.held_lost_update(program.lost_updates, args, kwargs, bases, caller)
+        finally:
+            del caller
+        if update is not None:
+            raise TypeError(update.message)
+
+    def _execute(self, plan: CallPlan, args: tuple, kwargs: dict):
         split = plan.static
         if split is not None:
             sub = plan.static_fn
@@ -547,7 +612,7 @@ class OptimizedFunction:
                 inner = sub._dispatch(None, split.args, split.kwargs)
             else:  # planned by the caller's site (``plan_static_leaves``)
                 inner = plan._replace(static=None, static_fn=None)
-            out = sub._run(inner, split.args, split.kwargs)
+            out = sub._execute(inner, split.args, split.kwargs)
             return _static_leaves.outputs_put_back(
                 sub.__wrapped__,
                 split,
@@ -935,7 +1000,8 @@ class _BoundOptimized:
                 del frame
             else:
                 site = None
-            return owner._run(owner._dispatch(site, full, kwargs, 1), full, kwargs)
+            plan = owner._dispatch(site, full, kwargs, 1)
+            return owner._run(plan, full, kwargs, callsite.BOUND_BASES)
         except Exception as e:
             # autoopt's frames and jax's left out of the traceback, as jax.jit leaves its own
             # (not a wrapper: the body reads its caller's frame)

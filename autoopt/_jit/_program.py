@@ -57,6 +57,7 @@ class Program:
         "key",
         "ctx",
         "fit",
+        "lost_updates",
     )
 
     def __init__(
@@ -91,6 +92,11 @@ class Program:
         # remat="fit": None until a call checked that its executable fits; then "checking",
         # "fits" or "planned" (``_fit``). Another value: nothing to check ("off").
         self.fit: str | None = None
+        # Assignments the trace made to nnx objects of the arguments and did not return
+        # (``_mutations.LostUpdate``): every call checks the caller cannot reach those objects
+        # (``OptimizedFunction._run``), so such a program donates nothing and is never a
+        # cached plan.
+        self.lost_updates: tuple = ()
 
     @property
     def const_ids(self) -> frozenset[int]:
@@ -149,7 +155,10 @@ class Program:
 
     def arguments(self) -> tuple[tuple, tuple]:
         """(positions, names) of the arguments whose leaves are all arrays of a numeric
-        dtype."""
+        dtype; none when the program drops an update to an argument (``lost_updates``): a call
+        that raises for it must find every argument as it was."""
+        if self.lost_updates:
+            return (), ()
         plain: dict = {}
         for arg, aval in zip(self.traced.in_arg_of_leaf, self.final.in_avals):
             dtype = getattr(aval, "dtype", None)

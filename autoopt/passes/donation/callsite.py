@@ -934,6 +934,58 @@ def donation_checks(
     return tuple(ok_pos), tuple(ok_names), tuple(reasons)
 
 
+def nodes_held_elsewhere(
+    args: tuple,
+    kwargs: dict,
+    key: int | str,
+    bases: tuple[int, int, int] | None = None,
+    hidden: int = 0,
+) -> bool:
+    """Whether something besides the call can reach the argument ``key`` (a position or a
+    keyword) or a pytree node inside it once the call returns: the argument has any holder but
+    the call (a name of the caller's included), or a node inside it any but its parent
+    (``kid_refcounts``). ``hidden``: references to the argument itself known not to count
+    (``_jit._mutations._hidden_holders``). Leaves are not looked at: an array or a number is a
+    value, and a holder of one cannot see what happens to the node that held it. What the
+    question is for: an assignment to an nnx object the trace made on jax's copy
+    (``_jit._mutations``) is visible to nobody when the call holds the only way to the object.
+    Never raises: an argument it cannot walk counts as held."""
+    base_only, base_with_kw, base_kw = bases or (_BASE_POS, _BASE_POS_KW, _BASE_KW)
+    # The baselines count the caller's name for the argument (``_calibrate``'s probes pass a
+    # local); an object made for the call alone has no name: one reference fewer.
+    base_only, base_with_kw, base_kw = (b + hidden for b in (base_only, base_with_kw, base_kw))
+    try:
+        # Measured before binding a local name, exactly as ``_measure`` does.
+        if isinstance(key, int):
+            if (
+                key >= len(args)
+                or sys.getrefcount(args[key]) > (base_with_kw if kwargs else base_only) - 1
+            ):
+                return True
+            return _nodes_shared(args[key], 0)
+        if key not in kwargs or sys.getrefcount(kwargs[key]) > base_kw - 1:
+            return True
+        return _nodes_shared(kwargs[key], 0)
+    except Exception:  # noqa: BLE001 - a node whose flatten fails: assume it is reachable
+        return True
+
+
+def _nodes_shared(node, depth: int) -> bool:
+    if depth > 64:
+        return True  # deeper than any model is written: assume shared
+    kids, counts, base = kid_refcounts(node)
+    if base < 0:  # the node flattens to a container something else holds
+        return True
+    for kid, count in zip(kids, counts):
+        if kid is None or type(kid) in _NO_ARRAYS or isinstance(kid, jax.Array | np.ndarray):
+            continue
+        if jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(kid)):
+            continue  # a leaf of another kind: a value as well
+        if count > base or _nodes_shared(kid, depth + 1):
+            return True
+    return False
+
+
 # --- signatures and checks of the cached plans (``_jit._plans``) --------------------------------
 # A call site that rebinds its arguments calls with the same signature again and again.
 # ``OptimizedFunction`` caches the static half of the donation decision per site and signature
