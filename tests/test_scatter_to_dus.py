@@ -969,3 +969,32 @@ def test_adding_into_zeros_keeps_the_sign_of_zero_as_the_scatter_does():
             want = jax.jit(fn)(*args)
             got = autoopt.optimize(fn, window_blend_min_bytes=0)(*args)
             assert np.array_equal(np.signbit(want), np.signbit(got)), (fn.__name__, i)
+
+
+def _range_analyses(fn, *args) -> int:
+    """How many times an optimized first call runs the range analysis (counted by the
+    profiler, by function name)."""
+    import cProfile
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.enable()
+    jax.block_until_ready(autoopt.optimize(fn)(*args))
+    profile.disable()
+    return sum(
+        row[0]
+        for (path, _, name), row in pstats.Stats(profile).stats.items()  # pyright: ignore
+        if name == "analyze" and path.endswith("_ranges.py")
+    )
+
+
+def test_a_program_without_scatter_or_gather_skips_the_range_analysis():
+    def mlp(w, x):
+        return jnp.tanh(x @ w) @ w.T
+
+    def update(buf, i, row):
+        return buf.at[i].set(row)
+
+    w, x = jnp.ones((8, 8)), jnp.ones((2, 8))
+    assert _range_analyses(mlp, w, x) == 0
+    assert _range_analyses(update, jnp.zeros((4, 8)), 1, jnp.ones(8)) >= 1

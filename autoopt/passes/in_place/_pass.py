@@ -1009,8 +1009,13 @@ def scatter_to_dus(closed, ctx: PassContext) -> PassResult:
     """Rewrite every scatter (and gather) of one contiguous window, exactly; report the rest.
 
     Decisions are made up front from the facts, so a program with nothing to rewrite costs the
-    analysis and no re-trace.
+    analysis and no re-trace, and one with no scatter or gather not even the analysis.
     """
+    if not any(
+        site.eqn.primitive in _SCATTERS or site.eqn.primitive is P.gather_p
+        for site in _jaxpr.iter_eqns(closed)
+    ):
+        return PassResult.unchanged(closed, ())
     facts = _ranges.analyze(closed)
     consumes = _consuming_scatters(closed)
     plans: dict[Var, _Decision] = {}
