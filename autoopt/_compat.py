@@ -247,6 +247,14 @@ _register_traceback_exclusion()
 _FLATTEN_ONE_LEVEL = _tree_util.default_registry.flatten_one_level
 
 
+def is_plain_namedtuple(t: type) -> bool:
+    """Whether jax flattens instances of ``t`` by its default NamedTuple rule (a tuple with
+    ``_fields``, whose children are its items), not by a registration of its own: those are
+    recorded in ``jax._src.tree_util._registry``, which every public ``register_pytree_node*``
+    fills."""
+    return issubclass(t, tuple) and hasattr(t, "_fields") and t not in _tree_util._registry
+
+
 def flatten_one_level(tree):
     """``(children, aux)`` of one pytree node; ValueError for a leaf.
 

@@ -536,6 +536,47 @@ def test_named_tuple_state_is_donated_through_the_registry_path():
     assert int(carry.n) == 4
 
 
+@pytest.mark.parametrize("held", ["field", "dict_in_field", "none"])
+def test_a_named_tuple_part_held_elsewhere_is_never_donated(held):
+    # an optax state's shape: a tuple of NamedTuples holding dicts of arrays
+    class Adam(NamedTuple):
+        count: jax.Array
+        mu: dict
+
+    f = autoopt.optimize(lambda s: (Adam(s[0].count + 1, {"w": s[0].mu["w"] * 2}), s[1]))
+    state = (Adam(jnp.int32(0), {"w": jnp.ones(3) + 0}), ())
+    for _ in range(3):
+        state = f(state)  # donated: the plan for this signature is cached
+    kept = {"field": lambda s: s[0].mu, "dict_in_field": lambda s: s[0].mu["w"]}.get(held)
+    outside = kept(state) if kept else None
+    pointer = state[0].mu["w"].unsafe_buffer_pointer()
+    state = f(state)
+    if kept is None:  # nothing else holds it: donated
+        assert state[0].mu["w"].unsafe_buffer_pointer() == pointer
+    else:
+        np.testing.assert_array_equal(jax.tree.leaves(outside)[0], 8 * np.ones(3))
+    np.testing.assert_array_equal(state[0].mu["w"], 16 * np.ones(3))
+
+
+def test_a_named_tuple_registered_with_its_own_flatten_keeps_its_rule():
+    # a registration of its own (a field kept as aux data) is the registry's rule, not the
+    # tuple's items: read as items, the interned tag would look shared and refuse donation
+    class Tagged(NamedTuple):
+        w: jax.Array
+        tag: str
+
+    jax.tree_util.register_pytree_node(
+        Tagged, lambda t: ((t.w,), t.tag), lambda tag, kids: Tagged(kids[0], tag)
+    )
+    f = autoopt.optimize(lambda t: Tagged(t.w * 2, t.tag))
+    t = f(Tagged(jnp.ones(3) + 0, "tag"))
+    pointer = t.w.unsafe_buffer_pointer()
+    for _ in range(3):
+        t = f(t)
+        assert t.w.unsafe_buffer_pointer() == pointer
+    np.testing.assert_array_equal(t.w, 16 * np.ones(3))
+
+
 def test_pytree_fast_path_auto_never_donates_a_leaf_shared_between_arguments():
     f = autoopt.optimize(
         lambda s, t: ({"v": s["v"] + t["v"]}, {"v": s["v"] - t["v"]}), donate="auto"

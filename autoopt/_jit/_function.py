@@ -201,12 +201,13 @@ def _process_independent_id(fn: Callable) -> str:
 trace_state_clean = _compat.trace_state_clean
 
 
-def _refuse_nested(program: Program) -> None:
-    """A call inside another transformation (an outer jit, grad, vmap) of a program that drops
-    an update to an nnx object of its arguments: those are the outer function's objects, which
-    it goes on using, so the update would be lost where the function can see it. Raised from
-    the trace, before anything runs."""
-    if not _compat.top_level_trace():
+def _refuse_unchecked(program: Program, tls: threading.local) -> None:
+    """A program that drops an update to an nnx object of its arguments, traced where no call
+    can check the caller's objects (``OptimizedFunction._refuse_held_lost_update``): inside
+    another transformation (an outer jit, grad, vmap: those are the outer function's objects,
+    which it goes on using), or for ``lower()``/``trace()`` (the compiled executable runs
+    without autoopt). Raised from the trace, before anything runs."""
+    if getattr(tls, "aot", False) or not _compat.top_level_trace():
         raise TypeError(program.lost_updates[0].message)
 
 
@@ -353,7 +354,7 @@ class OptimizedFunction:
         if program is not None:
             caches.tls.last_program = program
             if program.lost_updates:
-                _refuse_nested(program)
+                _refuse_unchecked(program, caches.tls)
             if program.fit in (None, "checking") and policy.fit and not eager_autodiff:
                 self._check_fit(program)
             if not program.compiled and not getattr(caches.tls, "trace_only", False):
@@ -370,7 +371,7 @@ class OptimizedFunction:
                     programs[key] = program
         caches.tls.last_program = program
         if program.lost_updates:
-            _refuse_nested(program)
+            _refuse_unchecked(program, caches.tls)
         if program.fit in (None, "checking") and policy.fit and not eager_autodiff:
             self._check_fit(program)
         if not getattr(caches.tls, "trace_only", False):
@@ -402,6 +403,10 @@ class OptimizedFunction:
         traced = _trace.trace_program(
             fn, args, kwargs, policy.static_argnums, policy.static_argnames
         )
+        if lost and policy.donate == "explicit":
+            # the jit object donates what the user asked for on the first run, before a check
+            # after it could refuse: refused here, before anything runs
+            raise TypeError(lost[0].message)
         program = self._build_from(traced, eager_autodiff)
         if lost:
             program.lost_updates = tuple(lost)
@@ -566,42 +571,49 @@ class OptimizedFunction:
     def _run(self, plan: CallPlan, args: tuple, kwargs: dict, bases: tuple | None = None):
         """Execute a plan (``__call__`` inlines the common case). ``args``: the tuple the call's
         ``*args`` built; ``bases``: its reference-count baselines, for a decorated method's."""
+        checked = self._refuse_held_lost_update(plan, args, kwargs, bases)
         out = self._execute(plan, args, kwargs)
-        if self._caches.lost_updates or plan.static is not None:
+        if not checked:  # a signature's first call may learn of a dropped update from its trace
             self._refuse_held_lost_update(plan, args, kwargs, bases)
         return out
 
     def _refuse_held_lost_update(
         self, plan: CallPlan, args: tuple, kwargs: dict, bases: tuple | None
-    ) -> None:
-        """Raise when the call's program assigned to an nnx object of the arguments that the
-        caller can still reach (``_mutations.held_lost_update``): its update is lost, as under
-        jax.jit, and the caller would read the old value. The program donates nothing, so the
-        arguments are as they were. Checked after the run: a signature's first call learns of
-        the assignment from its own trace. Calls inside a transformation refuse in the trace
-        (``_refuse_nested``); under ``jax.disable_jit()`` the function ran on the caller's
-        objects, and nothing was lost."""
-        if _compat.jit_disabled() or not trace_state_clean():
-            return
+    ) -> bool:
+        """Raise when the call's program assigns to an nnx object of the arguments that the
+        caller can still reach (``_mutations.held_lost_update``): its update would be lost, as
+        under jax.jit, and the caller would read the old value. Checked before the run once
+        the function is known to drop updates (the program is found or traced first), else
+        after it: a signature's first call learns of the assignment from its own trace, and
+        then nothing was donated (such a program donates nothing; explicit donation raises
+        from the trace). Calls inside a transformation and ahead-of-time lowering refuse in the
+        trace (``_refuse_unchecked``); under ``jax.disable_jit()`` the function ran on the
+        caller's objects, and nothing was lost. Returns whether the function is known to drop
+        updates (so the check was made)."""
         split = plan.static
+        sub = (plan.static_fn or plan.jit) if split is not None else self
+        if not sub._caches.lost_updates:
+            return False
+        if _compat.jit_disabled() or not trace_state_clean():
+            return True
         if split is not None:
-            sub = plan.static_fn or plan.jit
-            if not sub._caches.lost_updates:
-                return
             program = sub._program_for_call(split.args, split.kwargs, report_only=True)
         else:
             program = self._program_for_call(args, kwargs, report_only=True)
         if program is None or not program.lost_updates:
-            return
+            return True
         caller = sys._getframe(1)
         while caller is not None and caller.f_globals.get("__name__", "").startswith("autoopt."):
             caller = caller.f_back
         try:
-            update = _mutations.held_lost_update(program.lost_updates, args, kwargs, bases, caller)
+            update = _mutations.held_lost_update(
+                program.lost_updates, args, kwargs, bases, caller, self
+            )
         finally:
             del caller
         if update is not None:
             raise TypeError(update.message)
+        return True
 
     def _execute(self, plan: CallPlan, args: tuple, kwargs: dict):
         split = plan.static

@@ -162,6 +162,7 @@ def held_lost_update(
     kwargs: dict,
     bases: tuple | None = None,
     caller: Any = None,
+    callee: Any = None,
 ) -> LostUpdate | None:
     """The first of ``lost`` whose object the caller can still reach after this call, or None.
 
@@ -172,8 +173,13 @@ def held_lost_update(
     or to some pytree node inside it (a Variable, a stream of an ``Rngs``, a sub-module).
     ``args`` must be the tuple the call's ``*args`` built (``callsite.nodes_held_elsewhere``);
     ``bases``: a decorated method's baselines, whose ``args`` start with the instance, which is
-    the caller's (``model(x)``), so held. ``caller``: the calling frame, whose hidden locals
-    (``_hidden_holders``) do not count as holders."""
+    the caller's (``model(x)``), so held. ``caller``: the calling frame, whose statement must
+    call ``callee`` itself with plain arguments (``callsite.called_directly``: the reference
+    counts' baselines assume the caller's stack holds each argument) and whose hidden locals
+    (``_hidden_holders``) do not count as holders; otherwise every object is held."""
+    written = len(args) - (1 if bases is not None else 0)  # a method's instance is not written
+    if lost and (caller is None or not callsite.called_directly(caller, callee, written, kwargs)):
+        return lost[0]
     for update in lost:
         root = update.root
         if bases is not None and root == 0:

@@ -23,6 +23,7 @@ instruction to the AST node being evaluated.
 from __future__ import annotations
 
 import ast
+import collections
 import dataclasses
 import dis
 import importlib
@@ -41,6 +42,7 @@ import numpy as np
 from autoopt._compat import (
     ARRAY_IMPL,
     flatten_one_level,
+    is_plain_namedtuple,
     is_tracer,
     jit_accepts_leaf,
 )
@@ -356,6 +358,39 @@ def _stored_after_call(code, lasti: int) -> set[str] | None:
     return stored
 
 
+def called_directly(frame, callee: Any, n_positional: int, keywords) -> bool:
+    """Whether the statement running in ``frame`` calls ``callee`` itself, with plain arguments:
+    a call expression (no ``*``/``**`` unpacking) whose callee, written as a name or attributes
+    of one, evaluates to ``callee``, or is itself a call (``jax.jit(f)(x, nnx.Rngs(0))``) and
+    the statement writes the arguments ``callee`` received (``n_positional``, ``keywords``: a
+    ``functools.partial`` made there adds its own). Then the caller's stack holds each argument
+    while the call runs, as in the calibrated probes; through a ``functools.partial``, ``map``,
+    a thread's ``target(*args)`` or an unpacked tuple, a container the caller may still hold
+    takes the stack's place. Never raises."""
+    try:
+        node = executing.Source.executing(frame).node
+    except Exception:  # noqa: BLE001 - no source (REPL, exec), or executing cannot tell
+        return False
+    if not isinstance(node, ast.Call):
+        return False
+    if any(isinstance(a, ast.Starred) for a in node.args) or any(
+        kw.arg is None for kw in node.keywords
+    ):
+        return False
+    if isinstance(node.func, ast.Attribute) and node.func.attr == "__call__":
+        return False
+    if isinstance(node.func, ast.Call):
+        return len(node.args) == n_positional and {kw.arg for kw in node.keywords} == set(keywords)
+    path = _callee_path(node.func)
+    if path is None:
+        return False
+    root, chain = path
+    try:
+        return _resolve(frame, root, _name_scope(root, frame.f_code), chain) is callee
+    except Exception:  # noqa: BLE001
+        return False
+
+
 def prove_call_site(frame, callee: Any = None) -> CallSiteProof:
     """Analyse the statement that is calling ``callee`` from ``frame``. Never raises.
 
@@ -582,6 +617,7 @@ BOUND_BASES = _calibrate(_BoundProbe())
 
 
 _BUILTIN_NODES = (dict, list, tuple)
+_EMPTY_TUPLE = ()
 
 
 def kid_refcounts(obj) -> tuple[list, list[int], int]:
@@ -589,10 +625,29 @@ def kid_refcounts(obj) -> tuple[list, list[int], int]:
 
     Plain dicts, lists and tuples (jax flattens them to their values) are read directly, ~4x
     cheaper than ``flatten_one_level``; every other node goes through jax's registry."""
-    if type(obj) in _BUILTIN_NODES:
-        kids = list(obj.values()) if type(obj) is dict else list(obj)
+    t = type(obj)
+    if t in _BUILTIN_NODES:
+        kids = list(obj.values()) if t is dict else list(obj)
+        return kids, list(map(sys.getrefcount, kids)), _BASE_KID_BUILTIN
+    if t in _NAMEDTUPLE_NODES or _is_namedtuple_node(t):
+        # An optax state's NamedTuple: its items are its children, held by the tuple itself,
+        # read as a tuple's (~6x cheaper than the registry's path, which looks for a container
+        # of its own behind them: a tuple has none).
+        kids = list(obj)
         return kids, list(map(sys.getrefcount, kids)), _BASE_KID_BUILTIN
     return _registry_kid_refcounts(obj)
+
+
+# NamedTuple types jax flattens by its default rule (``_compat.is_plain_namedtuple``), kept per
+# type: registration is fixed for a type's lifetime.
+_NAMEDTUPLE_NODES: set[type] = set()
+
+
+def _is_namedtuple_node(t: type) -> bool:
+    if is_plain_namedtuple(t):
+        _NAMEDTUPLE_NODES.add(t)
+        return True
+    return False
 
 
 def _registry_counts(obj) -> tuple[list, list[int], int, bool]:
@@ -713,6 +768,8 @@ def _calibrate_kids() -> tuple[int, int, int, int, int]:
     _, stored_counts, stored, _ = _registry_counts(Stored(object()))
     assert stored == fresh + 1
     builtin = kid_refcounts({"a": object()})[1][0]
+    named = collections.namedtuple("named", "a")(object())
+    assert kid_refcounts(named)[1][0] == builtin == kid_refcounts((object(),))[1][0]
     return same_counts[0], new_counts[0], builtin, stored_counts[0], fresh
 
 
@@ -783,7 +840,9 @@ def leaf_problem(obj, seen: set[int], check_refs: bool = True) -> str | None:
         seen.update(ids)
         return None
     for kid, count in zip(kids, counts):
-        if kid is None:  # an empty node (a None field): no buffer, and None is shared by all
+        if kid is None or kid is _EMPTY_TUPLE:
+            # an empty node (a None field, an empty state's ``()``): no buffer, and None and
+            # the empty tuple are single objects every holder shares
             continue
         if type(kid) is not _ARRAY_IMPL and _static_leaf(kid):
             continue  # passed as a constant of the program, never donated
@@ -812,7 +871,9 @@ def shared_parts(obj) -> bool:
     except ValueError:  # a leaf that is not a jax array (a scalar, a NumPy array): no buffer
         return False
     for kid, count in zip(kids, counts):
-        if kid is None:  # an empty node (a None field): no buffer, and None is shared by all
+        if kid is None or kid is _EMPTY_TUPLE:
+            # an empty node (a None field, an empty state's ``()``): no buffer, and None and
+            # the empty tuple are single objects every holder shares
             continue
         if count > base:
             return True
@@ -962,28 +1023,56 @@ def nodes_held_elsewhere(
                 or sys.getrefcount(args[key]) > (base_with_kw if kwargs else base_only) - 1
             ):
                 return True
-            return _nodes_shared(args[key], 0)
+            return _nodes_shared(args[key])
         if key not in kwargs or sys.getrefcount(kwargs[key]) > base_kw - 1:
             return True
-        return _nodes_shared(kwargs[key], 0)
+        return _nodes_shared(kwargs[key])
     except Exception:  # noqa: BLE001 - a node whose flatten fails: assume it is reachable
         return True
 
 
-def _nodes_shared(node, depth: int) -> bool:
-    if depth > 64:
-        return True  # deeper than any model is written: assume shared
-    kids, counts, base = kid_refcounts(node)
-    if base < 0:  # the node flattens to a container something else holds
-        return True
-    for kid, count in zip(kids, counts):
-        if kid is None or type(kid) in _NO_ARRAYS or isinstance(kid, jax.Array | np.ndarray):
-            continue
-        if jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(kid)):
-            continue  # a leaf of another kind: a value as well
-        if count > base or _nodes_shared(kid, depth + 1):
+def _nodes_shared(root) -> bool:
+    """Whether a pytree node inside ``root`` has a holder outside it. A node may appear under
+    several parents inside the argument itself (an ``Rngs`` every sub-module of a fresh model
+    keeps, tied weights): each appearance is one reference its count shows, and only what is
+    beyond them is a holder outside."""
+    nodes, appearances = [root], {}
+    known = {id(root)}
+    i = 0
+    while i < len(nodes):  # every node once, and how many times it appears under a parent
+        kids, _, base = kid_refcounts(nodes[i])
+        i += 1
+        if base < 0:  # the node flattens to a container something else holds
             return True
+        for kid in kids:
+            if _is_value(kid):
+                continue
+            appearances[id(kid)] = appearances.get(id(kid), 0) + 1
+            if id(kid) not in known:
+                known.add(id(kid))
+                nodes.append(kid)
+        if len(nodes) > 100_000:
+            return True  # larger than any model is written: assume shared
+    for parent in nodes:
+        # while the counts are read, this walk holds each node once: in ``nodes`` (the last
+        # parent's children and the loop's name let go first)
+        kids = kid = None
+        kids, counts, base = kid_refcounts(parent)
+        for kid, count in zip(kids, counts):
+            n = appearances.get(id(kid))
+            if n is not None and count > base + n:  # n - 1 other parents here, and ``nodes``
+                return True
     return False
+
+
+def _is_value(kid) -> bool:
+    """A leaf (or an empty node) that holds nothing a call could update: an array, a number,
+    None, the empty tuple, or another leaf type."""
+    if kid is None or kid is _EMPTY_TUPLE or type(kid) in _NO_ARRAYS:
+        return True
+    if isinstance(kid, jax.Array | np.ndarray):
+        return True
+    return jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(kid))
 
 
 # --- signatures and checks of the cached plans (``_jit._plans``) --------------------------------
