@@ -1,6 +1,7 @@
-"""Every claim of a report matches a measurement taken here (issue 16), on six kinds of program
+"""Every claim of a report matches a measurement taken here (issue 16), on seven kinds of program
 a user brings: a small GPT with optax, a KV-cache decoder, a DQN replay buffer, a flax CNN fed
-from NumPy, an equinox MLP, a deep MLP under a memory budget.
+from NumPy, an equinox MLP, an equinox CNN (issue 28: donation makes its peak larger), a deep
+MLP under a memory budget.
 
 Each program runs its loop (``state = step(state, ...)``) three times under
 ``autoopt.optimize``; then its report is checked against:
