@@ -21,6 +21,17 @@ arguments' host-to-device copies are made ahead, so a NumPy-fed loop holds sever
     python benchmarks/memory_truth.py decoder numpy       # some kinds
     python benchmarks/memory_truth.py --one mlp autoopt   # one configuration, JSON
     python benchmarks/memory_truth.py --conv grad_w       # one convolution alone, JSON
+    python benchmarks/memory_truth.py --device-stats      # on a TPU or GPU: the device's own count
+
+``--device-stats`` (a backend that reports ``memory_stats()``: TPU, GPU) sets the report's peak
+against the device allocator's own high-water mark, ``peak_bytes_in_use``, instead of RSS. That
+mark cannot be reset, so the measured loop is the first thing each process runs: bytes in use
+before it, the high-water mark after it (each step waited on; the first step compiles, which
+holds no device memory: the process checks that on a throwaway compile first). ``--ballast``
+measures every configuration in one process instead (a chip costs seconds to open per
+process): before each loop an array of bytes brings what is in use up to the high-water mark
+so far, so whatever the loop holds beyond its start raises the mark again; the fresh-process
+rows check it.
 
 Figures go to benchmarks/RESULTS.md, not into this script.
 """
@@ -326,6 +337,176 @@ def one(kind: str, variant: str) -> dict:
     }
 
 
+def _device_memory() -> Callable[[], dict]:
+    import jax
+
+    device = jax.devices()[0]
+    if not device.memory_stats():
+        raise SystemExit(
+            f"--device-stats needs a device whose allocator reports memory_stats() (a TPU or a "
+            f"GPU); {device.platform} reports none: run without it for peak RSS"
+        )
+    return device.memory_stats
+
+
+def _compile_holds_no_device_memory(stats) -> int:
+    """Device bytes a throwaway compile adds to the high-water mark (0: the first step's compile
+    does not count in what the loop adds)."""
+    import jax
+    import jax.numpy as jnp
+
+    before = stats()["peak_bytes_in_use"]
+    x = jax.ShapeDtypeStruct((4096, 4096), jnp.float32)
+    jax.jit(lambda a: jnp.tanh(a @ a.T).sum()).lower(x).compile()
+    return stats()["peak_bytes_in_use"] - before
+
+
+def _fill_to_high_water_mark(stats):
+    """An array of bytes that brings what is in use up to the high-water mark so far (None when
+    it is there already), and the bytes in use with it: the next allocation raises the mark."""
+    import jax
+    import jax.numpy as jnp
+
+    gc.collect()
+    s = stats()
+    gap = s["peak_bytes_in_use"] - s["bytes_in_use"]
+    ballast = jax.block_until_ready(jnp.zeros((gap,), jnp.uint8)) if gap > 0 else None
+    return ballast, stats()["bytes_in_use"]
+
+
+def one_device(kind: str, variant: str, stats=None) -> dict:
+    """What the loop adds to the device's high-water mark (each step waited on), against the
+    report's peak of the executable it ran; measured first thing, then the report is built."""
+    import jax
+
+    import autoopt
+
+    fresh = stats is None
+    stats = stats or _device_memory()
+    compile_added = _compile_holds_no_device_memory(stats) if fresh else None
+    k = KINDS[kind][1]()
+    options = {"remat": "auto", **k.options}
+    f = k.plain_jit(k.step) if variant == "jit" else autoopt.optimize(k.step, **options)
+    if fresh:
+        gc.collect()
+        ballast, base = None, stats()["bytes_in_use"]
+    else:
+        ballast, base = _fill_to_high_water_mark(stats)
+    mark_before = stats()["peak_bytes_in_use"]
+    jax.block_until_ready(k.loop(f, True))  # the first step compiles (host memory only)
+    added = stats()["peak_bytes_in_use"] - base
+    del ballast
+    fast = autoopt.optimize(k.step, **options) if variant == "jit" else f
+    if variant == "jit":
+        jax.block_until_ready(k.loop(fast))
+    args = k.make_args()
+    report = fast.explain(*args)
+    peak = report.memory["before" if variant == "jit" else "after"]["peak_bytes"]
+    try:
+        compiled = (f if variant == "jit" else fast.inspect(*args).jit).lower(*args).compile()
+        xla_peak = int(getattr(compiled.memory_analysis(), "peak_memory_in_bytes", 0))
+    except Exception:  # noqa: BLE001 - equinox's filter_jit lowers its own way; no figure
+        xla_peak = 0
+    return {
+        "report_peak": peak,
+        "xla_peak": xla_peak,
+        "device_added": added,
+        "mark_above_base": mark_before - base,  # > 0: an earlier mark could hide the loop's
+        "compile_added": compile_added,
+        "applied": sorted({x.kind for x in report.findings if x.applied}),
+        "device": jax.devices()[0].device_kind,
+    }
+
+
+def _fresh_json(*args: str) -> dict | str:
+    """``run_fresh`` for a device: a failed process is a row's text, not the end of the table;
+    a chip still held by the process before is asked again after a pause."""
+    import subprocess
+    import time
+
+    for attempt in range(3):
+        out = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), *args],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if out.returncode == 0:
+            return json.loads(out.stdout.strip().splitlines()[-1])
+        if "lockfile" not in out.stderr or attempt == 2:
+            sys.stderr.write(out.stderr[-2000:])
+            return f"failed: {out.stderr.strip().splitlines()[-1][:120] if out.stderr else ''}"
+        time.sleep(5)
+    raise AssertionError("unreachable")
+
+
+def device_table(kinds: list[str], fresh: list[str], ballast: bool) -> None:
+    """The table of ``--device-stats``: ``fresh`` kinds one process per configuration, then
+    (with ``ballast``) ``kinds`` all in one process; each row printed as it comes."""
+    header = (
+        "program",
+        "under",
+        "how",
+        "report peak MiB",
+        "steps add to peak_bytes_in_use MiB",
+        "report vs device",
+        "XLA peak_memory_in_bytes MiB",
+    )
+    print(markdown_table(header, [], "lllrrrr"), flush=True)
+
+    def row(kind, variant, how, r):
+        name = KINDS[kind][0]
+        if isinstance(r, str):
+            print(f"| {name} | {variant} | {how} | {r} | | | |", flush=True)
+            return
+        under = "jax.jit" if variant == "jit" else f"autoopt ({', '.join(r['applied'])})"
+        diff = (r["report_peak"] - r["device_added"]) / max(r["device_added"], 1)
+        note = f" (mark {r['mark_above_base'] / MIB:+.1f})" if r["mark_above_base"] else ""
+        print(
+            f"| {name} | {under} | {how}{note} | {r['report_peak'] / MIB:.1f} | "
+            f"{r['device_added'] / MIB:.1f} | {diff:+.0%} | {r['xla_peak'] / MIB:.1f} |",
+            flush=True,
+        )
+
+    for kind in fresh:
+        for variant in ("jit", "autoopt"):
+            r = _fresh_json("--one-device", kind, variant)
+            if not isinstance(r, str):
+                print(
+                    f"<!-- {r['device']}; a throwaway compile added {r['compile_added']} bytes "
+                    "to the mark -->",
+                    flush=True,
+                )
+            row(kind, variant, "fresh process", r)
+    if ballast:  # rows streamed: a run stopped at its time limit keeps those it printed
+        import subprocess
+
+        child = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--ballast", *kinds],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert child.stdout is not None
+        for line in child.stdout:
+            if line.startswith("ROW "):
+                kind, variant, r = json.loads(line[4:])
+                row(kind, variant, "one process, ballast", r)
+        if child.wait():
+            print(f"<!-- the ballast process exited with {child.returncode} -->", flush=True)
+
+
+def ballast_all(kinds: list[str]) -> None:
+    stats = _device_memory()
+    for kind in kinds:
+        for variant in ("jit", "autoopt"):
+            try:
+                r: dict | str = one_device(kind, variant, stats)
+            except Exception as e:  # noqa: BLE001 - one row's failure is that row's text
+                r = f"failed: {type(e).__name__}: {str(e)[:100]}"
+            print("ROW " + json.dumps([kind, variant, r]), flush=True)
+            gc.collect()
+
+
 def conv_probe(what: str) -> dict:
     """One convolution of the equinox CNN's second layer (128 images of 64 channels, 32x32, 3x3
     kernel), alone: its report-style peak against what one call adds to peak RSS, with its
@@ -365,10 +546,34 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--one", nargs=2, metavar=("KIND", "VARIANT"))
     p.add_argument("--conv", choices=("fwd", "grad_x", "grad_w"), help="one convolution alone")
+    p.add_argument("--one-device", nargs=2, metavar=("KIND", "VARIANT"))
+    p.add_argument(
+        "--device-stats",
+        action="store_true",
+        help="the device allocator's peak_bytes_in_use instead of RSS (TPU, GPU)",
+    )
+    p.add_argument(
+        "--fresh",
+        default="equinox",
+        help="with --device-stats: kinds measured one process per configuration (comma list, "
+        "'all' or 'none'; the others in one process with a ballast)",
+    )
+    p.add_argument("--ballast", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("kinds", nargs="*", help=f"some of {', '.join(KINDS)} (default: all)")
     ns = p.parse_args()
     if ns.one:
         print(json.dumps(one(*ns.one)))
+        return
+    if ns.one_device:
+        print(json.dumps(one_device(*ns.one_device)))
+        return
+    if ns.ballast:
+        ballast_all(ns.kinds)
+        return
+    if ns.device_stats:
+        kinds = [k for k in KINDS if not ns.kinds or k in ns.kinds]
+        fresh = {"all": kinds, "none": []}.get(ns.fresh, ns.fresh.split(","))
+        device_table(kinds, [k for k in kinds if k in fresh], ballast=True)
         return
     if ns.conv:
         print(json.dumps(conv_probe(ns.conv)))

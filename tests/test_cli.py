@@ -180,7 +180,8 @@ def test_demo_prints_reports_and_measured_times_with_the_same_numbers():
         i = next(i for i, line in enumerate(lines) if line.startswith(name + " "))
         row, why = lines[i], lines[i + 1]
         assert ("yes (bit-exact)" in row) if exact else ("yes (rel " in row), row
-        assert row.count(" ms") == 1 and row.count("x ") >= 2, row  # jit's time, two ratios
+        # jit's time (in s past a second: the transformer's step on a loaded machine), two ratios
+        assert row.count(" ms") + row.count(" s ") == 1 and row.count("x ") >= 2, row
         # peak MiB: jax.jit / autoopt / expert, all measured
         assert re.search(r"\d+\.\d / \d+\.\d / \d+\.\d", row), row
         # every row says what was applied, and where autoopt does not win, why

@@ -553,6 +553,13 @@ def _render_summary(report: Report, console: Any, verbose: bool = False) -> None
                 f"; peak {format_bytes(before)} -> {format_bytes(after)} per call, "
                 f"{format_bytes(before - after)} saved (memory table)"
             )
+        elif after > before:
+            # A larger peak is said as plainly as a smaller one: XLA's executable with an
+            # argument donated can hold more temporaries than the one without.
+            head += (
+                f"; peak {format_bytes(before)} -> {format_bytes(after)} per call, "
+                f"{format_bytes(after - before)} more (memory table)"
+            )
     else:
         saved = sum(f.bytes_saved or 0 for f in applied)
         if saved:
@@ -630,11 +637,11 @@ def _render_memory(report: Report, console: Any) -> None:
     if not (mem.get("before") and mem.get("after")):
         return
     console.print()
+    # "peak" is autoopt's figure, not XLA's peak_memory_in_bytes, which on XLA:CPU is far
+    # below what the process holds (benchmarks/RESULTS.md, "memory truth"). A line of its own,
+    # not the table's title: a title wraps at the width of a narrow table.
+    console.print("compiled memory (peak = argument + output - alias + temp)")
     t = Table(
-        # "peak" is autoopt's figure, not XLA's peak_memory_in_bytes, which on XLA:CPU is far
-        # below what the process holds (benchmarks/RESULTS.md, "memory truth").
-        title="compiled memory (peak = argument + output - alias + temp)",
-        title_justify="left",
         box=None,
         pad_edge=False,
         show_edge=False,
