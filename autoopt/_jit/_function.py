@@ -231,7 +231,7 @@ def _native_call_path() -> Any:
     if os.environ.get("AUTOOPT_NATIVE", "1") == "0":
         return None
     try:
-        from autoopt._jit import _native  # pyright: ignore[reportAttributeAccessIssue]
+        import autoopt._jit._native as _native  # pyright: ignore[reportMissingImports]
     except ImportError:  # not built (a source checkout, or compiling failed): the Python path
         return None
     if not _native.SUPPORTED:

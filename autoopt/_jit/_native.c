@@ -463,138 +463,166 @@ run_plan(CallPath *self, PyObject *site, PyObject *plan, PyObject *args, PyObjec
     return 1;
 }
 
-/* 1: handled (``*out`` the result, or NULL with an exception set), 0: the Python path. */
+/* The plan for the arguments' flat key in ``plans`` (a new reference), or NULL (none: a new
+ * signature, or arguments that are not flat). */
+static PyObject *
+find_plan(CallPath *self, PyObject *plans, PyObject *args)
+{
+    PyObject *key = flat_key(args);
+    if (key == NULL)
+        return PyErr_Clear(), NULL;
+    uint64_t version = ((PyDictObject *)plans)->ma_version_tag;
+    if (self->key_plan != NULL && self->key_plans == plans && self->key_version == version &&
+        PyTuple_GET_SIZE(self->key) == PyTuple_GET_SIZE(key)) {
+        Py_ssize_t i = 0;
+        while (i < PyTuple_GET_SIZE(key) &&
+               PyTuple_GET_ITEM(key, i) == PyTuple_GET_ITEM(self->key, i))
+            i++;
+        if (i == PyTuple_GET_SIZE(key)) {
+            Py_DECREF(key);
+            return Py_NewRef(self->key_plan);
+        }
+    }
+    PyObject *plan = PyDict_GetItemWithError(plans, key);
+    if (plan == NULL) {
+        Py_DECREF(key);
+        return PyErr_Clear(), NULL;
+    }
+    Py_INCREF(plan);
+    /* (read after the lookup: a comparison that ran Python code and changed the dict made the
+     * lookup start again, so the plan found is the one of this version) */
+    self->key_version = ((PyDictObject *)plans)->ma_version_tag;
+    Py_XSETREF(self->key_plans, Py_NewRef(plans));
+    Py_XSETREF(self->key, key);
+    Py_XSETREF(self->key_plan, Py_NewRef(plan));
+    return plan;
+}
+
+/* The site of the call from frame ``f`` (its fields in ``*spec``, ``*plans``: new references,
+ * ``*spec`` NULL when the site donates nothing), or 0: not found (a new site) or unreadable. */
+static int
+find_site(CallPath *self, _PyInterpreterFrame *f, PyObject **site, PyObject **spec,
+          PyObject **plans)
+{
+    int lasti = _PyInterpreterFrame_LASTI(f);
+    lasti = lasti < 0 ? -1 : lasti * (int)sizeof(_Py_CODEUNIT);
+    uint64_t version = ((PyDictObject *)self->sites)->ma_version_tag;
+    if (!(self->last_site != NULL && self->last_code == f->f_code &&
+          self->last_lasti == lasti && self->last_version == version)) {
+        PyObject *key = Py_BuildValue("(Ni)", PyLong_FromVoidPtr(f->f_code), lasti);
+        if (key == NULL)
+            return PyErr_Clear(), 0;
+        PyObject *found = PyDict_GetItemWithError(self->sites, key);
+        Py_DECREF(key);
+        if (found == NULL)
+            return PyErr_Clear(), 0; /* a new site: the Python path proves it */
+        Py_INCREF(found);
+        version = ((PyDictObject *)self->sites)->ma_version_tag;
+        PyObject *donates_o = PyObject_GetAttr(found, s_donates);
+        int donates = donates_o ? PyObject_IsTrue(donates_o) : -1;
+        Py_XDECREF(donates_o);
+        PyObject *found_spec = NULL, *found_plans = NULL;
+        if (donates > 0) {
+            PyObject *proof = PyObject_GetAttr(found, s_proof);
+            if (proof != NULL) {
+                found_spec = PyObject_GetAttr(proof, s_slot_spec);
+                Py_DECREF(proof);
+            }
+            if (found_spec == NULL)
+                donates = -1;
+        }
+        if (donates >= 0) {
+            found_plans = PyObject_GetAttr(found, s_plans);
+            if (found_plans == NULL)
+                donates = -1;
+        }
+        if (donates < 0) {
+            Py_DECREF(found);
+            Py_XDECREF(found_spec);
+            return PyErr_Clear(), 0;
+        }
+        Py_XSETREF(self->last_site, found);
+        Py_XSETREF(self->last_spec, found_spec);
+        Py_XSETREF(self->last_plans, found_plans);
+        Py_XSETREF(self->last_code, (PyCodeObject *)Py_NewRef(f->f_code));
+        self->last_lasti = lasti;
+        self->last_version = version;
+    }
+    /* Strong references: what runs next may run Python code, another thread, or this function
+     * again at another site, each of which may replace the fields. */
+    *site = Py_NewRef(self->last_site);
+    *spec = Py_XNewRef(self->last_spec);
+    *plans = Py_NewRef(self->last_plans);
+    return 1;
+}
+
+/* 1: handled (``*out`` the result, or NULL with an exception set), 0: the Python path. Every
+ * reference taken here is dropped before it returns 0. */
 static int
 fast_call(CallPath *self, PyObject *args, PyObject **out)
 {
     int clean = trace_clean();
     if (clean <= 0)
         return clean < 0 ? (PyErr_Clear(), 0) : 0;
-    PyObject *plans = NULL; /* borrowed from the site or self */
-    PyObject *site = NULL;
+    PyObject *site = NULL, *spec = NULL, *plans = NULL; /* strong references */
+    int r = 0;
     if (self->sites != NULL) {
         _PyInterpreterFrame *f = caller_frame();
-        if (f == NULL)
+        if (f == NULL || !find_site(self, f, &site, &spec, &plans))
             return 0;
-        int lasti = _PyInterpreterFrame_LASTI(f);
-        lasti = lasti < 0 ? -1 : lasti * (int)sizeof(_Py_CODEUNIT);
-        uint64_t version = ((PyDictObject *)self->sites)->ma_version_tag;
-        if (!(self->last_site != NULL && self->last_code == f->f_code &&
-              self->last_lasti == lasti && self->last_version == version)) {
-            PyObject *key = Py_BuildValue("(Ni)", PyLong_FromVoidPtr(f->f_code), lasti);
-            if (key == NULL)
-                return PyErr_Clear(), 0;
-            PyObject *found = PyDict_GetItemWithError(self->sites, key);
-            Py_DECREF(key);
-            if (found == NULL)
-                return PyErr_Clear(), 0; /* a new site: the Python path proves it */
-            Py_INCREF(found);
-            PyObject *donates_o = PyObject_GetAttr(found, s_donates);
-            int donates = donates_o ? PyObject_IsTrue(donates_o) : -1;
-            Py_XDECREF(donates_o);
-            PyObject *spec = NULL, *site_plans = NULL;
-            if (donates > 0) {
-                PyObject *proof = PyObject_GetAttr(found, s_proof);
-                if (proof != NULL) {
-                    spec = PyObject_GetAttr(proof, s_slot_spec);
-                    Py_DECREF(proof);
-                }
-                if (spec == NULL)
-                    donates = -1;
+        if (spec != NULL) { /* the site donates: its proof's check, on every call */
+            if (spec == Py_None)
+                goto done; /* a check without a spec: the Python path runs it */
+            int ok = run_spec(spec, f, (PyObject *)self, args);
+            if (ok <= 0) {
+                if (ok < 0)
+                    PyErr_Clear();
+                goto done;
             }
-            if (donates >= 0) {
-                site_plans = PyObject_GetAttr(found, s_plans);
-                if (site_plans == NULL)
-                    donates = -1;
-            }
-            if (donates < 0) {
-                Py_DECREF(found);
-                Py_XDECREF(spec);
-                return PyErr_Clear(), 0;
-            }
-            Py_XSETREF(self->last_site, found);
-            Py_XSETREF(self->last_spec, spec);
-            Py_XSETREF(self->last_plans, site_plans);
-            Py_XSETREF(self->last_code, (PyCodeObject *)Py_NewRef(f->f_code));
-            self->last_lasti = lasti;
-            self->last_version = version;
-        }
-        site = self->last_site;
-        if (self->last_spec != NULL) { /* the site donates: its proof's check, each call */
-            if (self->last_spec == Py_None)
-                return 0; /* a check without a spec: the Python path runs it */
-            int ok = run_spec(self->last_spec, f, (PyObject *)self, args);
-            if (ok <= 0)
-                return ok < 0 ? (PyErr_Clear(), 0) : 0;
-            plans = self->last_plans;
         } else {
             PyObject *lookup = PyObject_GetAttr(self->caches, s_lookup_plain);
             int on = lookup ? PyObject_IsTrue(lookup) : -1;
             Py_XDECREF(lookup);
-            if (on < 0)
-                return PyErr_Clear(), 0;
-            if (on)
-                plans = self->last_plans;
+            if (on < 0) {
+                PyErr_Clear();
+                goto done;
+            }
+            if (!on)
+                Py_CLEAR(plans);
         }
     } else {
-        plans = self->auto_plans;
+        plans = Py_XNewRef(self->auto_plans);
     }
     if (plans != NULL && plans != Py_None) {
         if (!PyDict_Check(plans) || PyDict_GET_SIZE(plans) == 0)
-            return 0;
-        PyObject *key = flat_key(args);
-        if (key == NULL)
-            return PyErr_Clear(), 0;
-        uint64_t version = ((PyDictObject *)plans)->ma_version_tag;
-        PyObject *plan = NULL;
-        if (self->key_plan != NULL && self->key_plans == plans && self->key_version == version &&
-            PyTuple_GET_SIZE(self->key) == PyTuple_GET_SIZE(key)) {
-            plan = self->key_plan;
-            for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(key); i++) {
-                if (PyTuple_GET_ITEM(key, i) != PyTuple_GET_ITEM(self->key, i)) {
-                    plan = NULL;
-                    break;
-                }
-            }
-        }
-        if (plan == NULL) {
-            plan = PyDict_GetItemWithError(plans, key);
-            if (plan == NULL) {
-                Py_DECREF(key);
-                return PyErr_Clear(), 0; /* not flat, or a new signature */
-            }
-            Py_INCREF(plan);
-            Py_XSETREF(self->key_plan, plan);
-            Py_XSETREF(self->key, key);
-            Py_XSETREF(self->key_plans, Py_NewRef(plans));
-            self->key_version = ((PyDictObject *)plans)->ma_version_tag;
-        } else {
-            Py_DECREF(key);
-        }
-        Py_INCREF(plan);
-        Py_XINCREF(site);
-        int r = run_plan(self, site, plan, args, out);
-        Py_XDECREF(site);
+            goto done;
+        PyObject *plan = find_plan(self, plans, args);
+        if (plan == NULL)
+            goto done; /* not flat, or a new signature */
+        r = run_plan(self, site, plan, args, out);
         Py_DECREF(plan);
-        if (r < 0)
-            return PyErr_Clear(), 0;
-        return r;
+    } else if (self->plain_run != NULL) {
+        Py_ssize_t n = PyTuple_GET_SIZE(args);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int in = PySet_Contains(plain_types, (PyObject *)Py_TYPE(PyTuple_GET_ITEM(args, i)));
+            if (in <= 0) {
+                if (in < 0)
+                    PyErr_Clear();
+                goto done;
+            }
+        }
+        PyObject *plain = Py_NewRef(self->plain_run);
+        r = run_plan(self, site, plain, args, out);
+        Py_DECREF(plain);
     }
-    if (self->plain_run == NULL)
-        return 0;
-    Py_ssize_t n = PyTuple_GET_SIZE(args);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int in = PySet_Contains(plain_types, (PyObject *)Py_TYPE(PyTuple_GET_ITEM(args, i)));
-        if (in <= 0)
-            return in < 0 ? (PyErr_Clear(), 0) : 0;
+    if (r < 0) {
+        PyErr_Clear();
+        r = 0;
     }
-    PyObject *plain = Py_NewRef(self->plain_run);
-    Py_XINCREF(site);
-    int r = run_plan(self, site, plain, args, out);
+done:
     Py_XDECREF(site);
-    Py_DECREF(plain);
-    if (r < 0)
-        return PyErr_Clear(), 0;
+    Py_XDECREF(spec);
+    Py_XDECREF(plans);
     return r;
 }
 
