@@ -208,3 +208,34 @@ def test_x64_changing_between_calls_at_one_site_gives_jax_jits_numbers():
     x = jnp.arange(4.0)
     for got in loop(x, 4):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(expert(x)))
+
+
+@needs_native
+def test_two_threads_looping_at_two_sites_of_one_function():
+    # Each thread's calls replace what the C path remembers of the last site and signature
+    # while the other's executable runs (without the GIL): the results stay each loop's own.
+    fast = autoopt.optimize(lambda x: x + 1.0)
+    results: dict[str, np.ndarray] = {}
+
+    def first(n):
+        x = jnp.zeros(4)
+        for _ in range(n):
+            x = fast(x)
+        results["first"] = np.asarray(x)
+
+    def second(n):
+        x = jnp.zeros((2, 3))
+        for _ in range(n):
+            x = fast(x)
+        results["second"] = np.asarray(x)
+
+    threads = [
+        threading.Thread(target=first, args=(3000,)),
+        threading.Thread(target=second, args=(3000,)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    np.testing.assert_array_equal(results["first"], np.full(4, 3000.0))
+    np.testing.assert_array_equal(results["second"], np.full((2, 3), 3000.0))
