@@ -22,7 +22,9 @@ import autoopt
 from autoopt._jit import _function
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-needs_native = pytest.mark.skipif(not _function.NATIVE, reason="the C call path is not built")
+needs_native = pytest.mark.skipif(
+    not _function.NATIVE, reason="the C call path is off (not built, or AUTOOPT_NATIVE=0)"
+)
 
 
 def _run(code: str, native: bool) -> str:
