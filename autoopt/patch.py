@@ -525,7 +525,7 @@ def _attribute_compile(fun_name: str) -> None:
     """Count a compile against the optimized function whose call made it (found on the stack),
     and record what its passes did for that call's signature.
 
-    Only autoopt's own call frames are read (``OptimizedFunction.__call__`` and ``_run``, by
+    Only autoopt's own call frames are read (``OptimizedFunction._call`` and ``_run``, by
     code object): reading ``f_locals`` of a user's frame would, on Python 3.11, rewrite the dict
     a ``locals()`` snapshot of that frame holds."""
     frame = sys._getframe(2)
@@ -549,7 +549,7 @@ def _attribute_compile(fun_name: str) -> None:
 
 @functools.cache
 def _own_call_codes(cls: type) -> frozenset:
-    return frozenset({cls.__call__.__code__, cls._run.__code__})
+    return frozenset({cls._call.__code__, cls._run.__code__})
 
 
 def _record_program(row: FunctionSummary, fn: Any, args: tuple, kwargs: dict) -> None:

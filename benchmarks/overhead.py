@@ -7,6 +7,10 @@ medians reported; quote the ratios (the machine is shared and noisy).
     python benchmarks/overhead.py [--rounds 15] [--quick]
     python benchmarks/overhead.py --issue30   # issue 30's table (rows from in_place.py and
                                               # host_feed.py too) and the per-check profile
+    python benchmarks/overhead.py --dispatch-only  # the two cached-call rows, C path and Python
+
+Where the C call path (``autoopt/_jit/_native.c``) is on, the cached-call rows and the profile
+also run the same function through the Python call path, interleaved (``python_path``).
 """
 
 from __future__ import annotations
@@ -42,6 +46,24 @@ def _rebinding(f, make_x, n: int):
     return go, make_x
 
 
+def python_path(f):
+    """``f`` (an ``OptimizedFunction``) taking the pure-Python call path, sharing its caches, or
+    None when the C call path is off (``AUTOOPT_NATIVE=0``, or not built): so both paths are
+    measured interleaved in one process. Its class defines ``__call__`` as the Python path's
+    ``_call``, as ``OptimizedFunction`` itself does without the C path."""
+    from autoopt._jit import _function
+
+    if not _function.NATIVE:
+        return None
+
+    class PythonPath(type(f)):
+        __call__ = _function.OptimizedFunction._call
+
+    g = f._fresh()  # noqa: SLF001 - a benchmark of internals
+    g.__class__ = PythonPath
+    return g
+
+
 def dispatch(rounds: int, n: int) -> dict[str, float]:
     def tiny(x):
         return x + 1.0
@@ -68,17 +90,24 @@ def dispatch(rounds: int, n: int) -> dict[str, float]:
     runs, prepare = {}, {}
     runs["jit"] = _calls(jitted, x, n)
     runs["autoopt"] = _calls(fast, x, n)
-    for name, f, make in (
+    rebinding = [
         ("jit donate", expert_donating, ones),
         ("autoopt x=f(x)", fast, ones),
         ("jit donate tree", sim_expert, state),
         ("autoopt tree", sim_fast, state),
-    ):
+    ]
+    slow = python_path(fast)
+    if slow is not None:  # the same calls through the Python path, interleaved
+        slow(x)
+        runs["autoopt (python path)"] = _calls(slow, x, n)
+        rebinding.append(("autoopt x=f(x) (python path)", slow, ones))
+    for name, f, make in rebinding:
         runs[name], prepare[name] = _rebinding(f, make, n)
     # Per call: n + 1 calls for y = f(x), n for x = f(x).
     times = interleave(runs, rounds, warmup=0, prepare=prepare)
     med = times.medians()
-    return {k: v / (n + 1 if k in ("jit", "autoopt") else n) for k, v in med.items()}
+    once = ("jit", "autoopt", "autoopt (python path)")
+    return {k: v / (n + 1 if k in once else n) for k, v in med.items()}
 
 
 def check_profile(rounds: int, n: int) -> dict[str, float]:
@@ -173,6 +202,13 @@ def check_profile(rounds: int, n: int) -> dict[str, float]:
         "+ the plan's checks (references, deleted, nans)": Plan(),
         "autoopt.optimize": fast,
     }
+    slow = python_path(fast)
+    if slow is not None:  # the C call path is on: ``fast`` takes it; this is the Python path's
+        stages = {
+            **{k: v for k, v in stages.items() if k != "autoopt.optimize"},
+            "autoopt.optimize, Python call path": slow,
+            "autoopt.optimize, C call path": fast,
+        }
     runs, prepare = {}, {}
     for name, f in stages.items():
         runs[name], prepare[name] = _rebinding(f, ones, n)
@@ -269,6 +305,7 @@ def issue_table(rounds: int, calls: int) -> None:
     ip = {name.split(" `")[0]: (naive, auto, expert) for name, naive, auto, _, expert, _ in rows}
     feats = host_feed.many_leaves(rounds, 200).medians()
     bound = host_feed.many_leaves(rounds, 200, step=host_feed.feed_bound_step).medians()
+    native = "autoopt (python path)" in d
     table = [
         ("`y = f(x)`, tiny function, vs jax.jit", d["autoopt"] / d["jit"], "<= 1.1x"),
         (
@@ -304,7 +341,22 @@ def issue_table(rounds: int, calls: int) -> None:
             ">= 1.0x (>= 1.5x where packing wins)",
         ),
     ]
-    print(f"\n| issue 30's rows ({rounds} interleaved rounds, medians) | measured | target |")
+    if native:  # the first two rows again, through the Python call path
+        table[2:2] = [
+            (
+                "`y = f(x)` vs jax.jit, Python call path",
+                d["autoopt (python path)"] / d["jit"],
+                "(C path off)",
+            ),
+            (
+                "`x = f(x)` donated vs jit donate, Python call path",
+                d["autoopt x=f(x) (python path)"] / d["jit donate"],
+                "(C path off)",
+            ),
+        ]
+    path = "C call path on" if native else "Python call path only"
+    head = f"issue 30's rows ({rounds} interleaved rounds, medians; {path})"
+    print(f"\n| {head} | measured | target |")
     print("|---|---:|---|")
     for name, ratio, target in table:
         print(f"| {name} | {ratio:.2f}x | {target} |")
@@ -329,9 +381,23 @@ def main() -> None:
     p.add_argument("--trees-only", action="store_true", help="only the 64/512-leaf states")
     p.add_argument("--profile", action="store_true", help="only the per-check profile")
     p.add_argument("--issue30", action="store_true", help="only issue 30's table and profile")
+    p.add_argument("--dispatch-only", action="store_true", help="only the cached-call rows")
     a = p.parse_args()
     if a.quick:
         a.rounds, a.calls = 3, 200
+    if a.dispatch_only:
+        d = dispatch(a.rounds, a.calls)
+        for k, v in d.items():
+            print(f"{k}: {v * 1e6:.2f} us")
+        print(f"y = f(x) vs jit: {d['autoopt'] / d['jit']:.2f}x")
+        print(f"x = f(x) vs jit donate: {d['autoopt x=f(x)'] / d['jit donate']:.2f}x")
+        if "autoopt (python path)" in d:
+            print(f"python path y = f(x) vs jit: {d['autoopt (python path)'] / d['jit']:.2f}x")
+            print(
+                "python path x = f(x) vs jit donate: "
+                f"{d['autoopt x=f(x) (python path)'] / d['jit donate']:.2f}x"
+            )
+        return
     if a.issue30:
         issue_table(a.rounds, a.calls)
         print()

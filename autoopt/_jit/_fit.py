@@ -60,11 +60,16 @@ log = logging.getLogger("autoopt")
 # ``_function``): a trace raises it only when one of them is on the stack, so a jit object a
 # user holds (``fast.inspect(x).jit.lower(x)``) never sees it.
 CATCHERS: set = set()
+# Whether this thread is inside an executable the C call path runs (``_native.catching``), which
+# catches ``FitCheck`` as the Python plans do; set by ``_function`` when that path is on.
+NATIVE_CATCHING: Any = None
 
 
 def caught_here() -> bool:
     """Whether a function that catches ``FitCheck`` is on this thread's stack. Walked only on
     a signature's first trace (milliseconds of tracing; the walk costs microseconds)."""
+    if NATIVE_CATCHING is not None and NATIVE_CATCHING():
+        return True
     frame = sys._getframe(2)
     while frame is not None:
         if frame.f_code in CATCHERS:

@@ -5,7 +5,9 @@ A call: ``__call__`` finds the caller's site (under ``"safe"``), takes the plan 
 repeating call (the site's plan for this signature, or the plain plan of flat arguments), else
 asks ``dispatch`` for a ``CallPlan`` (which jit object, what it donates, whether the placer runs,
 whether to verify, or the function for the call's static leaves); then the plan runs. A decorated
-method is the same call with the instance in front (``_BoundOptimized``). ``trace``, ``lower``,
+method is the same call with the instance in front (``_BoundOptimized``). Where the C call path
+is built (``_native.c``, CPython 3.11), it is ``__call__`` and runs a repeating call's flat plan
+with the same checks, calling ``_call`` (the Python path) for everything else. ``trace``, ``lower``,
 ``explain`` and ``inspect`` share one preparation (``_prepare``: the static-leaf split) and one
 program lookup (``_program_for_call``).
 """
@@ -23,7 +25,7 @@ import threading
 import types
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 from jax import tree_util
@@ -211,7 +213,98 @@ def _refuse_unchecked(program: Program, tls: threading.local) -> None:
         raise TypeError(program.lost_updates[0].message)
 
 
-class OptimizedFunction:
+def _type_function(cls: type, name: str, kind: type | None) -> Any:
+    """The function behind ``obj.name`` for instances of ``cls``: a property's getter
+    (``kind=property``) or a method of a type whose instances have no dict to shadow it
+    (``kind=None``); None otherwise (the C path then reads the attribute)."""
+    try:
+        found = inspect.getattr_static(cls, name)
+    except AttributeError:
+        return None
+    if kind is property:  # a data descriptor: it wins over an instance's dict
+        return found.fget if type(found) is property else None
+    if cls.__dictoffset__ or isinstance(found, types.FunctionType) or not callable(found):
+        return None
+    return found
+
+
+def _value_getter(state: Any) -> Any:
+    return _type_function(type(state), "value", property)
+
+
+def _native_call_path() -> Any:
+    """The C call path (``_native.c``) when it is built for this interpreter, not turned off
+    with ``AUTOOPT_NATIVE=0``, and the reference counts it sees are those measured here: a
+    lone argument's in its ``tp_call`` (its own baseline), and those the Python path sees
+    through it (``_call`` and a plan it calls), which must be exactly what ``callsite`` measured
+    through a Python ``__call__``. Else None: the Python path, everywhere."""
+    if os.environ.get("AUTOOPT_NATIVE", "1") == "0":
+        return None
+    try:
+        import autoopt._jit._native as _native  # pyright: ignore[reportMissingImports]
+    except ImportError:  # not built (a source checkout, or compiling failed): the Python path
+        return None
+    if not _native.SUPPORTED:
+        return None
+
+    class RefProbe(_native.CallPath):
+        pass
+
+    class CallProbe(_native.CallPath):
+        def _call(self, *args, **kwargs):
+            return callsite._measure(args, kwargs)
+
+    def lone(probe):
+        x = object()
+        return probe(x)
+
+    refs = RefProbe()
+    refs._native_configure(2, None, None, None, None)
+    base = min(lone(refs) for _ in range(3))
+    through_python = callsite._calibrate(CallProbe())
+    if through_python != (callsite._BASE_POS, callsite._BASE_POS_KW, callsite._BASE_KW):
+        return None
+    states = (_compat._TRACE_STATE, _compat._AXIS_ENV, *_compat.DEBUG_NANS_STATES)
+    _native.configure(
+        _compat._TRACE_STATE,
+        _compat._EVAL_TRACE,
+        _compat._AXIS_ENV,
+        _compat._TOP_AXIS_ENV,
+        *_compat.DEBUG_NANS_STATES,
+        _compat.ARRAY_IMPL,
+        PLAIN_TYPES,
+        callsite.other_code_may_run,
+        FitCheck,
+        _fit.first_call,
+        _compat.filter_traceback,
+        MISS,
+        base,
+        tuple(map(_value_getter, states)),
+        _type_function(_compat.ARRAY_IMPL, "aval", property),
+        _type_function(_compat.ARRAY_IMPL, "is_deleted", None),
+    )
+    # A plan the C path calls with a tuple of its own counts what it counts under ``_call``.
+    plan_probe = CallProbe()
+    plan_probe._native_configure(
+        1, None, {(object,): lambda args: sys.getrefcount(args[0])}, None, None
+    )
+    if min(lone(plan_probe) for _ in range(3)) != callsite.CALL_REFS:
+        return None
+    _fit.NATIVE_CATCHING = _native.catching
+    return _native
+
+
+_NATIVE = _native_call_path()
+# Whether calls take the C call path (``_native.c``); else ``OptimizedFunction._call`` is
+# ``__call__`` itself.
+NATIVE = _NATIVE is not None
+if TYPE_CHECKING:  # (the checker reads the Python path)
+    _CallBase = object
+else:
+    _CallBase = _NATIVE.CallPath if _NATIVE is not None else object
+
+
+class OptimizedFunction(_CallBase):
     """What ``optimize`` returns: call it like the ``jax.jit`` of the original function.
 
     ``_policy`` (frozen) is what ``optimize`` decided; ``_caches`` what calls learned. The plain
@@ -242,14 +335,27 @@ class OptimizedFunction:
         self._auto_fast = self._caches.auto_fast if policy.donate == "auto" else None
         self._flat_plain = not (policy.verify or policy.has_static)
         self._shares: OptimizedFunction | None = None  # the one a ``_fresh`` wrapper shares
+        self._configure_call_path()
+
+    def _configure_call_path(self) -> None:
+        """What the C call path reads (the same objects as the attributes above)."""
+        if NATIVE:
+            self._native_configure(  # pyright: ignore[reportAttributeAccessIssue]
+                1,
+                self._sites,
+                self._auto_fast,
+                self._caches,
+                self._plain_run if self._flat_plain else None,
+            )
 
     def _fresh(self) -> OptimizedFunction:
         """A new wrapper object sharing this one's programs and call sites, as each
         ``jax.jit(f)`` is a new object sharing one cache: attributes a caller sets on it (a name,
         a flag) stay its own. It keeps this one alive (``_reuse``'s cache may hold it weakly)."""
-        new = object.__new__(type(self))
+        new = type(self).__new__(type(self))
         new.__dict__.update(self.__dict__)
         new._shares = self
+        new._configure_call_path()
         return new
 
     # --- jit objects ---------------------------------------------------------------------------
@@ -507,11 +613,13 @@ class OptimizedFunction:
 
     # --- the call path (see _dispatch) -----------------------------------------------------------
 
-    def __call__(self, *args, **kwargs):
+    def _call(self, *args, **kwargs):
         # One story for every call: find the call's plans (its call site's under "safe", the
         # function's under "auto"), look up the plan for the arguments' signature and run it.
         # Without a plan, or when its run-time check refuses, the general path plans the call
-        # (``_dispatch``); calls inside another transformation always take it.
+        # (``_dispatch``); calls inside another transformation always take it. ``__call__`` is
+        # this method, or the C call path (``_native.c``), which runs the same checks for a
+        # repeating call's flat signature and calls this method for everything else.
         site = None
         try:
             if trace_state_clean():
@@ -567,6 +675,15 @@ class OptimizedFunction:
         except Exception as e:
             _compat.filter_traceback(e)
             raise
+
+    if not NATIVE:
+        __call__ = _call
+
+    def _fit_escaped(self, check: FitCheck, site: Site | None, args: tuple):
+        """``_call``'s handler of a ``FitCheck`` no catcher caught, for the C call path (which
+        filters the traceback itself)."""
+        check.program.fit = "fits"
+        return self._run(self._dispatch(site, args, {}), args, {})
 
     def _run(self, plan: CallPlan, args: tuple, kwargs: dict, bases: tuple | None = None):
         """Execute a plan (``__call__`` inlines the common case). ``args``: the tuple the call's
@@ -1037,7 +1154,7 @@ class _BoundOptimized:
 _fit.CATCHERS.update(
     f.__code__
     for f in (
-        OptimizedFunction.__call__,
+        OptimizedFunction._call,
         OptimizedFunction._run,
         OptimizedFunction._verify,
         OptimizedFunction._program_for_call,

@@ -19,6 +19,11 @@ to every container and array inside it (so no array is also passed elsewhere), u
 that no array is passed twice or is a constant of the program; under both, that nothing is
 deleted and ``jax_debug_nans`` is off (jax re-runs the inputs op by op on a NaN). A plan that
 donates nothing checks nothing.
+
+The C call path (``_native.c``) runs two kinds of plan itself, with the same checks: those
+marked ``_native = (jit, positions)``, a plan with nothing to check (placer None) and the flat
+signature's plan donating ``positions`` under ``"safe"``. It calls any other plan as
+``__call__`` does.
 """
 
 from __future__ import annotations
@@ -103,6 +108,8 @@ def _runner(jit: Any, placer: Any) -> Callable:
             except FitCheck as e:
                 return _fit.first_call(e, jit, None, args, {})
 
+        run._native = (jit, ())  # pyright: ignore[reportFunctionMemberAccess]
+
     else:
 
         def run(args):
@@ -151,6 +158,8 @@ def donating(
                 return jit(*args)
             except FitCheck as e:
                 return _fit.first_call(e, jit, None, args, {})
+
+        plan._native = (jit, positions)  # pyright: ignore[reportFunctionMemberAccess]
 
     elif kind == "flat" and check_refs:
 

@@ -80,6 +80,13 @@ class CallSiteProof:
     check: Callable[[Any, Any, tuple, dict], bool] = dataclasses.field(
         default=lambda frame, callee, args, kwargs: False, repr=False, compare=False
     )
+    # ``check`` as data, for the C call path (``autoopt/_jit/_native.c``), which runs exactly
+    # this check and nothing less: ``(the callee's global name, or None when the callee is a
+    # frame slot; whether a donated name is shared (``other_code_may_run``); ((slot index, is a
+    # cell, the argument's position or keyword, None for the callee), ...); ((position or
+    # keyword, global name), ...))``. None where ``check`` is not ``_slot_check``'s (a callee
+    # with attributes, module level, or no readable frame): that path then runs ``check``.
+    slot_spec: tuple | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def any(self) -> bool:
@@ -284,6 +291,7 @@ def _slot_check(
                 return False
         return True
 
+    check.slot_spec = (root if callee_global else None, shared, slots_t, globals_t)  # pyright: ignore[reportFunctionMemberAccess]
     return check
 
 
@@ -540,6 +548,15 @@ def prove_call_site(frame, callee: Any = None) -> CallSiteProof:
     bound = tuple(
         (key, name, _name_scope(name, code)) for key, name in zip([*positions, *names], donated)
     )
+    check = _make_check(
+        root,
+        scope,
+        chain,
+        shared,
+        module_level=not code.co_flags & inspect.CO_OPTIMIZED,
+        bound=bound,
+        code=code,
+    )
     return CallSiteProof(
         tuple(positions),
         tuple(names),
@@ -550,15 +567,8 @@ def prove_call_site(frame, callee: Any = None) -> CallSiteProof:
         keywords=frozenset(kw.arg for kw in node.keywords if kw.arg is not None),
         unpack=unpack,
         code=code,
-        check=_make_check(
-            root,
-            scope,
-            chain,
-            shared,
-            module_level=not code.co_flags & inspect.CO_OPTIMIZED,
-            bound=bound,
-            code=code,
-        ),
+        check=check,
+        slot_spec=getattr(check, "slot_spec", None),
     )
 
 

@@ -1,0 +1,824 @@
+/* The cached call of an OptimizedFunction in C: ``CallPath``, the base class whose ``tp_call``
+ * runs a repeating call's plan, and falls back to the Python path (``OptimizedFunction._call``)
+ * for everything else.
+ *
+ * What it does is ``_call``'s first half, check for check, in the same order:
+ *
+ *   - jax's trace state is clean (``_compat.trace_state_clean``: two ``.value`` reads);
+ *   - under "safe", the caller's frame (what ``sys._getframe(1)`` is in ``_call``), its site in
+ *     the function's site dict (keyed ``(id(code), f_lasti in bytes)``, the Python key), and,
+ *     where the site donates, the proof's run-time check, executed from the spec
+ *     ``callsite._slot_check`` compiles (``CallSiteProof.slot_spec``): the callee name and every
+ *     donated name read from the frame's own slots or globals, each the very object the call
+ *     received, and ``callsite.other_code_may_run`` where a donated name is shared;
+ *   - the plan for the arguments' flat signature (``_plans.flat_key``) in the site's plans (the
+ *     function's under "auto"), or the plain plan for flat arguments (``_flat_plain``);
+ *   - the plan: a plan ``_plans`` marks ``_native = (jit, positions)`` (nothing to check, or a
+ *     flat signature donating ``positions`` under "safe") is run here, with its checks: each
+ *     donated argument's reference count is the call's only (against ``refs_base``, measured
+ *     through this very entry at import: ``_function``), it is not deleted, and neither
+ *     ``jax_debug_nans`` nor ``jax_debug_infs`` is on. Any other plan is called as Python does,
+ *     with a new tuple of the arguments: the references it counts are those of ``_call``'s
+ *     ``*args`` tuple.
+ *
+ * Anything else (a new site, a refused check, a signature without a plan, a plan's MISS,
+ * keyword arguments) calls ``_call(self, *args, **kwargs)`` the way CPython calls a Python
+ * ``__call__`` (``slot_tp_call``: the arguments on a stack with ``self`` in front), after this
+ * code has dropped every reference it took, so the Python path sees the reference counts it
+ * always saw, and decides everything again from scratch. No check is done only here.
+ *
+ * Built for CPython 3.11 only (the frame's layout is internal: ``pycore_frame.h``); elsewhere
+ * the module exists with ``SUPPORTED = False`` and autoopt runs the Python path.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000 && !defined(Py_LIMITED_API)
+#define AUTOOPT_FAST 1
+#define Py_BUILD_CORE 1
+#include "internal/pycore_frame.h"
+#undef Py_BUILD_CORE
+#else
+#define AUTOOPT_FAST 0
+#endif
+
+#if AUTOOPT_FAST
+
+/* What every call reads, set once by ``configure`` (module state of one interpreter). */
+static PyObject *trace_state, *eval_trace, *axis_env, *top_axis_env; /* trace_state_clean */
+static PyObject *debug_nans, *debug_infs;                            /* .value of each */
+static PyObject *array_type;      /* jaxlib's ArrayImpl */
+static PyObject *plain_types;     /* frozenset: PLAIN_TYPES */
+static PyObject *other_code_may_run, *fit_check_type, *first_call, *filter_traceback;
+static PyObject *miss;            /* _plans.MISS */
+/* The functions behind ``.value`` of jax's config states, ``ArrayImpl.aval`` and
+ * ``ArrayImpl.is_deleted`` (each a property's getter or a method of the type, found once by
+ * ``_function``), called directly: the attribute lookup each call would find the same one. */
+static PyObject *value_getter[4], *aval_getter, *is_deleted_fn;
+static Py_ssize_t refs_base = -1; /* a lone local argument's reference count in tp_call */
+static PyObject *s_value, *s_donates, *s_plans, *s_proof, *s_slot_spec, *s_lookup_plain,
+    *s_native, *s_is_deleted, *s_call, *s_fit_escaped, *s_aval, *empty_dict;
+
+/* Threads inside a plan's executable run from here: ``_fit.caught_here`` asks (``catching``)
+ * whether this thread is, as it looks for the Python plans' catcher frames. */
+#define MAX_CATCHING 64
+static PyThreadState *catching_threads[MAX_CATCHING];
+static int catching_depth[MAX_CATCHING];
+
+typedef struct {
+    PyObject_HEAD
+    int mode;              /* 0: the Python path; 1: this one; 2: measure (``refs_in_call``) */
+    PyObject *sites;       /* "safe": the site dict; else NULL */
+    PyObject *auto_plans;  /* "auto": the function's plans; else NULL */
+    PyObject *caches;      /* ``Caches``: ``lookup_plain`` */
+    PyObject *plain_run;   /* the plain plan when ``_flat_plain``, else NULL */
+    /* The last site, valid while the site dict's version is unchanged (sites are only added,
+     * and a ``Site``'s fields are fixed once it is stored). */
+    PyCodeObject *last_code;
+    int last_lasti;
+    uint64_t last_version;
+    PyObject *last_site;
+    PyObject *last_spec;   /* the proof's slot spec, or None; NULL when the site donates nothing */
+    PyObject *last_plans;  /* the site's plans, or None */
+    /* The last signature's plan: valid for a call whose flat key holds the same objects while
+     * the plans dict it was found in is unchanged (same dict, same version). */
+    PyObject *key_plans;
+    uint64_t key_version;
+    PyObject *key;
+    PyObject *key_plan;
+} CallPath;
+
+static int
+cp_clear(CallPath *self)
+{
+    Py_CLEAR(self->sites);
+    Py_CLEAR(self->auto_plans);
+    Py_CLEAR(self->caches);
+    Py_CLEAR(self->plain_run);
+    Py_CLEAR(self->last_code);
+    Py_CLEAR(self->last_site);
+    Py_CLEAR(self->last_spec);
+    Py_CLEAR(self->last_plans);
+    Py_CLEAR(self->key_plans);
+    Py_CLEAR(self->key);
+    Py_CLEAR(self->key_plan);
+    self->mode = 0;
+    return 0;
+}
+
+static int
+cp_traverse(CallPath *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->sites);
+    Py_VISIT(self->auto_plans);
+    Py_VISIT(self->caches);
+    Py_VISIT(self->plain_run);
+    Py_VISIT(self->last_code);
+    Py_VISIT(self->last_site);
+    Py_VISIT(self->last_spec);
+    Py_VISIT(self->last_plans);
+    Py_VISIT(self->key_plans);
+    Py_VISIT(self->key);
+    Py_VISIT(self->key_plan);
+    return 0;
+}
+
+static void
+cp_dealloc(CallPath *self)
+{
+    PyObject_GC_UnTrack(self);
+    cp_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* --- the checks --------------------------------------------------------------------------- */
+
+/* ``obj.<name>`` through ``getter`` (``obj`` is of the type the getter was found on), or the
+ * attribute itself without one. */
+static inline PyObject *
+get_via(PyObject *obj, PyObject *getter, PyObject *name)
+{
+    if (getter != NULL)
+        return PyObject_Vectorcall(getter, &obj, 1, NULL);
+    return PyObject_GetAttr(obj, name);
+}
+
+/* 1: clean, 0: inside a transformation, -1: error. */
+static int
+trace_clean(void)
+{
+    PyObject *v = get_via(trace_state, value_getter[0], s_value);
+    if (v == NULL)
+        return -1;
+    int ok = v == eval_trace;
+    Py_DECREF(v);
+    if (!ok)
+        return 0;
+    v = get_via(axis_env, value_getter[1], s_value);
+    if (v == NULL)
+        return -1;
+    ok = v == top_axis_env;
+    Py_DECREF(v);
+    return ok;
+}
+
+/* 1: either debug flag is on, 0: off, -1: error. */
+static int
+debug_checks_on(void)
+{
+    PyObject *states[2] = {debug_nans, debug_infs};
+    for (int i = 0; i < 2; i++) {
+        PyObject *v = get_via(states[i], value_getter[2 + i], s_value);
+        if (v == NULL)
+            return -1;
+        int on = PyObject_IsTrue(v);
+        Py_DECREF(v);
+        if (on != 0)
+            return on;
+    }
+    return 0;
+}
+
+/* The caller's frame: what ``sys._getframe(1)`` returns in ``_call`` (incomplete frames, whose
+ * first instruction has not run, are skipped as there). */
+static _PyInterpreterFrame *
+caller_frame(void)
+{
+    _PyInterpreterFrame *f = PyThreadState_GET()->cframe->current_frame;
+    while (f != NULL && _PyFrame_IsIncomplete(f))
+        f = f->previous;
+    return f;
+}
+
+/* ``_slot_check``'s check from its spec ``(callee global name or None, shared, ((index, is a
+ * cell, key), ...), ((key, global name), ...))``, a key being None for the callee, else the
+ * argument's position (a keyword never reaches here). 1: passed, 0: refused, -1: error. */
+static int
+run_spec(PyObject *spec, _PyInterpreterFrame *f, PyObject *callee, PyObject *args)
+{
+    if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) != 4)
+        return 0;
+    PyObject *root = PyTuple_GET_ITEM(spec, 0), *shared = PyTuple_GET_ITEM(spec, 1);
+    PyObject *slots = PyTuple_GET_ITEM(spec, 2), *globals = PyTuple_GET_ITEM(spec, 3);
+    Py_ssize_t nargs = PyTuple_GET_SIZE(args);
+    if (shared == Py_True) {
+        PyObject *r = PyObject_CallNoArgs(other_code_may_run);
+        if (r == NULL)
+            return -1;
+        int may = PyObject_IsTrue(r);
+        Py_DECREF(r);
+        if (may != 0)
+            return may < 0 ? -1 : 0;
+    }
+    if (root != Py_None) { /* the callee is a global (or a builtin) */
+        PyObject *value = PyDict_GetItemWithError(f->f_globals, root);
+        if (value == NULL) {
+            if (PyErr_Occurred())
+                return -1;
+            value = PyDict_GetItemWithError(f->f_builtins, root);
+            if (value == NULL && PyErr_Occurred())
+                return -1;
+        }
+        if (value != callee)
+            return 0;
+    }
+    Py_ssize_t nlocals = f->f_code->co_nlocalsplus;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(slots); i++) {
+        PyObject *slot = PyTuple_GET_ITEM(slots, i);
+        Py_ssize_t index = PyLong_AsSsize_t(PyTuple_GET_ITEM(slot, 0));
+        if (index < 0 || index >= nlocals)
+            return PyErr_Occurred() ? -1 : 0;
+        PyObject *value = f->localsplus[index];
+        if (value == NULL)
+            return 0; /* unbound */
+        if (PyTuple_GET_ITEM(slot, 1) == Py_True && PyCell_Check(value)) {
+            value = PyCell_GET(value);
+            if (value == NULL)
+                return 0; /* an empty cell */
+        }
+        PyObject *key = PyTuple_GET_ITEM(slot, 2);
+        PyObject *want;
+        if (key == Py_None) {
+            want = callee;
+        } else {
+            Py_ssize_t k = PyLong_Check(key) ? PyLong_AsSsize_t(key) : -1;
+            if (k < 0 || k >= nargs)
+                return PyErr_Occurred() ? -1 : 0;
+            want = PyTuple_GET_ITEM(args, k);
+        }
+        if (value != want)
+            return 0;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(globals); i++) {
+        PyObject *pair = PyTuple_GET_ITEM(globals, i);
+        PyObject *key = PyTuple_GET_ITEM(pair, 0);
+        Py_ssize_t k = PyLong_Check(key) ? PyLong_AsSsize_t(key) : -1;
+        if (k < 0 || k >= nargs)
+            return PyErr_Occurred() ? -1 : 0;
+        PyObject *value = PyDict_GetItemWithError(f->f_globals, PyTuple_GET_ITEM(pair, 1));
+        if (value == NULL && PyErr_Occurred())
+            return -1;
+        if (value != PyTuple_GET_ITEM(args, k))
+            return 0;
+    }
+    return 1;
+}
+
+/* ``_plans.flat_key``: a jax array's ``aval``, anything else's type, per argument. */
+static PyObject *
+flat_key(PyObject *args)
+{
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    PyObject *key = PyTuple_New(n);
+    if (key == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *a = PyTuple_GET_ITEM(args, i);
+        PyObject *item;
+        if ((PyObject *)Py_TYPE(a) == array_type) {
+            item = get_via(a, aval_getter, s_aval);
+            if (item == NULL) {
+                Py_DECREF(key);
+                return NULL;
+            }
+        } else {
+            item = Py_NewRef((PyObject *)Py_TYPE(a));
+        }
+        PyTuple_SET_ITEM(key, i, item);
+    }
+    return key;
+}
+
+static PyObject *
+copy_args(PyObject *args)
+{
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    PyObject *copy = PyTuple_New(n);
+    if (copy == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++)
+        PyTuple_SET_ITEM(copy, i, Py_NewRef(PyTuple_GET_ITEM(args, i)));
+    return copy;
+}
+
+/* --- running a plan ----------------------------------------------------------------------- */
+
+static int
+catching_enter(PyThreadState *ts)
+{
+    int free_slot = -1;
+    for (int i = 0; i < MAX_CATCHING; i++) {
+        if (catching_threads[i] == ts) {
+            catching_depth[i]++;
+            return i;
+        }
+        if (catching_threads[i] == NULL && free_slot < 0)
+            free_slot = i;
+    }
+    if (free_slot >= 0) {
+        catching_threads[free_slot] = ts;
+        catching_depth[free_slot] = 1;
+    }
+    return free_slot;
+}
+
+static void
+catching_exit(int slot)
+{
+    if (slot >= 0 && --catching_depth[slot] == 0)
+        catching_threads[slot] = NULL;
+}
+
+/* Exceptions out of the call path lose autoopt's and jax's frames, as ``_call``'s do. */
+static void
+filter_error(void)
+{
+    if (!PyErr_ExceptionMatches(PyExc_Exception))
+        return;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != NULL)
+        PyException_SetTraceback(value, tb);
+    PyObject *r = PyObject_CallOneArg(filter_traceback, value);
+    if (r == NULL) { /* the filter's own error replaces the call's, as in Python */
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+        return;
+    }
+    Py_DECREF(r);
+    Py_XDECREF(tb);
+    tb = PyException_GetTraceback(value);
+    PyErr_Restore(type, value, tb);
+}
+
+/* The executable on the arguments, catching ``FitCheck`` as ``_plans._runner`` does. A
+ * ``FitCheck`` out of ``first_call`` escaped every catcher: ``_call``'s handler runs
+ * (``OptimizedFunction._fit_escaped``). */
+static PyObject *
+run_jit(CallPath *self, PyObject *site, PyObject *jit, PyObject *args)
+{
+    int slot = catching_enter(PyThreadState_GET());
+    if (slot < 0) { /* more threads at once than slots: the Python plan catches */
+        return NULL;
+    }
+    PyObject *out =
+        PyObject_Vectorcall(jit, &PyTuple_GET_ITEM(args, 0), PyTuple_GET_SIZE(args), NULL);
+    catching_exit(slot);
+    if (out != NULL || !PyErr_ExceptionMatches(fit_check_type))
+        return out;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    PyObject *copy = copy_args(args);
+    if (copy == NULL) {
+        Py_DECREF(value);
+        return NULL;
+    }
+    out = PyObject_CallFunctionObjArgs(first_call, value, jit, Py_None, copy, empty_dict, NULL);
+    Py_DECREF(value);
+    if (out == NULL && PyErr_ExceptionMatches(fit_check_type)) {
+        PyErr_Fetch(&type, &value, &tb);
+        PyErr_NormalizeException(&type, &value, &tb);
+        Py_XDECREF(type);
+        Py_XDECREF(tb);
+        out = PyObject_CallMethodObjArgs(
+            (PyObject *)self, s_fit_escaped, value, site ? site : Py_None, copy, NULL);
+        Py_DECREF(value);
+    }
+    Py_DECREF(copy);
+    return out;
+}
+
+/* 1: ran (``*out`` the result, or NULL with an exception set), 0: MISS (nothing ran, no
+ * reference kept), -1: an error before anything ran. */
+static int
+run_plan(CallPath *self, PyObject *site, PyObject *plan, PyObject *args, PyObject **out)
+{
+    PyObject *native = NULL;
+    if (PyFunction_Check(plan)) {
+        PyObject *d = ((PyFunctionObject *)plan)->func_dict;
+        if (d != NULL) {
+            native = PyDict_GetItemWithError(d, s_native);
+            if (native == NULL && PyErr_Occurred())
+                return -1;
+        }
+    }
+    if (native != NULL && PyTuple_Check(native) && PyTuple_GET_SIZE(native) == 2) {
+        PyObject *jit = PyTuple_GET_ITEM(native, 0), *positions = PyTuple_GET_ITEM(native, 1);
+        Py_ssize_t nargs = PyTuple_GET_SIZE(args);
+        Py_INCREF(jit);
+        Py_INCREF(positions);
+        int refused = 0;
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(positions) && !refused; i++) {
+            Py_ssize_t p = PyLong_AsSsize_t(PyTuple_GET_ITEM(positions, i));
+            if (p < 0 || p >= nargs) {
+                refused = PyErr_Occurred() ? -1 : 1;
+                break;
+            }
+            PyObject *a = PyTuple_GET_ITEM(args, p);
+            if (Py_REFCNT(a) > refs_base) {
+                refused = 1;
+                break;
+            }
+            PyObject *deleted = (PyObject *)Py_TYPE(a) == array_type && is_deleted_fn != NULL
+                                    ? PyObject_Vectorcall(is_deleted_fn, &a, 1, NULL)
+                                    : PyObject_CallMethodNoArgs(a, s_is_deleted);
+            if (deleted == NULL) {
+                refused = -1;
+                break;
+            }
+            refused = PyObject_IsTrue(deleted);
+            Py_DECREF(deleted);
+        }
+        if (refused == 0 && PyTuple_GET_SIZE(positions) > 0)
+            refused = debug_checks_on();
+        Py_DECREF(positions);
+        if (refused != 0) {
+            Py_DECREF(jit);
+            return refused < 0 ? -1 : 0;
+        }
+        *out = run_jit(self, site, jit, args);
+        Py_DECREF(jit);
+        if (*out == NULL && !PyErr_Occurred())
+            return 0; /* no catcher slot: the Python path runs it */
+        return 1;
+    }
+    /* A plan with checks of its own: called as ``_call`` calls it, on a tuple of its own. */
+    PyObject *copy = copy_args(args);
+    if (copy == NULL)
+        return -1;
+    Py_INCREF(plan);
+    PyObject *r = PyObject_CallOneArg(plan, copy);
+    Py_DECREF(plan);
+    Py_DECREF(copy);
+    if (r == miss) {
+        Py_DECREF(r);
+        return 0;
+    }
+    *out = r;
+    return 1;
+}
+
+/* The plan for the arguments' flat key in ``plans`` (a new reference), or NULL (none: a new
+ * signature, or arguments that are not flat). */
+static PyObject *
+find_plan(CallPath *self, PyObject *plans, PyObject *args)
+{
+    PyObject *key = flat_key(args);
+    if (key == NULL)
+        return PyErr_Clear(), NULL;
+    uint64_t version = ((PyDictObject *)plans)->ma_version_tag;
+    if (self->key_plan != NULL && self->key_plans == plans && self->key_version == version &&
+        PyTuple_GET_SIZE(self->key) == PyTuple_GET_SIZE(key)) {
+        Py_ssize_t i = 0;
+        while (i < PyTuple_GET_SIZE(key) &&
+               PyTuple_GET_ITEM(key, i) == PyTuple_GET_ITEM(self->key, i))
+            i++;
+        if (i == PyTuple_GET_SIZE(key)) {
+            Py_DECREF(key);
+            return Py_NewRef(self->key_plan);
+        }
+    }
+    PyObject *plan = PyDict_GetItemWithError(plans, key);
+    if (plan == NULL) {
+        Py_DECREF(key);
+        return PyErr_Clear(), NULL;
+    }
+    Py_INCREF(plan);
+    /* (read after the lookup: a comparison that ran Python code and changed the dict made the
+     * lookup start again, so the plan found is the one of this version) */
+    self->key_version = ((PyDictObject *)plans)->ma_version_tag;
+    Py_XSETREF(self->key_plans, Py_NewRef(plans));
+    Py_XSETREF(self->key, key);
+    Py_XSETREF(self->key_plan, Py_NewRef(plan));
+    return plan;
+}
+
+/* The site of the call from frame ``f`` (its fields in ``*spec``, ``*plans``: new references,
+ * ``*spec`` NULL when the site donates nothing), or 0: not found (a new site) or unreadable. */
+static int
+find_site(CallPath *self, _PyInterpreterFrame *f, PyObject **site, PyObject **spec,
+          PyObject **plans)
+{
+    int lasti = _PyInterpreterFrame_LASTI(f);
+    lasti = lasti < 0 ? -1 : lasti * (int)sizeof(_Py_CODEUNIT);
+    uint64_t version = ((PyDictObject *)self->sites)->ma_version_tag;
+    if (!(self->last_site != NULL && self->last_code == f->f_code &&
+          self->last_lasti == lasti && self->last_version == version)) {
+        PyObject *key = Py_BuildValue("(Ni)", PyLong_FromVoidPtr(f->f_code), lasti);
+        if (key == NULL)
+            return PyErr_Clear(), 0;
+        PyObject *found = PyDict_GetItemWithError(self->sites, key);
+        Py_DECREF(key);
+        if (found == NULL)
+            return PyErr_Clear(), 0; /* a new site: the Python path proves it */
+        Py_INCREF(found);
+        version = ((PyDictObject *)self->sites)->ma_version_tag;
+        PyObject *donates_o = PyObject_GetAttr(found, s_donates);
+        int donates = donates_o ? PyObject_IsTrue(donates_o) : -1;
+        Py_XDECREF(donates_o);
+        PyObject *found_spec = NULL, *found_plans = NULL;
+        if (donates > 0) {
+            PyObject *proof = PyObject_GetAttr(found, s_proof);
+            if (proof != NULL) {
+                found_spec = PyObject_GetAttr(proof, s_slot_spec);
+                Py_DECREF(proof);
+            }
+            if (found_spec == NULL)
+                donates = -1;
+        }
+        if (donates >= 0) {
+            found_plans = PyObject_GetAttr(found, s_plans);
+            if (found_plans == NULL)
+                donates = -1;
+        }
+        if (donates < 0) {
+            Py_DECREF(found);
+            Py_XDECREF(found_spec);
+            return PyErr_Clear(), 0;
+        }
+        Py_XSETREF(self->last_site, found);
+        Py_XSETREF(self->last_spec, found_spec);
+        Py_XSETREF(self->last_plans, found_plans);
+        Py_XSETREF(self->last_code, (PyCodeObject *)Py_NewRef(f->f_code));
+        self->last_lasti = lasti;
+        self->last_version = version;
+    }
+    /* Strong references: what runs next may run Python code, another thread, or this function
+     * again at another site, each of which may replace the fields. */
+    *site = Py_NewRef(self->last_site);
+    *spec = Py_XNewRef(self->last_spec);
+    *plans = Py_NewRef(self->last_plans);
+    return 1;
+}
+
+/* 1: handled (``*out`` the result, or NULL with an exception set), 0: the Python path. Every
+ * reference taken here is dropped before it returns 0. */
+static int
+fast_call(CallPath *self, PyObject *args, PyObject **out)
+{
+    int clean = trace_clean();
+    if (clean <= 0)
+        return clean < 0 ? (PyErr_Clear(), 0) : 0;
+    PyObject *site = NULL, *spec = NULL, *plans = NULL; /* strong references */
+    int r = 0;
+    if (self->sites != NULL) {
+        _PyInterpreterFrame *f = caller_frame();
+        if (f == NULL || !find_site(self, f, &site, &spec, &plans))
+            return 0;
+        if (spec != NULL) { /* the site donates: its proof's check, on every call */
+            if (spec == Py_None)
+                goto done; /* a check without a spec: the Python path runs it */
+            int ok = run_spec(spec, f, (PyObject *)self, args);
+            if (ok <= 0) {
+                if (ok < 0)
+                    PyErr_Clear();
+                goto done;
+            }
+        } else {
+            PyObject *lookup = PyObject_GetAttr(self->caches, s_lookup_plain);
+            int on = lookup ? PyObject_IsTrue(lookup) : -1;
+            Py_XDECREF(lookup);
+            if (on < 0) {
+                PyErr_Clear();
+                goto done;
+            }
+            if (!on)
+                Py_CLEAR(plans);
+        }
+    } else {
+        plans = Py_XNewRef(self->auto_plans);
+    }
+    if (plans != NULL && plans != Py_None) {
+        if (!PyDict_Check(plans) || PyDict_GET_SIZE(plans) == 0)
+            goto done;
+        PyObject *plan = find_plan(self, plans, args);
+        if (plan == NULL)
+            goto done; /* not flat, or a new signature */
+        r = run_plan(self, site, plan, args, out);
+        Py_DECREF(plan);
+    } else if (self->plain_run != NULL) {
+        Py_ssize_t n = PyTuple_GET_SIZE(args);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int in = PySet_Contains(plain_types, (PyObject *)Py_TYPE(PyTuple_GET_ITEM(args, i)));
+            if (in <= 0) {
+                if (in < 0)
+                    PyErr_Clear();
+                goto done;
+            }
+        }
+        PyObject *plain = Py_NewRef(self->plain_run);
+        r = run_plan(self, site, plain, args, out);
+        Py_DECREF(plain);
+    }
+    if (r < 0) {
+        PyErr_Clear();
+        r = 0;
+    }
+done:
+    Py_XDECREF(site);
+    Py_XDECREF(spec);
+    Py_XDECREF(plans);
+    return r;
+}
+
+#endif /* AUTOOPT_FAST */
+
+/* ``type(self)._call(self, *args, **kwargs)``, as CPython calls a Python ``__call__``. */
+static PyObject *
+python_call(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    PyObject *fn = _PyType_Lookup(Py_TYPE(self), s_call);
+    if (fn == NULL) {
+        PyErr_Format(PyExc_TypeError, "'%.200s' object is not callable",
+                     Py_TYPE(self)->tp_name);
+        return NULL;
+    }
+    Py_INCREF(fn);
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    PyObject *small[8];
+    PyObject **stack = small;
+    if (n + 1 > 8) {
+        stack = PyMem_Malloc((n + 1) * sizeof(PyObject *));
+        if (stack == NULL) {
+            Py_DECREF(fn);
+            return PyErr_NoMemory();
+        }
+    }
+    stack[0] = self;
+    for (Py_ssize_t i = 0; i < n; i++)
+        stack[i + 1] = PyTuple_GET_ITEM(args, i);
+    PyObject *out = PyObject_VectorcallDict(fn, stack, n + 1, kwargs);
+    if (stack != small)
+        PyMem_Free(stack);
+    Py_DECREF(fn);
+    return out;
+}
+
+static PyObject *
+cp_call(PyObject *op, PyObject *args, PyObject *kwargs)
+{
+#if AUTOOPT_FAST
+    CallPath *self = (CallPath *)op;
+    if (self->mode == 1 && (kwargs == NULL || PyDict_GET_SIZE(kwargs) == 0)) {
+        PyObject *out = NULL;
+        if (fast_call(self, args, &out)) {
+            if (out == NULL)
+                filter_error();
+            return out;
+        }
+    } else if (self->mode == 2) { /* ``refs_in_call``: a lone argument's reference count */
+        if (PyTuple_GET_SIZE(args) < 1)
+            return PyErr_Format(PyExc_TypeError, "refs_in_call needs an argument");
+        return PyLong_FromSsize_t(Py_REFCNT(PyTuple_GET_ITEM(args, 0)));
+    }
+#endif
+    return python_call(op, args, kwargs);
+}
+
+static PyObject *
+cp_configure(PyObject *op, PyObject *const *a, Py_ssize_t n)
+{
+    /* (mode, sites, auto plans, caches, plain run): None for what does not apply */
+    if (n != 5)
+        return PyErr_Format(PyExc_TypeError, "_native_configure takes 5 arguments");
+#if AUTOOPT_FAST
+    CallPath *self = (CallPath *)op;
+    int mode = (int)PyLong_AsLong(a[0]);
+    if (mode == -1 && PyErr_Occurred())
+        return NULL;
+    cp_clear(self);
+    if (mode == 1 && refs_base < 0)
+        mode = 0; /* not configured (``configure``): the Python path */
+    self->sites = a[1] == Py_None ? NULL : Py_NewRef(a[1]);
+    self->auto_plans = a[2] == Py_None ? NULL : Py_NewRef(a[2]);
+    self->caches = Py_NewRef(a[3]);
+    self->plain_run = a[4] == Py_None ? NULL : Py_NewRef(a[4]);
+    if ((self->sites != NULL && !PyDict_CheckExact(self->sites)) ||
+        (self->auto_plans != NULL && !PyDict_CheckExact(self->auto_plans)))
+        mode = 0;
+    self->mode = mode;
+#endif
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef cp_methods[] = {
+    {"_native_configure", (PyCFunction)(void (*)(void))cp_configure, METH_FASTCALL,
+     "Set what the C call path reads: (mode, sites, auto plans, caches, plain run)."},
+    {NULL},
+};
+
+static PyTypeObject CallPathType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "autoopt._jit._native.CallPath",
+#if AUTOOPT_FAST
+    .tp_basicsize = sizeof(CallPath),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_traverse = (traverseproc)cp_traverse,
+    .tp_clear = (inquiry)cp_clear,
+    .tp_dealloc = (destructor)cp_dealloc,
+    .tp_free = PyObject_GC_Del,
+#else
+    .tp_basicsize = sizeof(PyObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+#endif
+    .tp_new = PyType_GenericNew,
+    .tp_call = cp_call,
+    .tp_methods = cp_methods,
+    .tp_doc = "The cached call path of an OptimizedFunction (see autoopt/_jit/_native.c).",
+};
+
+#if AUTOOPT_FAST
+static PyObject *
+configure(PyObject *module, PyObject *const *a, Py_ssize_t n)
+{
+    if (n != 17)
+        return PyErr_Format(PyExc_TypeError, "configure takes 17 arguments");
+    PyObject **slots[] = {&trace_state, &eval_trace,         &axis_env,   &top_axis_env,
+                          &debug_nans,  &debug_infs,         &array_type, &plain_types,
+                          &other_code_may_run, &fit_check_type, &first_call,
+                          &filter_traceback,   &miss};
+    for (int i = 0; i < 13; i++)
+        Py_XSETREF(*slots[i], Py_NewRef(a[i]));
+    if (!PyFrozenSet_Check(plain_types))
+        return PyErr_Format(PyExc_TypeError, "plain types must be a frozenset");
+    refs_base = PyLong_AsSsize_t(a[13]);
+    if (refs_base == -1 && PyErr_Occurred())
+        return NULL;
+    /* (getter of each state's ``.value``, in the order above), ``aval``'s getter, is_deleted:
+     * None where the attribute is not a plain property or method of the type */
+    if (!PyTuple_Check(a[14]) || PyTuple_GET_SIZE(a[14]) != 4)
+        return PyErr_Format(PyExc_TypeError, "value getters must be a 4-tuple");
+    for (int i = 0; i < 4; i++) {
+        PyObject *g = PyTuple_GET_ITEM(a[14], i);
+        Py_XSETREF(value_getter[i], g == Py_None ? NULL : Py_NewRef(g));
+    }
+    Py_XSETREF(aval_getter, a[15] == Py_None ? NULL : Py_NewRef(a[15]));
+    Py_XSETREF(is_deleted_fn, a[16] == Py_None ? NULL : Py_NewRef(a[16]));
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+catching(PyObject *module, PyObject *unused)
+{
+    PyThreadState *ts = PyThreadState_GET();
+    for (int i = 0; i < MAX_CATCHING; i++)
+        if (catching_threads[i] == ts && catching_depth[i] > 0)
+            Py_RETURN_TRUE;
+    Py_RETURN_FALSE;
+}
+#endif
+
+static PyMethodDef module_methods[] = {
+#if AUTOOPT_FAST
+    {"configure", (PyCFunction)(void (*)(void))configure, METH_FASTCALL,
+     "The objects every call reads, the measured reference count of a lone argument, and the "
+     "functions behind the attributes it reads."},
+    {"catching", catching, METH_NOARGS,
+     "Whether this thread is inside a plan's executable run from C (``_fit.caught_here``)."},
+#endif
+    {NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "autoopt._jit._native",
+    "The cached call path of OptimizedFunction in C (CPython 3.11).", -1, module_methods,
+};
+
+PyMODINIT_FUNC
+PyInit__native(void)
+{
+    s_call = PyUnicode_InternFromString("_call");
+    if (s_call == NULL)
+        return NULL;
+#if AUTOOPT_FAST
+    s_value = PyUnicode_InternFromString("value");
+    s_donates = PyUnicode_InternFromString("donates");
+    s_plans = PyUnicode_InternFromString("plans");
+    s_proof = PyUnicode_InternFromString("proof");
+    s_slot_spec = PyUnicode_InternFromString("slot_spec");
+    s_lookup_plain = PyUnicode_InternFromString("lookup_plain");
+    s_native = PyUnicode_InternFromString("_native");
+    s_is_deleted = PyUnicode_InternFromString("is_deleted");
+    s_fit_escaped = PyUnicode_InternFromString("_fit_escaped");
+    s_aval = PyUnicode_InternFromString("aval");
+    empty_dict = PyDict_New();
+    if (!s_value || !s_donates || !s_plans || !s_proof || !s_slot_spec || !s_lookup_plain ||
+        !s_native || !s_is_deleted || !s_fit_escaped || !s_aval || !empty_dict)
+        return NULL;
+#endif
+    if (PyType_Ready(&CallPathType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module_def);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddObjectRef(m, "CallPath", (PyObject *)&CallPathType) < 0 ||
+        PyModule_AddObjectRef(m, "SUPPORTED", AUTOOPT_FAST ? Py_True : Py_False) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
