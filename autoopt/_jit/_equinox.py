@@ -157,12 +157,12 @@ def _inner_function(fun_name: str, fun_qualname: str):
 
     keystr = jax.tree_util.keystr
 
-    def fun_wrapped(static, fun_leaves, kw_leaves, *arg_leaves):
+    def fun_wrapped(static, dynamic_fun, dynamic_kwargs, *dynamic_args):
         static_fun, fun_treedef, treedef, slots = static
         fun = hashable_combine(
-            jax.tree_util.tree_unflatten(fun_treedef, fun_leaves.leaves), static_fun
+            jax.tree_util.tree_unflatten(fun_treedef, dynamic_fun.leaves), static_fun
         )
-        arrays = itertools.chain(*(g.leaves for g in arg_leaves), kw_leaves.leaves)
+        arrays = itertools.chain(*(g.leaves for g in dynamic_args), dynamic_kwargs.leaves)
         leaves = [next(arrays) if s is _HOLE else s for s in slots]
         args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
         out = fun(*args, **kwargs)
