@@ -4,22 +4,35 @@
 equinox's ``_call``: a proof made where ``jax.jit``'s function is called would read equinox's
 statement, never the user's ``model, opt_state, loss = make_step(model, opt_state, x, y)``.
 ``EquinoxJit`` is called by the user's statement itself, so the proof is made there, as for an
-``OptimizedFunction``, and the reference counts are read on the user's own objects before
-anything is partitioned (the partitions hold the leaves too).
+``OptimizedFunction``, and the reference counts are read on the user's own objects.
 
-Equinox's semantics are kept: the arguments are bound to the signature, each is split into its
-array leaves (``eqx.is_array``: jax and NumPy arrays; everything else, Python scalars included,
-is static and hashed by jax.jit with the tree's structure, as equinox hashes it), the output's
-non-array leaves come back through ``eqx.internal.Static``, and the call blocks on a marker
-output so that ``eqx.error_if``'s runtime errors are raised by the call, as equinox raises
-them. Only ``donate="none"`` (equinox's default) is routed here: a user who asked for donation
-keeps equinox's own wrapper and its donation (``patch``).
+Equinox's semantics are kept: the arguments are bound to the signature, each leaf is an array
+(``eqx.is_array``: jax and NumPy arrays) or static (everything else, Python scalars included,
+hashed by jax.jit with the tree's structure, as equinox hashes it), the output's non-array
+leaves come back as static values of the program, and the call blocks on a marker output so that
+``eqx.error_if``'s runtime errors are raised by the call, as equinox raises them. Only
+``donate="none"`` (equinox's default) is routed here: a user who asked for donation keeps
+equinox's own wrapper and its donation (``patch``).
 
 Layout of the inner function (an ``OptimizedFunction`` with ``static_argnums=0``):
-``(static, dynamic fun, dynamic keyword-only arguments, *dynamic positional arguments)``, so the
-user's bound positional argument ``i`` is position ``i + FIRST_ARG``: one executable per
-signature, whose donated set the first donating call fixes (``Program.decide``); a call that
-must not donate passes copies, as every ``OptimizedFunction`` call does.
+``(static, fun leaves, keyword-only leaves, *leaves of each positional argument)``. ``static``
+holds the function's static part, the bound arguments' tree structure and their static leaves;
+each other position is a ``_Leaves`` group of one argument's array leaves (named by their paths
+in the argument, so reports read ``dynamic_args[0].layers[0].weight``), so the user's bound
+positional argument ``i`` is position ``i + FIRST_ARG`` and is donated, or passed as a copy, as a
+whole. The output is ``(marker, array leaves, _StaticOut)``, rebuilt with one unflatten. One
+executable per signature, whose donated set the first donating call fixes
+(``Program.decide``).
+
+A repeating call takes a cached plan (``_Plan``), as an ``OptimizedFunction``'s call does
+(``_jit._plans``): per call site, keyed by the signature of the arguments' leaves (jax's treedef
+of ``(args, kwargs)``, each leaf's type, and each leaf's aval or, for a static leaf, the leaf
+itself, compared as jax.jit compares static arguments). The plan keeps the static half of the
+general path's decision (the program's aliasing, the site's proof, the arguments' layout) and
+re-checks the run-time half on every call: the reference counts of every donated argument and
+of every node and array inside it (``_held_elsewhere``: the rules of
+``callsite.donation_checks``), nothing deleted, none a constant of the program, ``jax_debug_nans``
+off. A failed check, a new signature, an unhashable static leaf: the general path.
 
 NB: the analogous code in Equinox is ``equinox._jit`` (``_preprocess``, ``fun_wrapped`` in
 ``_filter_jit_cache``, ``_call``).
@@ -27,30 +40,39 @@ NB: the analogous code in Equinox is ``equinox._jit`` (``_preprocess``, ``fun_wr
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import functools
 import inspect
+import itertools
 import logging
+import operator
 import os
 import sys
 import warnings
 from typing import Any
 
 import jax
+import numpy as np
 
 from autoopt import _compat
-from autoopt._jit import _reuse
-from autoopt._jit._dispatch import Policy, plan_for
+from autoopt._jit import _plans, _reuse
+from autoopt._jit._dispatch import Policy, placer_needed, plan_for
 from autoopt._jit._function import FRAMEWORK_ROUTES, OptimizedFunction, fn_location_of
-from autoopt._jit._program import Site
+from autoopt._jit._plans import MISS
+from autoopt._jit._program import FAST_ENTRIES, Site
 from autoopt.passes import make_options
 from autoopt.passes.donation import callsite, host_callbacks
 
 __all__ = ["EquinoxJit", "FIRST_ARG", "is_filter_jit", "from_filter_jit"]
 
-FIRST_ARG = 3  # static, dynamic fun, dynamic keyword-only arguments, then the positionals
+FIRST_ARG = 3  # static, fun leaves, keyword-only leaves, then the positionals
 
-# (name, qualname, location, options key) -> the inner OptimizedFunction (see EquinoxJit)
-_INNERS: dict[tuple, OptimizedFunction] = {}
+# (name, qualname, location, options key) -> the inner OptimizedFunction (see EquinoxJit); the
+# least recently built wrappers' entries are dropped beyond this many (a new wrapper of a
+# dropped function builds a new inner function, as after ``forget_inner_functions``).
+_INNERS: collections.OrderedDict[tuple, OptimizedFunction] = collections.OrderedDict()
+MAX_INNERS = 256
 
 
 def forget_inner_functions() -> None:
@@ -58,24 +80,378 @@ def forget_inner_functions() -> None:
     _INNERS.clear()
 
 
+# --- the inner function's layout -------------------------------------------------------------
+
+
+class _Hole:
+    """Where a static-leaf tuple has an array leaf (one object: compared by identity)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<array>"
+
+
+_HOLE = _Hole()
+
+
+class _Leaves:
+    """One argument's array leaves: a pytree node whose children are the leaves, keyed by their
+    paths in the argument (``".layers[0].weight"``), which are its node data."""
+
+    __slots__ = ("leaves", "paths")
+
+    def __init__(self, leaves: tuple, paths: tuple):
+        self.leaves = leaves
+        self.paths = paths
+
+
+jax.tree_util.register_pytree_with_keys(
+    _Leaves,
+    lambda g: (tuple(zip(g.paths, g.leaves)), g.paths),
+    lambda paths, leaves: _Leaves(tuple(leaves), paths),
+    flatten_func=lambda g: (g.leaves, g.paths),
+)
+
+
+class _StaticOut:
+    """The output's tree structure and static leaves (``_HOLE`` where an array goes), a pytree
+    node without children: a static value of the program, as equinox's ``Static`` output."""
+
+    __slots__ = ("treedef", "slots", "holes")
+
+    def __init__(self, treedef, slots: tuple):
+        self.treedef = treedef
+        self.slots = slots
+        self.holes = tuple(i for i, s in enumerate(slots) if s is _HOLE)
+
+    def rebuild(self, leaves) -> Any:
+        merged = list(self.slots)
+        for i, x in zip(self.holes, leaves):
+            merged[i] = x
+        return jax.tree_util.tree_unflatten(self.treedef, merged)
+
+
+jax.tree_util.register_pytree_node(_StaticOut, lambda s: ((), s), lambda s, _: s)
+
+
+def _split(tree, is_array) -> tuple[Any, tuple, list, list]:
+    """``(treedef, slots, array leaves, their paths)`` of a pytree: ``slots`` is its leaves
+    with ``_HOLE`` in place of each array (``is_array``: equinox's ``eqx.is_array``)."""
+    pathed, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    slots, arrays, paths = [], [], []
+    for path, leaf in pathed:
+        if is_array(leaf):
+            slots.append(_HOLE)
+            arrays.append(leaf)
+            paths.append(path)
+        else:
+            slots.append(leaf)
+    return treedef, tuple(slots), arrays, paths
+
+
 def _inner_function(fun_name: str, fun_qualname: str):
     import equinox as eqx
     import jax.numpy as jnp
     from equinox._compile_utils import hashable_combine
 
+    keystr = jax.tree_util.keystr
+
     def fun_wrapped(static, dynamic_fun, dynamic_kwargs, *dynamic_args):
-        static_fun, static_kwargs, static_args = static
-        fun = hashable_combine(dynamic_fun, static_fun)
-        kwargs = hashable_combine(dynamic_kwargs, static_kwargs)
-        args = [hashable_combine(d, s) for d, s in zip(dynamic_args, static_args)]
+        static_fun, fun_treedef, treedef, slots = static
+        fun = hashable_combine(
+            jax.tree_util.tree_unflatten(fun_treedef, dynamic_fun.leaves), static_fun
+        )
+        arrays = itertools.chain(*(g.leaves for g in dynamic_args), dynamic_kwargs.leaves)
+        leaves = [next(arrays) if s is _HOLE else s for s in slots]
+        args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
         out = fun(*args, **kwargs)
-        dynamic_out, static_out = eqx.partition(out, eqx.is_array)
+        out_treedef, out_slots, out_arrays, out_paths = _split(out, eqx.is_array)
         marker = jnp.array(0)
-        return marker, dynamic_out, eqx.internal.Static(static_out)
+        group = _Leaves(tuple(out_arrays), tuple(keystr(p) for p in out_paths))
+        return marker, group, _StaticOut(out_treedef, out_slots)
 
     fun_wrapped.__name__ = fun_name
     fun_wrapped.__qualname__ = fun_qualname
     return fun_wrapped
+
+
+# --- the signature of a call's leaves (the plans' key) ------------------------------------------
+
+_ARRAY_IMPL = _compat.ARRAY_IMPL
+_HOST_ARRAYS = (np.ndarray, np.generic)
+# per leaf type: 1 a jax array (its aval), 2 a NumPy array or scalar (shape, dtype), 0 static
+# (the leaf itself), -1 a jax.Array of another type (a tracer): no plan
+_LEAF_KIND: dict[type, int] = {_ARRAY_IMPL: 1}
+
+
+def _leaf_kind(t: type) -> int:
+    kind = _LEAF_KIND.get(t)
+    if kind is None:
+        if issubclass(t, jax.Array):
+            kind = -1
+        elif issubclass(t, _HOST_ARRAYS):
+            kind = 2
+        else:
+            kind = 0
+        _LEAF_KIND[t] = kind
+    return kind
+
+
+def _leaf_signature(leaves: list) -> tuple | None:
+    """Each leaf's aval (a jax array), ``(shape, dtype)`` (NumPy), or the leaf itself (static,
+    hashed and compared as jax.jit hashes equinox's static part), or None (a tracer)."""
+    kinds = _LEAF_KIND
+    sig = []
+    for x in leaves:
+        k = kinds.get(type(x))
+        if k is None:
+            k = _leaf_kind(type(x))
+        if k == 1:
+            sig.append(x.aval)
+        elif k == 0:
+            sig.append(x)
+        elif k == 2:
+            sig.append((x.shape, x.dtype))
+        else:
+            return None
+    return tuple(sig)
+
+
+# --- the plans' reference check -----------------------------------------------------------------
+
+_BUILTIN_NODES = (dict, list, tuple)
+_getrefcount = sys.getrefcount
+_object_getattribute = object.__getattribute__
+
+
+@dataclasses.dataclass(frozen=True)
+class _ModuleLayout:
+    """An equinox Module type's fields as its flatten reads them from ``__dict__``."""
+
+    dynamic: tuple[str, ...]  # the children, in order
+    static: tuple[str, ...]  # node data
+    nfields: int
+
+
+# per type: its _ModuleLayout, or None (not an equinox Module, or one whose flatten did not
+# match its fields: ``callsite.kid_refcounts`` reads it)
+_LAYOUTS: dict[type, _ModuleLayout | None] = {}
+# per kid type that is a pytree leaf: True if static (never donated, skipped), False if a host
+# scalar or a leaf jax.jit accepts (the general path refuses the argument)
+_STATIC_KIDS: dict[type, bool | None] = {}  # None: a pytree node
+_UNKNOWN: Any = object()
+_MODULE_KID_BASE = -1  # calibrated on first use (``_calibrate``)
+
+
+def _module_kids(d: dict, names: tuple) -> tuple[list, list]:
+    """A Module's children (``None`` for a missing field, as equinox's ``MISSING``: no buffer)
+    and their reference counts."""
+    get = d.get
+    kids = [get(n) for n in names]
+    return kids, list(map(_getrefcount, kids))
+
+
+def _calibrate() -> int:
+    """The count ``_module_kids`` reads for a child only its Module holds."""
+    import equinox as eqx
+
+    class Probe(eqx.Module):
+        held: Any
+
+    return min(
+        _module_kids(_object_getattribute(Probe(object()), "__dict__"), ("held",))[1][0]
+        for _ in range(3)
+    )
+
+
+class _CallProbe:
+    """The call shape of ``EquinoxJit.__call__`` reaching ``_planned``, whose count of
+    ``args[p]`` is that of an argument nothing but the caller's one name holds."""
+
+    def __call__(self, *args, **kwargs):
+        return self._planned(args)
+
+    def _planned(self, args):
+        return _getrefcount(args[0])
+
+
+def _calibrate_call() -> tuple[int, int]:
+    probe = _CallProbe()
+
+    def positional():
+        x = object()
+        return probe(x)
+
+    def with_keywords():
+        x = object()
+        return probe(x, k=None)
+
+    return min(positional() for _ in range(3)), min(with_keywords() for _ in range(3))
+
+
+# (positional call, call with keywords)
+_CALL_BASES = _calibrate_call()
+
+
+def _layout_of(obj: Any) -> _ModuleLayout | None:
+    t = type(obj)
+    if t in _LAYOUTS:
+        return _LAYOUTS[t]
+    layout = None
+    eqx = sys.modules.get("equinox")
+    if eqx is not None and isinstance(obj, eqx.Module) and dataclasses.is_dataclass(t):
+        fields = dataclasses.fields(t)
+        dynamic = tuple(f.name for f in fields if not f.metadata.get("static", False))
+        static = tuple(f.name for f in fields if f.metadata.get("static", False))
+        layout = _ModuleLayout(dynamic, static, len(dynamic) + len(static))
+        # Read as equinox's generated flatten reads them, or not at all.
+        try:
+            kids, _ = _compat.flatten_one_level(obj)
+            d = _object_getattribute(obj, "__dict__")
+            theirs = [None if type(k).__name__ == "_Missing" else k for k in kids]
+            if len(theirs) != len(dynamic) or any(
+                a is not d.get(n) for a, n in zip(theirs, dynamic)
+            ):
+                layout = None
+        except Exception:  # noqa: BLE001 - an unreadable module: the registry path reads it
+            layout = None
+    _LAYOUTS[t] = layout
+    return layout
+
+
+def _static_kid(kid: Any) -> bool | None:
+    """True: a static leaf, skipped (equinox's split makes every leaf that is not an array
+    static: a function, a Python scalar, a string; it reaches the program as a constant of its
+    static argument, never as a buffer, so other references to it do not matter); False: a jax
+    array of another type than jax's own (a tracer) or a NumPy array or scalar (transferred
+    afresh by every call: ``callsite.leaf_problem`` refuses such an argument); None: a pytree
+    node, walked. Each a fact about the kid's type (jax's registry, a NamedTuple's fields)."""
+    t = type(kid)
+    known = _STATIC_KIDS.get(t, _UNKNOWN)
+    if known is not _UNKNOWN:
+        return known
+    if t in _BUILTIN_NODES or not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(kid)):
+        kind = None
+    else:
+        kind = not isinstance(kid, (jax.Array, *_HOST_ARRAYS))
+    _STATIC_KIDS[t] = kind
+    return kind
+
+
+def _donatable_now(args: tuple, kwargs: dict, positions: tuple) -> tuple:
+    """The general path's run-time check of the proven positional arguments (``positions``),
+    on the user's own objects before anything else holds their parts: each held only by the
+    call, and every node and array inside it only by its parent (``_held_elsewhere``). Under
+    ``"safe"`` these reference counts also rule out an array passed twice, or also passed
+    inside another argument (it counts one more), which ``callsite.donation_checks`` looks for
+    by identity. A keyword argument is never donated (as there)."""
+    base = _CALL_BASES[1] if kwargs else _CALL_BASES[0]
+    ok = []
+    for p in positions:
+        if p >= len(args):
+            continue
+        # Counted before binding a local name, exactly as ``_calibrate_call`` measures it.
+        if _getrefcount(args[p]) > base:
+            continue
+        if type(args[p]) is _ARRAY_IMPL:
+            if not args[p].is_deleted():
+                ok.append(p)
+        elif _static_kid(args[p]) is None and not _held_elsewhere(args[p], 0):
+            ok.append(p)
+    return tuple(ok)
+
+
+def _held_elsewhere(obj: Any, array_base: int, depth: int = 0) -> bool:
+    """Whether a part of ``obj`` (whose own count was checked) may be read after the call: a
+    node or array inside it also referenced from elsewhere, a deleted array, a leaf the general
+    path refuses (``callsite.leaf_problem``'s rules, with ``check_refs``). ``array_base``: the
+    count of an array nothing else holds, while the plan's leaf list holds one reference.
+    An equinox Module's children are read from its ``__dict__`` (its flatten reads them there
+    too, through the Module's ``__getattribute__``); other nodes through
+    ``callsite.kid_refcounts``."""
+    if depth > 64:
+        return True
+    t = type(obj)
+    layout = _LAYOUTS[t] if t in _LAYOUTS else _layout_of(obj)
+    d = None
+    if layout is not None:
+        d = _object_getattribute(obj, "__dict__")
+        if len(d) != layout.nfields:  # wrapper fields (``functools.wraps``): the registry path
+            d = None
+        else:
+            for n in layout.static:  # a container of arrays held as node data
+                v = d.get(n)
+                if type(v) in _BUILTIN_NODES and any(
+                    isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(v)
+                ):
+                    return True
+    if d is not None:
+        assert layout is not None
+        kids, counts = _module_kids(d, layout.dynamic)
+        base = _MODULE_KID_BASE
+    else:
+        if t not in _BUILTIN_NODES and getattr(t, "_autoopt_never_donate", False):
+            return True  # an autoopt.constant: its device copy is every call's
+        try:
+            kids, counts, base = callsite.kid_refcounts(obj)
+        except ValueError:  # a leaf: not something a donated argument may hold
+            return True
+    for kid, count in zip(kids, counts):
+        if kid is None:
+            continue
+        if type(kid) is _ARRAY_IMPL:
+            if count > base + array_base or kid.is_deleted():
+                return True
+            continue
+        static = _static_kid(kid)
+        if static:
+            continue
+        if static is False or count > base or _held_elsewhere(kid, array_base, depth + 1):
+            return True
+    return False
+
+
+# --- the plans ----------------------------------------------------------------------------------
+
+
+class _Plan:
+    """A signature's plan at one call site: the static half of the general path's decision."""
+
+    __slots__ = ("run", "static", "fun_group", "getters", "positions", "base", "const_ids")
+
+    def __init__(self, run, static, fun_group, getters, positions, base, const_ids):
+        self.run = run  # the executable (``_plans.kept``: through the placer when needed)
+        self.static = static  # the inner function's static argument, as first built
+        self.fun_group = fun_group
+        # per group (keyword-only, then each positional argument): (its leaves' indices among
+        # the call's flattened leaves, their paths)
+        self.getters = getters
+        self.positions = positions  # the positional arguments donated (user's positions)
+        self.base = base  # the reference count of an argument nothing else holds
+        self.const_ids = const_ids  # the program's constants, never donated
+
+
+def _take(indices: tuple) -> Any:
+    """``leaves -> tuple of the leaves at indices``."""
+    if not indices:
+        return lambda leaves: ()
+    if len(indices) == 1:
+        i = indices[0]
+        return lambda leaves: (leaves[i],)
+    return operator.itemgetter(*indices)
+
+
+class _SiteEntry:
+    """One call site: its proof (``Site``), its plans, and those of its calls whose proof
+    check refused (another callee, a thread): those donate nothing."""
+
+    __slots__ = ("site", "plans", "withheld")
+
+    def __init__(self, site: Site):
+        self.site = site
+        self.plans: dict = {}
+        self.withheld: dict = {}
 
 
 class EquinoxJit:
@@ -87,13 +463,20 @@ class EquinoxJit:
         import equinox as eqx
         from equinox._compile_utils import get_fn_names, hashable_partition
 
+        global _MODULE_KID_BASE
+        if _MODULE_KID_BASE < 0:
+            _MODULE_KID_BASE = _calibrate()
         self.__wrapped__ = fun
         functools.update_wrapper(self, fun, updated=())
         self._plain = plain  # equinox's own wrapper: lower(), and errors as equinox raises them
         self._signature = inspect.signature(fun)
-        self._dynamic_fun, self._static_fun = hashable_partition(fun, eqx.is_array)
+        dynamic_fun, self._static_fun = hashable_partition(fun, eqx.is_array)
+        fun_pathed, self._fun_treedef = jax.tree_util.tree_flatten_with_path(dynamic_fun)
+        self._fun_group = _Leaves(
+            tuple(x for _, x in fun_pathed),
+            tuple(jax.tree_util.keystr(p) for p, _ in fun_pathed),
+        )
         self._is_array = eqx.is_array
-        self._partition = hashable_partition
         name, qualname = get_fn_names(fun)
         opts = make_options(**{**options, "static_argnums": 0})
         location = fn_location_of(fun)
@@ -102,8 +485,8 @@ class EquinoxJit:
         # One inner function per name, location and options, shared by every wrapper, as
         # equinox shares its jax.jit per function name (``_filter_jit_cache``): a new
         # ``filter_jit(filter_grad(f))`` per call finds the programs of the first (the
-        # function's static part, equal by equinox's ``==``, is the inner one's static argument,
-        # hashed as jax.jit hashes it), and ``jax.grad`` of it JAX's caches of the first.
+        # function's static part, equal by equinox's ``==``, is in the inner one's static
+        # argument, hashed as jax.jit hashes it), and ``jax.grad`` of it JAX's caches of the first.
         key = _reuse.options_key(options)
         shared = (name, qualname, location, key) if key is not None else None
         inner = _INNERS.get(shared) if shared is not None else None
@@ -114,8 +497,12 @@ class EquinoxJit:
             inner._proof_names = list(self._signature.parameters)  # pyright: ignore[reportAttributeAccessIssue]
             if shared is not None:
                 inner = _INNERS.setdefault(shared, inner)
+                while len(_INNERS) > MAX_INNERS:
+                    _INNERS.popitem(last=False)
+        elif shared is not None:
+            _INNERS.move_to_end(shared)
         self._inner = inner
-        self._sites: dict = {}
+        self._sites: dict = {}  # (id(code), instruction offset) -> _SiteEntry
 
     # --- the call --------------------------------------------------------------------------
 
@@ -125,32 +512,91 @@ class EquinoxJit:
         try:
             positions: tuple = ()
             proof = None
+            plans = None
             if self._donate != "off" and _compat.trace_state_clean():
                 try:
                     frame = sys._getframe(1) if self._donate == "safe" else None
                 except ValueError:  # no Python caller (a thread's entry point): no site
                     frame = None
                 if frame is not None:
-                    site = self._sites.get((id(frame.f_code), frame.f_lasti))
-                    if site is None:
-                        site = self._prove(frame)
+                    entry = self._sites.get((id(frame.f_code), frame.f_lasti))
+                    if entry is None:
+                        entry = self._prove(frame)
+                    site = entry.site
                     proof = site.proof
+                    plans = entry.plans
                     if site.donates and proof.matches(args, kwargs):
                         if proof.check(frame, self, args, kwargs):
-                            # On the user's own objects, before anything holds their leaves.
                             positions = self._bound_positions(proof, args, kwargs)
-                            if positions:
-                                positions = callsite.donation_checks(
-                                    args, kwargs, positions, (), check_refs=True
-                                )[0]
+                        else:  # another callee, or a thread could read a name: no donation
+                            plans = entry.withheld
                     del frame
                 elif self._donate == "auto":  # every argument an output can alias: promised
                     positions = tuple(range(len(args)))
+            elif self._donate == "off" and _compat.trace_state_clean():
+                plans = self._sites.get(None)
+                if plans is None:
+                    plans = self._sites[None] = {}
+            # The cached plan of this signature, checked on the user's own objects.
+            key = None
+            if plans is not None and not _compat.jit_disabled():
+                key, out = self._lookup(plans, args, kwargs, __equinox_jit_id__)
+                if out is not MISS:
+                    return out
+            if positions and self._donate == "safe":
+                # On the user's own objects, before anything holds their leaves.
+                positions = _donatable_now(args, kwargs, positions)
             parts = self._parts(args, kwargs)
-            return self._run(parts, positions, proof, __equinox_jit_id__)
+            out, decided = self._run(parts, positions, proof, __equinox_jit_id__)
+            if key is not None and plans is not None and len(plans) < FAST_ENTRIES:
+                if decided is not None:
+                    self._remember(plans, key, decided, parts, args, kwargs, proof)
+            return out
         except Exception as e:
             _compat.filter_traceback(e)
             raise
+
+    def _lookup(self, plans: dict, args: tuple, kwargs: dict, jit_id: bytes) -> tuple:
+        """``(key, output)``: the key of this call's signature (None: it cannot have a plan)
+        and the output of its plan, or ``MISS`` (no plan, or its checks refused). The leaves
+        are local here: the general path's reference counts must not see them."""
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+        sig = _leaf_signature(leaves)
+        if sig is None:
+            return None, MISS
+        key = (treedef, tuple(map(type, leaves)), sig)
+        try:
+            plan = plans.get(key)
+        except Exception:  # noqa: BLE001 - an unhashable or uncomparable static leaf
+            return None, MISS
+        if plan is None:
+            return key, MISS
+        return key, self._planned(plan, args, leaves, jit_id)
+
+    def _planned(self, plan: _Plan, args: tuple, leaves: list, jit_id: bytes):
+        """The plan's run-time checks, then its executable; ``MISS`` when a check refuses."""
+        base = plan.base
+        for p in plan.positions:
+            # Counted before binding a local name, exactly as ``callsite._measure`` does; the
+            # leaf list holds one more reference to an argument that is itself an array.
+            if _getrefcount(args[p]) > base + (type(args[p]) is _ARRAY_IMPL):
+                return MISS
+            if type(args[p]) is _ARRAY_IMPL:
+                if args[p].is_deleted():
+                    return MISS
+            elif _static_kid(args[p]) is not None or _held_elsewhere(args[p], 1):
+                return MISS
+        nans, infs = _compat.DEBUG_NANS_STATES
+        if plan.positions and (nans.value or infs.value):
+            return MISS
+        groups = [_Leaves(take(leaves), paths) for take, paths in plan.getters]
+        if plan.const_ids and plan.positions:
+            consts = plan.const_ids
+            for p in plan.positions:
+                if any(id(x) in consts for x in groups[p + 1].leaves):
+                    return MISS
+        del leaves
+        return self._execute(plan.run, (plan.static, plan.fun_group, *groups), jit_id)
 
     def _bound_positions(self, proof, args: tuple, kwargs: dict) -> tuple:
         """The proven arguments as positions of the bound call (a keyword naming a positional
@@ -165,26 +611,49 @@ class EquinoxJit:
         return tuple(sorted(set(out)))
 
     def _parts(self, args: tuple, kwargs: dict) -> tuple:
+        """The inner function's arguments (the module docstring's layout)."""
         bound = self._signature.bind(*args, **kwargs)
-        split = [self._partition(a, self._is_array) for a in bound.args]
-        dyn_kwargs, static_kwargs = self._partition(bound.kwargs, self._is_array)
-        static = (self._static_fun, static_kwargs, tuple(s for _, s in split))
-        return (static, self._dynamic_fun, dyn_kwargs, *(d for d, _ in split))
+        treedef, slots, arrays, paths = _split((bound.args, bound.kwargs), self._is_array)
+        nargs = len(bound.args)
+        groups: list[tuple[list, list]] = [([], []) for _ in range(nargs + 1)]
+        keystr = jax.tree_util.keystr
+        for x, path in zip(arrays, paths):
+            if path[0].idx == 0:  # positional: (args, i, ...)
+                g, rest = groups[path[1].idx + 1], path[2:]
+            else:  # keyword-only: (kwargs, name, ...)
+                g, rest = groups[0], path[1:]
+            g[0].append(x)
+            g[1].append(keystr(rest))
+        static = (self._static_fun, self._fun_treedef, treedef, slots)
+        return (
+            static,
+            self._fun_group,
+            *(_Leaves(tuple(xs), tuple(ps)) for xs, ps in groups),
+        )
 
-    def _run(self, parts: tuple, positions: tuple, proof, jit_id: bytes):
+    def _run(self, parts: tuple, positions: tuple, proof, jit_id: bytes) -> tuple[Any, Any]:
+        """``(output, the decision to cache for this signature or None)``."""
         inner = self._inner
+        decided = None
         if _compat.jit_disabled() or not _compat.trace_state_clean():
             plan = inner._dispatch(None, parts, {})  # eagerly, or inside a trace: as jax.jit
         else:
-            plan = self._plan(parts, positions, proof)
+            plan, decided = self._plan(parts, positions, proof)
+
+        def run(parts):
+            return inner._run(plan, parts, {})
+
+        return self._execute(run, parts, jit_id), decided
+
+    def _execute(self, run, parts: tuple, jit_id: bytes):
+        """``run(parts)``, blocking on its marker, with equinox's error messages, rebuilt."""
         import equinox._jit as eqx_jit
-        from equinox import combine
 
         filter = eqx_jit._FilterCallback()
         callback_logger = logging.getLogger("jax._src.callback")
         callback_logger.addFilter(filter)
         try:
-            marker, dynamic_out, static_out = inner._run(plan, parts, {})
+            marker, out_leaves, static_out = run(parts)
             if not _compat.is_tracer(marker) and isinstance(marker, jax.Array):
                 marker.block_until_ready()
         except (eqx_jit.JaxRuntimeError, ValueError) as e:
@@ -204,17 +673,21 @@ class EquinoxJit:
             raise
         finally:
             callback_logger.removeFilter(filter)
-        return combine(dynamic_out, static_out.value)
+        return static_out.rebuild(out_leaves.leaves)
 
     def _plan(self, parts: tuple, positions: tuple, proof):
-        """The signature's one executable, donating ``positions`` (bound argument positions
-        that passed the run-time checks) where its outputs alias them; copies of the rest."""
+        """``(plan, decided)``: the signature's one executable, donating ``positions`` (bound
+        argument positions that passed the run-time checks) where its outputs alias them, copies
+        of the rest; ``decided``, for a plan of this signature (``_remember``): ``(program,
+        executable's donated positions, positions the site donates when the checks pass)``,
+        or None when the decision is not the same for every call of the signature."""
         inner = self._inner
         program = inner._program_for_call(parts, {})
         if program is None:
-            return inner._plain_plan
+            return inner._plain_plan, None
         if self._donate == "off" or host_callbacks(program.final):
-            return plan_for(inner, program, program.decide(((), ())), (), ())
+            d = program.decide(((), ()))
+            return plan_for(inner, program, d, (), ()), (program, d[0], ())
         candidates = tuple(p + FIRST_ARG for p in positions if p + FIRST_ARG < len(parts))
         if self._donate == "auto":
             intended = candidates
@@ -227,8 +700,12 @@ class EquinoxJit:
         else:
             intended = ()
         d = program.decide((intended, ()))
+        unpacks = unpacks_tree(program, proof)
         pos = tuple(p for p in candidates if p in d[0])
-        if pos and not unpacks_tree(program, proof):
+        if pos and not unpacks:
+            pos = ()
+        # Under jax_debug_nans jax re-runs a failing program op by op on its inputs.
+        if pos and _compat.debug_nans_enabled():
             pos = ()
         if pos:
             consts = program.const_ids
@@ -242,15 +719,59 @@ class EquinoxJit:
                     for p in pos
                     if not any(id(x) in consts for x in jax.tree_util.tree_leaves(parts[p]))
                 )
-        return plan_for(inner, program, d, pos, ())
+        decided = None
+        if self._donate == "safe":
+            planned = intended if (positions and unpacks) else ()
+            decided = (program, d[0], tuple(p for p in planned if p in d[0]))
+        return plan_for(inner, program, d, pos, ()), decided
 
-    def _prove(self, frame) -> Site:
+    def _remember(
+        self, plans: dict, key: tuple, decided: tuple, parts: tuple, args, kwargs, proof
+    ) -> None:
+        """Record the plan of this call's signature at its site: the executable the general
+        path chose, the positions it donates when the checks pass. Only where every call of
+        the signature that passes them runs that executable as it is (no copies)."""
+        program, donated, planned = decided
+        # a proven argument passed by keyword is never donated (``donation_checks``)
+        planned = tuple(p for p in planned if p - FIRST_ARG < len(args))
+        if any(p not in planned for p in donated):
+            return  # calls here pass copies of what the executable donates: general path
+        leaves = jax.tree_util.tree_leaves((args, kwargs))
+        index: dict[int, int] = {}
+        for i, x in enumerate(leaves):
+            if _leaf_kind(type(x)) > 0:
+                if id(x) in index:
+                    return  # an array passed twice: no plan (the general path refuses it)
+                index[id(x)] = i
+        getters = []
+        for group in parts[2:]:
+            try:
+                at = tuple(index[id(x)] for x in group.leaves)
+            except KeyError:
+                return
+            getters.append((_take(at), group.paths))
+        inner = self._inner
+        host = any(_leaf_kind(type(x)) == 2 for x in leaves)
+        placer = inner._placer if host or placer_needed(inner, program) else None
+        jit = inner._jit_for(donated, ()) if donated else inner._plain
+        base = _CALL_BASES[1] if kwargs else _CALL_BASES[0]
+        plans[key] = _Plan(
+            _plans.kept(jit, placer),
+            parts[0],
+            parts[1],
+            tuple(getters),
+            tuple(p - FIRST_ARG for p in planned),
+            base,
+            program.const_ids,
+        )
+
+    def _prove(self, frame) -> _SiteEntry:
         proof = callsite.prove_call_site(frame, self)
-        site = Site(proof, False)
-        self._sites[(id(frame.f_code), frame.f_lasti)] = site
+        entry = _SiteEntry(Site(proof, False))
+        self._sites[(id(frame.f_code), frame.f_lasti)] = entry
         if proof.location:
             self._inner._caches.site_proofs[proof.location] = proof
-        return site
+        return entry
 
     # --- equinox's other entry points ------------------------------------------------------
 
@@ -278,8 +799,8 @@ class EquinoxJit:
 
 
 def unpacks_tree(program, proof) -> bool:
-    """The user's result unpacks into the statement's targets: the result is the second child
-    of the inner output ``(marker, dynamic_out, Static)``, whose structure is the user's."""
+    """The user's result unpacks into the statement's targets: the result's structure is the
+    node data of the inner output's third child (``(marker, leaves, _StaticOut)``)."""
     if proof is None or proof.unpack is None:
         return True
     from autoopt._jit._program import unpacks_tree as unpacks
@@ -287,7 +808,10 @@ def unpacks_tree(program, proof) -> bool:
     kids = jax.tree_util.treedef_children(program.traced.out_tree)
     if len(kids) != 3:
         return False
-    return all(unpacks(kids[1], p) for p in proof.unpack)
+    data = kids[2].node_data()
+    if data is None or data[0] is not _StaticOut:
+        return False
+    return all(unpacks(data[1].treedef, p) for p in proof.unpack)
 
 
 def is_filter_jit(fn: Any) -> bool:
