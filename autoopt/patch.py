@@ -544,6 +544,21 @@ def _attribute_compile(fun_name: str) -> None:
                     _record_program(row, owner, args, kwargs)
                 return
         frame = frame.f_back
+    # A call the C path ran (no frame of ours): the function jit traced last on this thread,
+    # when the compile is of its name.
+    from autoopt._jit._function import TRACING
+
+    owner = getattr(TRACING, "function", None)
+    name = getattr(getattr(owner, "__wrapped__", None), "__name__", None)
+    row = None
+    if isinstance(owner, OptimizedFunction) and fun_name in (name, f"jit({name})"):
+        # the row of the object the user called: the traced one, or a ``_fresh`` wrapper of it
+        row = _state.row_of.get(owner) or next(
+            (r for k, r in _state.row_of.items() if getattr(k, "_shares", None) is owner), None
+        )
+    if row is not None:
+        row.compiles += 1
+        return
     _state.other_compiles[fun_name] += 1
 
 

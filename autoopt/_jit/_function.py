@@ -203,6 +203,12 @@ def _process_independent_id(fn: Callable) -> str:
 trace_state_clean = _compat.trace_state_clean
 
 
+# The optimized function this thread's jit traced last. A call the C path runs has no Python
+# frame of ours on the stack when jit compiles, so ``autoopt run``'s summary reads this to count
+# the compile against the function (``patch._attribute_compile``, after matching the name).
+TRACING = threading.local()
+
+
 def _refuse_unchecked(program: Program, tls: threading.local) -> None:
     """A program that drops an update to an nnx object of its arguments, traced where no call
     can check the caller's objects (``OptimizedFunction._refuse_held_lost_update``): inside
@@ -246,6 +252,15 @@ def _native_call_path() -> Any:
         return None
     if not _native.SUPPORTED:
         return None
+    try:
+        return _configured(_native)
+    except Exception:  # noqa: BLE001 - a build from other sources than these (a stale .so)
+        return None
+
+
+def _configured(_native: Any) -> Any:
+    """``_native`` configured for this process, or None where the reference counts it sees
+    differ from ``callsite``'s calibration (``_native_call_path``)."""
 
     class RefProbe(_native.CallPath):
         pass
@@ -358,6 +373,14 @@ class OptimizedFunction(_CallBase):
         new._configure_call_path()
         return new
 
+    def __copy__(self) -> OptimizedFunction:
+        # As ``copy.copy`` of a jax.jit object: a new object sharing the caches (the C call
+        # path's base type cannot be copied by ``copy``'s default protocol).
+        return self._fresh()
+
+    def __deepcopy__(self, memo: dict) -> OptimizedFunction:
+        return self._fresh()
+
     # --- jit objects ---------------------------------------------------------------------------
 
     def _make_wrapper(self, eager_autodiff: bool = False, inlined: bool = False) -> Callable:
@@ -383,6 +406,7 @@ class OptimizedFunction(_CallBase):
                 return fn(*args, **kwargs)
             if _jaxpr.opaque_input(tree_util.tree_leaves((args, kwargs))) is not None:
                 return fn(*args, **kwargs)  # a hijax Variable or a jax.Ref: as plain jax.jit
+            TRACING.function = self  # whose compile follows (``patch``: no frame of ours)
             program, leaves = self._program_for_trace(args, kwargs, eager_autodiff)
             if program.untouched is not None:  # a jax.Ref, a hijax type: as plain jax.jit
                 return fn(*args, **kwargs)

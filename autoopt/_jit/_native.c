@@ -465,12 +465,23 @@ run_plan(CallPath *self, PyObject *site, PyObject *plan, PyObject *args, PyObjec
 
 /* The plan for the arguments' flat key in ``plans`` (a new reference), or NULL (none: a new
  * signature, or arguments that are not flat). */
+/* Clear the error a check raised, so that the call falls back to the Python path (which runs
+ * every check again), unless it is not an ``Exception``: a KeyboardInterrupt or SystemExit that
+ * a signal handler raised while a check ran Python code must reach the caller (``cp_call``
+ * returns it), as it would from the Python path. */
+static void
+fall_back_error(void)
+{
+    if (PyErr_ExceptionMatches(PyExc_Exception))
+        PyErr_Clear();
+}
+
 static PyObject *
 find_plan(CallPath *self, PyObject *plans, PyObject *args)
 {
     PyObject *key = flat_key(args);
     if (key == NULL)
-        return PyErr_Clear(), NULL;
+        return fall_back_error(), NULL;
     uint64_t version = ((PyDictObject *)plans)->ma_version_tag;
     if (self->key_plan != NULL && self->key_plans == plans && self->key_version == version &&
         PyTuple_GET_SIZE(self->key) == PyTuple_GET_SIZE(key)) {
@@ -486,7 +497,7 @@ find_plan(CallPath *self, PyObject *plans, PyObject *args)
     PyObject *plan = PyDict_GetItemWithError(plans, key);
     if (plan == NULL) {
         Py_DECREF(key);
-        return PyErr_Clear(), NULL;
+        return fall_back_error(), NULL;
     }
     Py_INCREF(plan);
     /* (read after the lookup: a comparison that ran Python code and changed the dict made the
@@ -511,11 +522,11 @@ find_site(CallPath *self, _PyInterpreterFrame *f, PyObject **site, PyObject **sp
           self->last_lasti == lasti && self->last_version == version)) {
         PyObject *key = Py_BuildValue("(Ni)", PyLong_FromVoidPtr(f->f_code), lasti);
         if (key == NULL)
-            return PyErr_Clear(), 0;
+            return fall_back_error(), 0;
         PyObject *found = PyDict_GetItemWithError(self->sites, key);
         Py_DECREF(key);
         if (found == NULL)
-            return PyErr_Clear(), 0; /* a new site: the Python path proves it */
+            return fall_back_error(), 0; /* a new site: the Python path proves it */
         Py_INCREF(found);
         version = ((PyDictObject *)self->sites)->ma_version_tag;
         PyObject *donates_o = PyObject_GetAttr(found, s_donates);
@@ -539,7 +550,7 @@ find_site(CallPath *self, _PyInterpreterFrame *f, PyObject **site, PyObject **sp
         if (donates < 0) {
             Py_DECREF(found);
             Py_XDECREF(found_spec);
-            return PyErr_Clear(), 0;
+            return fall_back_error(), 0;
         }
         Py_XSETREF(self->last_site, found);
         Py_XSETREF(self->last_spec, found_spec);
@@ -563,7 +574,7 @@ fast_call(CallPath *self, PyObject *args, PyObject **out)
 {
     int clean = trace_clean();
     if (clean <= 0)
-        return clean < 0 ? (PyErr_Clear(), 0) : 0;
+        return clean < 0 ? (fall_back_error(), 0) : 0;
     PyObject *site = NULL, *spec = NULL, *plans = NULL; /* strong references */
     int r = 0;
     if (self->sites != NULL) {
@@ -576,7 +587,7 @@ fast_call(CallPath *self, PyObject *args, PyObject **out)
             int ok = run_spec(spec, f, (PyObject *)self, args);
             if (ok <= 0) {
                 if (ok < 0)
-                    PyErr_Clear();
+                    fall_back_error();
                 goto done;
             }
         } else {
@@ -584,7 +595,7 @@ fast_call(CallPath *self, PyObject *args, PyObject **out)
             int on = lookup ? PyObject_IsTrue(lookup) : -1;
             Py_XDECREF(lookup);
             if (on < 0) {
-                PyErr_Clear();
+                fall_back_error();
                 goto done;
             }
             if (!on)
@@ -607,7 +618,7 @@ fast_call(CallPath *self, PyObject *args, PyObject **out)
             int in = PySet_Contains(plain_types, (PyObject *)Py_TYPE(PyTuple_GET_ITEM(args, i)));
             if (in <= 0) {
                 if (in < 0)
-                    PyErr_Clear();
+                    fall_back_error();
                 goto done;
             }
         }
@@ -616,7 +627,7 @@ fast_call(CallPath *self, PyObject *args, PyObject **out)
         Py_DECREF(plain);
     }
     if (r < 0) {
-        PyErr_Clear();
+        fall_back_error();
         r = 0;
     }
 done:
@@ -671,6 +682,8 @@ cp_call(PyObject *op, PyObject *args, PyObject *kwargs)
                 filter_error();
             return out;
         }
+        if (PyErr_Occurred()) /* not an Exception (``fall_back_error``): the caller's */
+            return NULL;
     } else if (self->mode == 2) { /* ``refs_in_call``: a lone argument's reference count */
         if (PyTuple_GET_SIZE(args) < 1)
             return PyErr_Format(PyExc_TypeError, "refs_in_call needs an argument");
