@@ -148,3 +148,46 @@ def test_an_optimized_function_can_be_copied_as_a_jit_object_can():
     off = _run(_COPY, native=False)
     assert off.split() == ["[1.0,", "1.0]"]
     assert _run(_COPY, native=True) == off
+
+
+_CLEAR_WHILE_CALLING = """
+    import threading
+    import jax.numpy as jnp
+    import autoopt
+
+    fast = autoopt.optimize(lambda x: x + 1.0)
+    errors = []
+    stop = threading.Event()
+
+    def loop(n):
+        try:
+            x = jnp.zeros(4)
+            for _ in range(n):
+                x = fast(x)
+            print(float(x[0]))
+        except BaseException as e:
+            errors.append(repr(e))
+
+    def clearer():
+        while not stop.is_set():
+            fast.clear_cache()
+            stop.wait(0.01)
+
+    threads = [threading.Thread(target=clearer), threading.Thread(target=loop, args=(1500,))]
+    for t in threads:
+        t.start()
+    threads[1].join()
+    stop.set()
+    threads[0].join()
+    print(errors[:1])
+"""
+
+
+def test_clear_cache_from_another_thread_never_breaks_a_call():
+    # Not the C path's: both paths. A clear_cache() while a signature's first call (remat="fit")
+    # is in _fit.checked_call makes its jit(*args) trace a new program, whose FitCheck the
+    # placer's catcher hands to first_call with the stand-in as the jit:
+    # "AttributeError: '_Checked' object has no attribute 'lower'", or the FitCheck itself
+    # reaches the caller.
+    for native in (False, True) if _function.NATIVE else (False,):
+        assert _run(_CLEAR_WHILE_CALLING, native).split() == ["1500.0", "[]"]

@@ -514,8 +514,12 @@ class OptimizedFunction(_CallBase):
         # A trace only for the program (``_program_for_call``) stops too, which catches it:
         # jax would keep that trace, and the call's own trace would never reach here.
         tls = self._caches.tls
-        if getattr(tls, "aot", False) or getattr(tls, "fit_checking", None) is program:
-            return  # ahead of time, or this thread's own check (``_fit.checked_call``)
+        if getattr(tls, "aot", False) or getattr(tls, "fit_checking", None) is not None:
+            # Ahead of time, or inside this thread's own check (``_fit.checked_call``): its
+            # program, or another one of the same signature that a ``clear_cache()`` from
+            # another thread made the check's compile trace anew (a FitCheck raised there would
+            # reach the check's stand-in, not a catcher); that one runs as the check decides.
+            return
         if program.traced.captures_tracers or program.untouched is not None:
             program.fit = "off"
             return
