@@ -546,9 +546,10 @@ def _attribute_compile(fun_name: str) -> None:
         frame = frame.f_back
     # A call the C path ran (no frame of ours): the function jit traced last on this thread,
     # when the compile is of its name.
-    from autoopt._jit._function import TRACING
+    from autoopt._jit import TRACING
 
-    owner = getattr(TRACING, "function", None)
+    traced = getattr(TRACING, "function", None)
+    owner = traced() if traced is not None else None
     name = getattr(getattr(owner, "__wrapped__", None), "__name__", None)
     row = None
     if isinstance(owner, OptimizedFunction) and fun_name in (name, f"jit({name})"):

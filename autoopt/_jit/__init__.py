@@ -2,7 +2,13 @@
 (``_dispatch``), and ``Inspection``, the narrow view of it."""
 
 from autoopt._jit._equinox import EquinoxJit  # also registers optimize's route for filter_jit
-from autoopt._jit._function import OptimizedFunction, explain, forget_wrappers, optimize
+from autoopt._jit._function import (
+    TRACING,
+    OptimizedFunction,
+    explain,
+    forget_wrappers,
+    optimize,
+)
 from autoopt._jit._inspect import Inspection
 from autoopt._jit._nnx import NnxJit, nnx_routable  # also registers optimize's route
 from autoopt._jit._reuse import RECENT, WrapperCache, options_key
@@ -10,6 +16,7 @@ from autoopt._jit._reuse import RECENT, WrapperCache, options_key
 __all__ = [
     "EquinoxJit",
     "RECENT",
+    "TRACING",
     "Inspection",
     "NnxJit",
     "OptimizedFunction",

@@ -24,6 +24,7 @@ import sys
 import threading
 import types
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -406,7 +407,9 @@ class OptimizedFunction(_CallBase):
                 return fn(*args, **kwargs)
             if _jaxpr.opaque_input(tree_util.tree_leaves((args, kwargs))) is not None:
                 return fn(*args, **kwargs)  # a hijax Variable or a jax.Ref: as plain jax.jit
-            TRACING.function = self  # whose compile follows (``patch``: no frame of ours)
+            # whose compile follows (``patch``: no frame of ours); weakly, as the wrapper cache
+            # holds functions: a thread-local must keep none alive
+            TRACING.function = weakref.ref(self)
             program, leaves = self._program_for_trace(args, kwargs, eager_autodiff)
             if program.untouched is not None:  # a jax.Ref, a hijax type: as plain jax.jit
                 return fn(*args, **kwargs)

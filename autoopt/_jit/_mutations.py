@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 from jax import tree_util
 
-from autoopt.passes.donation import _frames, callsite
+from autoopt.passes.donation import callsite
 
 
 def _variable_type() -> type | None:
@@ -176,7 +176,7 @@ def held_lost_update(
     the caller's (``model(x)``), so held. ``caller``: the calling frame, whose statement must
     call ``callee`` itself with plain arguments (``callsite.called_directly``: the reference
     counts' baselines assume the caller's stack holds each argument) and whose hidden locals
-    (``_hidden_holders``) do not count as holders; otherwise every object is held."""
+    (``callsite.hidden_holders``) do not count as holders; otherwise every object is held."""
     written = len(args) - (1 if bases is not None else 0)  # a method's instance is not written
     if lost and (caller is None or not callsite.called_directly(caller, callee, written, kwargs)):
         return lost[0]
@@ -185,27 +185,12 @@ def held_lost_update(
         if bases is not None and root == 0:
             return update
         if isinstance(root, int):
-            hidden = _hidden_holders(caller, args[root]) if root < len(args) else 0
+            hidden = callsite.hidden_holders(caller, args[root]) if root < len(args) else 0
         else:
-            hidden = _hidden_holders(caller, kwargs[root]) if root in kwargs else 0
+            hidden = callsite.hidden_holders(caller, kwargs[root]) if root in kwargs else 0
         if callsite.nodes_held_elsewhere(args, kwargs, root, bases, hidden):
             return update
     return None
-
-
-def _hidden_holders(frame: Any, obj: Any) -> int:
-    """How many locals of ``frame`` no Python code can name hold ``obj``: pytest's assertion
-    rewriting keeps each call's arguments in locals named ``@py_assert<N>`` (to explain a
-    failure) and clears them after the statement, so ``assert f(x, nnx.Rngs(0))`` passes an
-    object only pytest's failure message could ever read."""
-    if frame is None:
-        return 0
-    code = frame.f_code
-    return sum(
-        1
-        for name in code.co_varnames
-        if not name.isidentifier() and _frames.read_local(frame, name) is obj
-    )
 
 
 def _root(path: tuple) -> int | str:

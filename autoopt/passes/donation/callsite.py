@@ -1005,6 +1005,20 @@ def donation_checks(
     return tuple(ok_pos), tuple(ok_names), tuple(reasons)
 
 
+def hidden_holders(frame: Any, obj: Any) -> int:
+    """How many locals of ``frame`` no Python code can name hold ``obj``: pytest's assertion
+    rewriting keeps each call's arguments in locals named ``@py_assert<N>`` (to explain a
+    failure) and clears them after the statement, so ``assert f(x, nnx.Rngs(0))`` passes an
+    object only pytest's failure message could ever read (``_jit._mutations``)."""
+    if frame is None:
+        return 0
+    return sum(
+        1
+        for name in frame.f_code.co_varnames
+        if not name.isidentifier() and _frames.read_local(frame, name) is obj
+    )
+
+
 def nodes_held_elsewhere(
     args: tuple,
     kwargs: dict,
@@ -1016,7 +1030,7 @@ def nodes_held_elsewhere(
     keyword) or a pytree node inside it once the call returns: the argument has any holder but
     the call (a name of the caller's included), or a node inside it any but its parent
     (``kid_refcounts``). ``hidden``: references to the argument itself known not to count
-    (``_jit._mutations._hidden_holders``). Leaves are not looked at: an array or a number is a
+    (``hidden_holders``). Leaves are not looked at: an array or a number is a
     value, and a holder of one cannot see what happens to the node that held it. What the
     question is for: an assignment to an nnx object the trace made on jax's copy
     (``_jit._mutations``) is visible to nobody when the call holds the only way to the object.
