@@ -175,6 +175,8 @@ def test_the_key_safety_tests_pass_with_the_c_path_off():
             "tests/test_review_call_path.py",
             "tests/test_safety_donation.py",
             "tests/test_donation_adversarial.py",
+            "tests/test_fast_path_trees.py",
+            "tests/test_nested_signatures.py",
         ],
         env=env,
         capture_output=True,

@@ -448,7 +448,7 @@ def plan_kept(of: Planned, args: tuple, kwargs: dict, site: Any) -> CallPlan:
     plan = plan_for(of, program, program.decide(None if fresh else ((), ())), (), ())
     plans = site.plans
     if plan.direct and not kwargs and not program.lost_updates and len(plans) < FAST_ENTRIES:
-        found = _plans.signature_of(args, shallow=False)
+        found = _plans.signature_of(args)
         if found is not None:
             sig, _, host = found
             lean = not host and not placer_needed(of, program)
@@ -499,7 +499,7 @@ def remember_fast(
     proof); the plan re-checks the run-time half (no other reference, not deleted, no array
     twice) on every call.
     """
-    found = _plans.signature_of(args, shallow=check_refs)
+    found = _plans.signature_of(args)
     if found is None:
         return
     sig, kind, host = found

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
+import numpy as np
 from jax import tree_util
 
 from autoopt import _compat, _jaxpr, _multiprocess, _trace
@@ -299,6 +300,15 @@ def _configured(_native: Any) -> Any:
         _type_function(_compat.ARRAY_IMPL, "aval", property),
         _type_function(_compat.ARRAY_IMPL, "is_deleted", None),
     )
+    # The nested signatures read in C are ``callsite``'s, and a part only its container holds
+    # counts one reference in the C walk (``shared_walk``: 0 unshared, 1 shared).
+    _native.configure_nested(*callsite.nested_tables())
+    probe = ({"a": float("1.5"), "b": [None, ()]}, (), np.float32(2), 3)
+    if _native.nested_key(probe) != callsite.nested_signature(probe)[0]:
+        return None
+    held = float("2.5")
+    if _native.shared_walk({"a": float("1.5")}) != 0 or _native.shared_walk([held]) != 1:
+        return None
     # A plan the C path calls with a tuple of its own counts what it counts under ``_call``.
     plan_probe = CallProbe()
     plan_probe._native_configure(
@@ -654,7 +664,7 @@ class OptimizedFunction(_CallBase):
         site = None
         try:
             if trace_state_clean():
-                sites, plans, shallow = self._sites, self._auto_fast, False
+                sites, plans = self._sites, self._auto_fast
                 if sites is not None:  # "safe"
                     try:
                         frame = sys._getframe(1)
@@ -667,15 +677,14 @@ class OptimizedFunction(_CallBase):
                     if site.donates and not site.proof.check(frame, self, args, kwargs):
                         site = site.withheld()  # another callee, or a thread could read a name
                     del frame
-                    if site.donates:
-                        plans, shallow = site.plans, True
-                    elif self._caches.lookup_plain:  # the signature's executable may donate
+                    if site.donates or self._caches.lookup_plain:
+                        # (a site that donates nothing: the signature's executable may donate)
                         plans = site.plans
                 if plans is not None:
                     if plans and not kwargs:
                         plan = plans.get(flat_key(args))
                         if plan is None:
-                            plan = lookup_nested(plans, args, shallow)
+                            plan = lookup_nested(plans, args)
                         if plan is not None:
                             out = plan(args)
                             if out is not MISS:
