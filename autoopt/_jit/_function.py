@@ -304,7 +304,8 @@ def _configured(_native: Any) -> Any:
     # counts one reference in the C walk (``shared_walk``: 0 unshared, 1 shared).
     _native.configure_nested(*callsite.nested_tables())
     probe = ({"a": float("1.5"), "b": [None, ()]}, (), np.float32(2), 3)
-    if _native.nested_key(probe) != callsite.nested_signature(probe)[0]:
+    python_key = callsite.nested_signature(probe)
+    if python_key is None or _native.nested_key(probe) != python_key[0]:
         return None
     held = float("2.5")
     if _native.shared_walk({"a": float("1.5")}) != 0 or _native.shared_walk([held]) != 1:
