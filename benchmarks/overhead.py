@@ -72,12 +72,15 @@ def dispatch(rounds: int, n: int) -> dict[str, float]:
         return {"x": s["x"] + 0.1 * s["v"], "v": s["v"] * 0.99, "t": s["t"] + 0.1}
 
     jitted = jax.jit(tiny)
-    # Two optimized functions: a signature's first call fixes its executable (one per
-    # signature), so ``fast(x)`` with ``x`` kept would leave the rebinding rows running the
-    # plain executable, donating nothing (what a program that calls ``f(x)`` once before its
-    # loop gets: README, limits).
-    fast, fast_x = autoopt.optimize(tiny), autoopt.optimize(tiny)
-    expert_donating = jax.jit(tiny, donate_argnums=0)
+    def tiny_x(x):  # ``tiny`` again, for the rebinding rows
+        return x + 1.0
+
+    # Two functions: a signature's first call fixes its executable (one per signature, shared
+    # by every ``optimize`` of one function), so ``fast(x)`` with ``x`` kept would leave the
+    # rebinding rows running the plain executable, donating nothing (what a program that calls
+    # ``f(x)`` once before its loop gets: README, limits).
+    fast, fast_x = autoopt.optimize(tiny), autoopt.optimize(tiny_x)
+    expert_donating = jax.jit(tiny_x, donate_argnums=0)
     sim_expert, sim_fast = jax.jit(sim, donate_argnums=0), autoopt.optimize(sim)
 
     def state():
