@@ -72,6 +72,7 @@ def dispatch(rounds: int, n: int) -> dict[str, float]:
         return {"x": s["x"] + 0.1 * s["v"], "v": s["v"] * 0.99, "t": s["t"] + 0.1}
 
     jitted = jax.jit(tiny)
+
     def tiny_x(x):  # ``tiny`` again, for the rebinding rows
         return x + 1.0
 
