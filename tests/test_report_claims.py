@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 
 import autoopt
+from benchmarks._harness import equinox_cnn_class
 
 
 def _gpt():
@@ -172,23 +173,7 @@ def _equinox_cnn():
 
     n, hw, ch = 16, 16, 16
 
-    class CNN(eqx.Module):
-        c1: eqx.nn.Conv2d
-        c2: eqx.nn.Conv2d
-        head: eqx.nn.Linear
-
-        def __init__(self, key):
-            k1, k2, k3 = jax.random.split(key, 3)
-            self.c1 = eqx.nn.Conv2d(3, ch, 3, padding=1, key=k1)
-            self.c2 = eqx.nn.Conv2d(ch, ch, 3, padding=1, key=k2)
-            self.head = eqx.nn.Linear(ch * hw * hw, 10, key=k3)
-
-        def __call__(self, x):
-            x = jax.nn.relu(self.c1(x))
-            x = jax.nn.relu(self.c2(x))
-            return self.head(x.reshape(-1))
-
-    model = CNN(jax.random.key(0))
+    model = equinox_cnn_class(ch=ch, hw=hw)(jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (n, 3, hw, hw))
     y = jax.random.normal(jax.random.key(2), (n, 10))
 
