@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 __all__ = [
+    "Compiles",
     "Timings",
     "buffer_pointers",
     "equinox_cnn_class",
@@ -177,6 +178,44 @@ def flops(compiled) -> float:
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list | tuple) else cost
     return float(cost.get("flops", 0.0))
+
+
+# --- compiles, counted from jax's own event ------------------------------------------------------
+
+
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class Compiles:
+    """The backend compiles made while active (a context manager), from jax's compile event:
+    ``own`` those of ``jit(name)``, ``other`` all the others (every one, without a ``name``),
+    ``total`` both."""
+
+    def __init__(self, name: str | None = None):
+        self.name = None if name is None else f"jit({name})"
+        self.own, self.other = 0, 0
+
+    @property
+    def total(self) -> int:
+        return self.own + self.other
+
+    def __call__(self, event, duration, fun_name=None, **kw):
+        if event == COMPILE_EVENT:
+            if self.name is not None and fun_name == self.name:
+                self.own += 1
+            else:
+                self.other += 1
+
+    def __enter__(self):
+        import jax
+
+        jax.monitoring.register_event_duration_secs_listener(self)
+        return self
+
+    def __exit__(self, *exc):
+        import jax
+
+        jax.monitoring.unregister_event_duration_listener(self)
 
 
 # --- a loop's arrays: the buffers its steps reuse, its final state ---------------------------
