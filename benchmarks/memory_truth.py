@@ -67,7 +67,8 @@ ROUNDS = 3  # measurements per process, the median shown
 class Kind(NamedTuple):
     """One program kind: its step, a loop that runs ``STEPS`` steps from inputs it makes
     itself (``state = step(state, ...)``), the step's arguments (for the report), the options
-    autoopt gets, and how a user jits it plainly."""
+    autoopt gets, and how a user jits it plainly. Each kind writes its loop out: autoopt proves
+    donation at the statement that calls the step, so that statement is the user's own form."""
 
     step: Callable
     loop: Callable
