@@ -11,7 +11,8 @@ Memory comes from ``compiled.memory_analysis()`` (``memory``), which tracks peak
 peak RSS is the cross-check, one configuration per fresh process (``run_fresh``, ``rss_*``).
 A training loop's variants are timed by ``interleave_loops``, which also gives each variant's
 final state (``same_arrays``) and the buffers its last step reused (``reused_buffers``).
-``equinox_cnn_class`` is a program the benchmarks and tests/test_report_claims.py both build.
+``Compiles`` counts compiles. Tests import ``Compiles`` and ``equinox_cnn_class`` from here
+too (``from benchmarks._harness import ...``: setup.cfg puts the repo root on their path).
 
 This module imports no jax at its top (the functions that need it import it), so a parent
 process that only spawns fresh ones never starts a backend. Figures go to benchmarks/RESULTS.md,
@@ -180,7 +181,7 @@ def flops(compiled) -> float:
     return float(cost.get("flops", 0.0))
 
 
-# --- compiles, counted from jax's own event ------------------------------------------------------
+# --- compiles, counted from jax's own event -------------------------------------------------
 
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -218,7 +219,7 @@ class Compiles:
         jax.monitoring.unregister_event_duration_listener(self)
 
 
-# --- a loop's arrays: the buffers its steps reuse, its final state ---------------------------
+# --- a loop's arrays: the buffers its steps reuse, its final state --------------------------
 
 
 def _arrays(tree) -> list:
@@ -253,7 +254,7 @@ def same_arrays(a, b) -> bool:
     )
 
 
-# --- programs the benchmarks share with the tests ---------------------------------------------
+# --- programs the benchmarks share with the tests -------------------------------------------
 
 
 def equinox_cnn_class(*, ch: int, hw: int) -> type:
