@@ -147,7 +147,9 @@ def check_profile(rounds: int, n: int) -> dict[str, float]:
     array = _compat.ARRAY_IMPL
 
     # Each stage is an instance with ``__call__``, as ``OptimizedFunction`` is: the call enters
-    # the same way (and from the same instruction offset, which keys the call site).
+    # the same way (and from the same instruction offset, which keys the call site). A stage
+    # repeats the one before it inline instead of calling it or a shared helper: that call's own
+    # cost would land in every later stage and in the differences.
     class Call:
         def __call__(self, *args, **kwargs):
             return expert(*args, **kwargs)
