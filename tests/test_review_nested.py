@@ -853,3 +853,31 @@ def test_a_state_at_the_depth_limit_donates_only_what_no_one_holds(depth):
     before = _pointers(s)
     s = fast(s)
     assert before == _pointers(s)  # (donated once nothing else holds a part)
+
+
+def _plus_one(s):
+    return jax.tree_util.tree_map(lambda v: v + 1.0, s)
+
+
+@pytest.mark.parametrize("how", ["star-list", "star-tuple", "map", "star-kwargs"])
+def test_a_state_passed_through_a_container_the_caller_keeps_is_not_deleted(how):
+    # The argument's reference count is what a lone local's is (the container plus the call's
+    # tuple): only the site's proof tells these calls from ``s = fast(s)``.
+    fast = autoopt.optimize(_plus_one)
+    s = {"w": jnp.ones(2), "b": [jnp.zeros(2)]}
+    for _ in range(5):
+        if how == "star-list":
+            box: object = [s]
+            s = fast(*box)  # pyright: ignore[reportCallIssue]
+        elif how == "star-tuple":
+            box = (s,)
+            s = fast(*box)  # pyright: ignore[reportCallIssue]
+        elif how == "map":
+            box = [s]
+            s = list(map(fast, box))[0]
+        else:
+            box = {"s": s}
+            s = fast(**box)
+        old = box["s"] if isinstance(box, dict) else box[0]  # pyright: ignore
+        assert not old["w"].is_deleted()
+        assert not old["b"][0].is_deleted()
