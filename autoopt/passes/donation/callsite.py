@@ -642,8 +642,9 @@ def kid_refcounts(obj) -> tuple[list, list[int], int]:
     if t in _NAMEDTUPLE_NODES or _is_namedtuple_node(t):
         # An optax state's NamedTuple: its items are its children, held by the tuple itself,
         # read as a tuple's (~6x cheaper than the registry's path, which looks for a container
-        # of its own behind them: a tuple has none).
-        kids = list(obj)
+        # of its own behind them: a tuple has none). Read as jax reads them, past any
+        # ``__iter__`` the class defines (one hiding a field would hide it from this count).
+        kids = list(tuple.__iter__(obj))
         return kids, list(map(sys.getrefcount, kids)), _BASE_KID_BUILTIN
     return _registry_kid_refcounts(obj)
 
@@ -654,10 +655,33 @@ _NAMEDTUPLE_NODES: set[type] = set()
 
 
 def _is_namedtuple_node(t: type) -> bool:
-    if is_plain_namedtuple(t):
+    if is_plain_namedtuple(t) and not keeps_itself(t):
         _NAMEDTUPLE_NODES.add(t)
         return True
     return False
+
+
+def holds_node_keeping_itself(x: Any, depth: int = 0) -> bool:
+    """Whether the pytree ``x`` has a node of a type that ``keeps_itself``: never donated, so a
+    signature's executable is decided without it (else every call would pass copies, in
+    containers of that type built for the call, which its ``__del__`` could keep)."""
+    t = type(x)
+    if t is _ARRAY_IMPL or depth > 64:
+        return False
+    try:
+        kids, _ = flatten_one_level(x)
+    except ValueError:  # a leaf
+        return False
+    if t not in _BUILTIN_NODES and keeps_itself(t):
+        return True
+    return any(holds_node_keeping_itself(k, depth + 1) for k in kids)
+
+
+def keeps_itself(t: type) -> bool:
+    """Whether instances of the node type ``t`` run a ``__del__`` of their own: one that
+    stores ``self`` somewhere keeps the node, and the arrays it held, after the call dropped it,
+    so a donated node's arrays would be read deleted. Such nodes are never donated."""
+    return getattr(t, "__del__", None) is not None
 
 
 def _registry_counts(obj) -> tuple[list, list[int], int, bool]:
@@ -836,6 +860,11 @@ def leaf_problem(obj, seen: set[int], check_refs: bool = True) -> str | None:
         kids, counts, base = kid_refcounts(obj)
     except ValueError:
         return f"it holds a leaf of type {type(obj).__name__} that is not a jax.Array"
+    if t not in _BUILTIN_NODES and keeps_itself(t):
+        return (
+            f"it holds a {t.__name__}, whose __del__ can keep it (and the arrays it holds) "
+            "after the call drops it"
+        )
     if kids and set(map(type, kids)) == _ONLY_ARRAYS:
         # A node of arrays only (an optimizer state's dict, a list of layers' weights): the
         # per-kid checks below, each as one C-level pass over the kids (a state of 512 leaves
@@ -880,6 +909,8 @@ def shared_parts(obj) -> bool:
         kids, counts, base = kid_refcounts(obj)
     except ValueError:  # a leaf that is not a jax array (a scalar, a NumPy array): no buffer
         return False
+    if t not in _BUILTIN_NODES and keeps_itself(t):
+        return True  # a node whose __del__ can keep it (and its arrays) after the call
     for kid, count in zip(kids, counts):
         if kid is None or kid is _EMPTY_TUPLE:
             # an empty node (a None field, an empty state's ``()``): no buffer, and None and
@@ -1198,9 +1229,12 @@ def _nested_entry(a: Any, host: list, depth: int) -> Any:
     elif t in _HOST_LEAVES:
         host[0] = True
         return (t, a.shape, a.dtype)
-    elif t is list or t is tuple or t in _NAMEDTUPLE_NODES or _is_namedtuple_node(t):
+    elif t is list or t is tuple:
         kids = a
         keys = len(a)
+    elif t in _NAMEDTUPLE_NODES or _is_namedtuple_node(t):
+        kids = tuple(tuple.__iter__(a))  # its items as jax reads them, past its own __iter__
+        keys = len(kids)
     else:
         return _NOT_NESTED
     if set(map(type, kids)) <= _ONLY_ARRAYS:  # one C-level pass for a node of arrays
