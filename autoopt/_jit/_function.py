@@ -6,8 +6,9 @@ repeating call (the site's plan for this signature, or the plain plan of flat ar
 asks ``dispatch`` for a ``CallPlan`` (which jit object, what it donates, whether the placer runs,
 whether to verify, or the function for the call's static leaves); then the plan runs. A decorated
 method is the same call with the instance in front (``_BoundOptimized``). Where the C call path
-is built (``_native.c``, CPython 3.11), it is ``__call__`` and runs a repeating call's flat plan
-with the same checks, calling ``_call`` (the Python path) for everything else. ``trace``, ``lower``,
+is built (``_native.c``, CPython 3.11), it is ``__call__`` and runs a repeating call's plan for
+a flat or nested signature with the same checks, calling ``_call`` (the Python path) for
+everything else. ``trace``, ``lower``,
 ``explain`` and ``inspect`` share one preparation (``_prepare``: the static-leaf split) and one
 program lookup (``_program_for_call``).
 """
