@@ -618,9 +618,12 @@ def test_containers_resized_by_another_thread_mid_call_never_crash_or_delete_the
         for _ in range(400):
             try:
                 s = fast(s, batch)
-            except (RuntimeError, AssertionError):
-                # jax's own, as under jax.jit: a dict changed size while it was read, or the
-                # batch changed between jax's two flattenings of one traced call
+            except (RuntimeError, AssertionError, ValueError):
+                # jax's own, as under jax.jit: a dict changed size while it was read, the
+                # batch changed between jax's two flattenings of one traced call, or between
+                # the flattening and the execution (plain jax.jit raises ValueError
+                # "INVALID_ARGUMENT: Execution supplied 6 arguments but compiled program
+                # expected 8", and its C++ flattening "std::bad_cast", in this very race)
                 pass
     finally:
         stop.set()
