@@ -15,9 +15,7 @@ from __future__ import annotations
 import gc
 import json
 import os
-import subprocess
 import sys
-import textwrap
 import threading
 from typing import NamedTuple
 
@@ -29,8 +27,8 @@ import pytest
 import autoopt
 from autoopt._jit import _function
 from autoopt.passes.donation import callsite
+from tests.test_native_call_path import _run
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_native = pytest.mark.skipif(
     not _function.NATIVE, reason="the C call path is off (not built, or AUTOOPT_NATIVE=0)"
 )
@@ -54,21 +52,6 @@ def _same(got, want) -> None:
     for a, b in zip(g, w):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         assert np.asarray(a).dtype == np.asarray(b).dtype
-
-
-def _run(code: str, native: bool, extra_env: dict | None = None) -> str:
-    env = {**os.environ, "AUTOOPT_NATIVE": "1" if native else "0", "PYTHONPATH": ROOT}
-    env.update(extra_env or {})
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
 
 
 # --- bugs: a NamedTuple whose Python protocol hides or resurrects its parts -------------------
