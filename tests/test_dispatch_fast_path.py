@@ -18,7 +18,7 @@ import pytest
 
 import autoopt
 
-_BIG = np.ones((512, 1024), np.float32)  # 2 MiB: a constant the placer hoists
+_BIG = np.arange(512 * 1024, dtype=np.float32).reshape(512, 1024)  # 2 MiB: hoisted
 
 
 def _slow_dispatches(call, n: int = 20) -> int:

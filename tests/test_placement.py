@@ -584,7 +584,7 @@ def test_explain_with_another_scalar_type_than_the_calls_reports_no_recompile_tr
 
 
 def test_large_closed_over_constant_is_reported_at_its_line():
-    big = np.ones((1024, 300), np.float32)
+    big = np.arange(1024 * 300, dtype=np.float32).reshape(1024, 300)  # (not a splat)
 
     def f(x):
         return x @ big  # closed-over use

@@ -138,7 +138,7 @@ def test_closed_over_array_keeps_its_first_bytes_when_a_new_constant_retraces_ol
 
 
 def test_closed_over_array_unchanged_is_still_passed_as_a_device_argument():
-    big = np.ones(512 * 1024, np.float32)
+    big = np.arange(512 * 1024, dtype=np.float32)
 
     def score(x):
         return (big * x).sum()
@@ -147,6 +147,52 @@ def test_closed_over_array_unchanged_is_still_passed_as_a_device_argument():
     x = jnp.ones(())
     assert float(opt(x)) == float(jax.jit(score)(x))
     assert opt.inspect(x).placement.hoisted is not None
+
+
+@pytest.mark.parametrize(
+    "splat",
+    [
+        np.ones(512 * 1024, np.float32),
+        jnp.zeros((512, 1024)),
+        np.full(300_000, -0.0, np.float32),
+        np.full(300_000, np.nan, np.float32),
+    ],
+    ids=["numpy ones", "jax zeros", "negative zeros", "nans"],
+)
+def test_a_large_constant_of_one_repeated_value_stays_embedded_as_jax_jit_embeds_it(splat):
+    """A splat costs nothing embedded (XLA knows its value; passed as an argument the program
+    ran slower on XLA:CPU), so it is not hoisted, and no finding asks to pass it."""
+
+    def score(x):
+        return (splat * x).sum()
+
+    opt = autoopt.optimize(score, fallback="raise")
+    x = jnp.float32(2.0)
+    got, want = opt(x), jax.jit(score)(x)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert opt.inspect(x).placement.hoisted is None
+    assert not [
+        f
+        for f in opt.explain(x).by_kind("placement")
+        if f.details.get("strategy") == "closed_constant"
+    ]
+
+
+def test_a_constant_differing_in_one_bit_is_not_a_splat():
+    """Bytes, not values: -0.0 beside 0.0, or one NaN payload beside another, is two values."""
+    zeros = np.zeros(300_000, np.float32)
+    zeros[-1] = -0.0
+    nans = np.full(300_000, np.nan, np.float32)
+    nans.view(np.uint32)[123_456] ^= 1  # another NaN payload
+    for big in (zeros, nans):
+
+        def score(x, big=big):
+            return (big * x).sum()
+
+        opt = autoopt.optimize(score, fallback="raise")
+        x = jnp.float32(2.0)
+        np.testing.assert_array_equal(np.asarray(opt(x)), np.asarray(jax.jit(score)(x)))
+        assert opt.inspect(x).placement.hoisted is not None
 
 
 # --- 3. shared device copies are never donated -----------------------------------------------

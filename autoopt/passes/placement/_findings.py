@@ -17,7 +17,7 @@ from jax import tree_util
 from autoopt import _jaxpr, _trace
 from autoopt._finding import Finding
 from autoopt._memory import format_bytes
-from autoopt.passes.placement._hoist import HOIST_MIN_BYTES
+from autoopt.passes.placement._hoist import HOIST_MIN_BYTES, is_splat
 from autoopt.passes.placement._host_arrays import SCALAR_TYPES, is_aligned, is_read_only
 from autoopt.passes.placement._placer import PACK_MIN_LEAVES, ZERO_COPY_MIN_BYTES
 
@@ -207,8 +207,8 @@ def _closed_constant_findings(program, hoist: bool = False) -> list:
     out = []
     for var, c in zip(closed.jaxpr.constvars, closed.consts):
         nbytes = int(getattr(c, "nbytes", 0) or 0)
-        if nbytes < _LARGE_CONSTANT_BYTES:
-            continue
+        if nbytes < _LARGE_CONSTANT_BYTES or is_splat(c):
+            continue  # (a splat costs nothing embedded: XLA knows its value, see is_splat)
         where = None
         for site in _jaxpr.iter_eqns(closed):
             if any(v is var for v in site.eqn.invars):

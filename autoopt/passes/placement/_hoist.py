@@ -130,19 +130,62 @@ tree_util.register_pytree_node(Hoisted, _flatten, _unflatten)
 
 
 def large_consts(closed) -> list:
-    return [
-        c
-        for c in closed.consts
-        if getattr(c, "ndim", 0) > 0
-        and int(getattr(c, "nbytes", 0) or 0) >= HOIST_MIN_BYTES
-        and not isinstance(c, Tracer)
-    ]
+    """The constants of ``closed`` passed as device arguments: at least ``HOIST_MIN_BYTES``,
+    and not one value repeated (``is_splat``). Decided once a program, on its first look: a
+    host constant refilled later changes neither this choice nor the numbers (an embedded
+    constant is the bytes of the trace that embeds it, as under jax.jit; a hoisted one is
+    bound by ``_bind``)."""
+    with _BINDINGS_LOCK:
+        chosen = _LARGE.get(closed)
+    if chosen is None:
+        chosen = tuple(
+            i
+            for i, c in enumerate(closed.consts)
+            if getattr(c, "ndim", 0) > 0
+            and int(getattr(c, "nbytes", 0) or 0) >= HOIST_MIN_BYTES
+            and not isinstance(c, Tracer)
+            and not is_splat(c)
+        )
+        with _BINDINGS_LOCK:
+            chosen = _LARGE.setdefault(closed, chosen)
+    return [closed.consts[i] for i in chosen]
+
+
+def is_splat(c, chunk: int = 1 << 20) -> bool:
+    """Whether every element of ``c`` has the same bytes (``jnp.ones``, a mask of zeros).
+
+    Such a constant stays embedded, as jax.jit embeds it: XLA knows its value, so the program
+    compiles as fast as with an argument and runs faster (a DUS of a splat writes without
+    reading; benchmarks/RESULTS.md). Read only where reading is free: host arrays and jax
+    arrays on CPU; a device array elsewhere would be copied to the host, so it is not read
+    and counts as not a splat (hoisted, as before)."""
+    if isinstance(c, jax.Array):
+        try:
+            if not c.is_fully_addressable or any(d.platform != "cpu" for d in c.devices()):
+                return False
+        except Exception:  # noqa: BLE001 - a deleted or exotic array: not read
+            return False
+    try:
+        a = np.asarray(c)
+    except Exception:  # noqa: BLE001 - typed PRNG keys and the like have no host bytes
+        return False
+    if a.dtype == object or a.size < 2:
+        return False
+    items = np.ascontiguousarray(a).reshape(-1).view(np.uint8).reshape(a.size, a.dtype.itemsize)
+    first = items[0]
+    step = max(1, chunk // a.dtype.itemsize)
+    for start in range(0, a.size, step):  # in chunks: random data stops at the first
+        if not (items[start : start + step] == first).all():
+            return False
+    return True
 
 
 # closed jaxpr (a program, one a signature) -> {const index: HoistedConst to pass, or a private
 # snapshot of the host bytes to embed}: what its first trace under the placer read.
 _BINDINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _BINDINGS_LOCK = threading.Lock()
+# closed jaxpr -> indices of the constants it passes as arguments (``large_consts``)
+_LARGE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _bind(closed, large_idx: list, passed: dict) -> dict:
