@@ -77,6 +77,8 @@ SPLATS = {
     "complex64 -0.0 imag": (complex(0.0, -0.0), np.complex64),
     "float64 (x64 off)": (0.1, np.float64),
     "int32 min": (np.iinfo(np.int32).min, np.int32),
+    "int4": (-7, ml_dtypes.int4),
+    "float8_e4m3fn nan": (float("nan"), ml_dtypes.float8_e4m3fn),
 }
 
 
@@ -239,6 +241,26 @@ _SHARDED = """
 _FOUR_CPUS = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
 
 
+@pytest.mark.parametrize("splat", [True, False], ids=["jnp.zeros", "jnp.arange"])
+def test_bug_closed_over_jax_array_donated_elsewhere_raises_where_jax_jit_does_not(splat):
+    """PRE-EXISTING for a hoisted constant (the jnp.arange case; 68d4348 fixed the splat
+    case). jax.jit embeds a copy of a closed-over jax array; autoopt passes the array itself
+    as the hoisted argument (``device_put`` to its own device copies nothing), so once
+    another jit donates that array the same signature raises ``RuntimeError: Array has been
+    deleted`` where jax.jit returns 6.0."""
+    table = jnp.zeros(512 * 1024) if splat else jnp.arange(512 * 1024, dtype=jnp.float32)
+
+    def lookup(i):
+        return table[i] * 2
+
+    ref, opt = _both(lookup)
+    assert float(opt(3)) == float(ref(3))
+    bump = jax.jit(lambda t: t + 1, donate_argnums=0)
+    bumped = bump(table)  # donates the buffer the closure still holds
+    assert table.is_deleted() and not bumped.is_deleted()
+    assert float(opt(3)) == float(ref(3))
+
+
 def test_sharded_constants_over_four_cpu_devices_give_jax_jits_bits():
     body = "splat + x, rand * x, (splat * rand).sum() + x, splat.sum() + x"
     code = _SHARDED.replace("{BODY}", body).replace("{SHARDINGS}", "False")
@@ -365,19 +387,32 @@ def test_refilled_constant_then_a_new_signature_from_other_call_sites(make_big, 
     _same_results(make_big, _sum_times, script)
 
 
-def test_bug_splat_refilled_non_splat_then_new_signature_changes_the_first_signatures_numbers():
+def _refill_then_bf16(fn, big):
+    a = fn(F32)
+    big[:] = np.arange(big.size)
+    b = fn(BF16)
+    c = fn(F32)
+    return a, b, c
+
+
+def _refill_then_keyword(fn, big):
+    a = fn(F32)
+    big[:] = np.arange(big.size)
+    b = fn(x=F32)  # jax.jit: a keyword is a new signature, traced again
+    c = fn(F32)
+    return a, b, c
+
+
+@pytest.mark.parametrize(
+    "script", [_refill_then_bf16, _refill_then_keyword], ids=["new dtype", "keyword"]
+)
+def test_bug_splat_refilled_non_splat_then_new_signature_changes_the_first_signatures_numbers(
+    script,
+):
     """REGRESSION of 68d4348 (passes on 68d4348^). The new signature hoists the refilled
     constant; calls then pass it, so a new call site of the first signature traces its
     wrapper again, which embeds the constant's *current* bytes: autoopt returns 2.7487738e+11
     where jax.jit (and autoopt before the commit) keep the first trace's 1048576.0."""
-
-    def script(fn, big):
-        a = fn(F32)
-        big[:] = np.arange(big.size)
-        b = fn(BF16)
-        c = fn(F32)
-        return a, b, c
-
     _same_results(_splat(), _sum_times, script)
 
 
@@ -483,6 +518,29 @@ def test_constant_shared_by_two_optimized_functions_refilled_between_their_first
         out += [jg(F32), jf(F32), jf(BF16), jg(BF16)]
         results.append([np.asarray(o).tobytes() for o in out])
     assert results[0] == results[1]
+
+
+def test_bug_explain_says_passed_as_argument_for_a_splat_refilled_after_its_first_call():
+    """REGRESSION of 68d4348 (report only): the finding reads ``is_splat`` of the constant's
+    current bytes, the program the cached decision of its first look. After a splat is
+    refilled, explain says the constant "is passed to the compiled program as a device
+    argument" (applied) while ``inspect`` shows nothing hoisted: it is embedded."""
+    big = np.ones(512 * 1024, np.float32)
+
+    def f(x):
+        return (big * x).sum()
+
+    opt = autoopt.optimize(f, fallback="raise")
+    x = jnp.float32(2.0)
+    opt(x)
+    big[:] = np.arange(big.size)
+    claimed = [
+        f
+        for f in opt.explain(x).by_kind("placement")
+        if f.details.get("strategy") == "closed_constant" and f.applied
+    ]
+    hoisted = opt.inspect(x).placement.hoisted is not None
+    assert bool(claimed) == hoisted, (claimed, hoisted)
 
 
 # --- 5. threads -----------------------------------------------------------------------------------
