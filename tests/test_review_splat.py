@@ -282,6 +282,39 @@ def test_bug_sharded_hoisted_constant_changes_the_output_sharding():
     assert _run(code, _FOUR_CPUS).strip().endswith("ok")
 
 
+_COMMITTED_ELSEWHERE = """
+    import jax, jax.numpy as jnp, numpy as np
+    import autoopt
+    d0, d2 = jax.devices()[0], jax.devices()[2]
+    c = jax.device_put({MAKE}, d2)  # a closed-over array committed to device 2
+    def f(x):
+        return c * x
+    bias = jax.device_put(jnp.ones(512 * 1024), d0)
+    want = jax.jit(f)(jnp.float32(2.0))
+    got = autoopt.optimize(f, fallback="raise")(jnp.float32(2.0))
+    assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
+    assert got.devices() == want.devices(), (got.devices(), want.devices())
+    (want + bias).block_until_ready()
+    (got + bias).block_until_ready()  # jax.jit's output combines with device 0's arrays
+    print("ok")
+"""
+
+
+def test_splat_committed_to_another_device_gives_jax_jits_device():
+    code = _COMMITTED_ELSEWHERE.replace("{MAKE}", "jnp.zeros(512 * 1024)")
+    assert _run(code, _FOUR_CPUS).strip().endswith("ok")
+
+
+def test_bug_hoisted_constant_committed_to_another_device_moves_the_output_there():
+    """PRE-EXISTING (68d4348 fixed it for splats only). jax.jit embeds a closed-over array
+    committed to CpuDevice 2 and computes on the default device 0; autoopt passes it as an
+    argument and the output lands on device 2, so ``out + bias_on_device_0`` raises
+    ``ValueError: Received incompatible devices for jitted computation`` where jax.jit's
+    does not."""
+    code = _COMMITTED_ELSEWHERE.replace("{MAKE}", "jnp.arange(512 * 1024, dtype=jnp.float32)")
+    assert _run(code, _FOUR_CPUS).strip().endswith("ok")
+
+
 def test_float64_splat_with_x64_gives_jax_jits_bits():
     out = _run(
         """
