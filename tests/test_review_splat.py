@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIB = 1 << 20
 
 
-def _both(fn, **options):
+def _both(fn, **options) -> tuple[Any, Any]:
     return jax.jit(fn), autoopt.optimize(fn, fallback="raise", **options)
 
 
