@@ -243,7 +243,7 @@ _FOUR_CPUS = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
 
 
 @pytest.mark.parametrize("splat", [True, False], ids=["jnp.zeros", "jnp.arange"])
-def test_bug_closed_over_jax_array_donated_elsewhere_raises_where_jax_jit_does_not(splat):
+def test_closed_over_jax_array_donated_elsewhere_raises_where_jax_jit_does_not(splat):
     """PRE-EXISTING for a hoisted constant (the jnp.arange case; 68d4348 fixed the splat
     case). jax.jit embeds a copy of a closed-over jax array; autoopt passes the array itself
     as the hoisted argument (``device_put`` to its own device copies nothing), so once
@@ -273,7 +273,7 @@ def test_sharded_splat_constant_gives_jax_jits_output_sharding():
     assert _run(code, _FOUR_CPUS).strip().endswith("ok")
 
 
-def test_bug_sharded_hoisted_constant_changes_the_output_sharding():
+def test_sharded_hoisted_constant_changes_the_output_sharding():
     """PRE-EXISTING (68d4348 fixed it for splats only). jax.jit embeds a closed-over array
     sharded over 4 CPU devices and returns single-device outputs (SingleDeviceSharding on
     CpuDevice 0); autoopt passes it as an argument and its outputs come back sharded over the
@@ -306,7 +306,7 @@ def test_splat_committed_to_another_device_gives_jax_jits_device():
     assert _run(code, _FOUR_CPUS).strip().endswith("ok")
 
 
-def test_bug_hoisted_constant_committed_to_another_device_moves_the_output_there():
+def test_hoisted_constant_committed_to_another_device_moves_the_output_there():
     """PRE-EXISTING (68d4348 fixed it for splats only). jax.jit embeds a closed-over array
     committed to CpuDevice 2 and computes on the default device 0; autoopt passes it as an
     argument and the output lands on device 2, so ``out + bias_on_device_0`` raises
@@ -440,7 +440,7 @@ def _refill_then_keyword(fn, big):
 @pytest.mark.parametrize(
     "script", [_refill_then_bf16, _refill_then_keyword], ids=["new dtype", "keyword"]
 )
-def test_bug_splat_refilled_non_splat_then_new_signature_changes_the_first_signatures_numbers(
+def test_splat_refilled_non_splat_then_new_signature_changes_the_first_signatures_numbers(
     script,
 ):
     """REGRESSION of 68d4348 (passes on 68d4348^). The new signature hoists the refilled
@@ -468,7 +468,7 @@ def _refill_then_hoist_elsewhere(fn, big):
     return a, b, c
 
 
-def test_bug_splat_refilled_then_another_signature_hoists_a_constant_changes_numbers():
+def test_splat_refilled_then_another_signature_hoists_a_constant_changes_numbers():
     """REGRESSION of 68d4348 (passes on 68d4348^). The splat is refilled with another splat;
     a second signature hoists an unrelated constant, so the first signature's wrapper is
     traced again (a new hoisted kwarg) and embeds the splat's current bytes: autoopt
@@ -476,7 +476,7 @@ def test_bug_splat_refilled_then_another_signature_hoists_a_constant_changes_num
     _same_results(_splat(), _splat_and_hoisted_in_bf16, _refill_then_hoist_elsewhere)
 
 
-def test_bug_small_constant_refilled_then_another_signature_hoists_a_constant_changes_numbers():
+def test_small_constant_refilled_then_another_signature_hoists_a_constant_changes_numbers():
     """PRE-EXISTING (fails on 68d4348^ too): the same retrace with a constant under 1 MiB,
     which was always embedded: autoopt 10000.0, jax.jit 2000.0."""
     _same_results(
@@ -498,7 +498,7 @@ _LEAVES = [np.full(8, i, np.float32) for i in range(64)]
         pytest.param(lambda: np.ones(1000, np.float32), id="small constant (PRE-EXISTING)"),
     ],
 )
-def test_bug_refilled_constant_with_packing_trials_changes_numbers_between_calls(make_big):
+def test_refilled_constant_with_packing_trials_changes_numbers_between_calls(make_big):
     """Many small NumPy leaves: the placer times packing against plain jit over the first
     calls, and each strategy's first call traces the wrapper again, embedding the constant's
     bytes of that moment. One signature, one call site, no new argument: autoopt's results
@@ -554,7 +554,7 @@ def test_constant_shared_by_two_optimized_functions_refilled_between_their_first
     assert results[0] == results[1]
 
 
-def test_bug_explain_says_passed_as_argument_for_a_splat_refilled_after_its_first_call():
+def test_explain_says_passed_as_argument_for_a_splat_refilled_after_its_first_call():
     """REGRESSION of 68d4348 (report only): the finding reads ``is_splat`` of the constant's
     current bytes, the program the cached decision of its first look. After a splat is
     refilled, explain says the constant "is passed to the compiled program as a device

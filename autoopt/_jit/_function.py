@@ -625,20 +625,36 @@ class OptimizedFunction(_CallBase):
             caches.lookup_plain = False
 
     def _evaluate(self, program: Program, leaves: list, hoisted=None) -> list:
-        final, original = program.final, program.traced.closed
-        if self._placer is not None:  # large constants become device arguments (_hoist)
-            from autoopt.passes.placement import with_hoisted_consts
-
-            final = with_hoisted_consts(final, hoisted)
         try:
-            return _jaxpr.eval_closed(final, *leaves)
+            return _jaxpr.eval_closed(self._embedded(program, program.final, hoisted), *leaves)
         except Exception as e:  # noqa: BLE001
+            original = program.traced.closed
             if program.final is original:
                 raise  # the original program itself failed: the user's error
             self._fall_back(e, "evaluate")
-            if self._placer is not None:
-                original = with_hoisted_consts(original, hoisted)
-            return _jaxpr.eval_closed(original, *leaves)
+            return _jaxpr.eval_closed(self._embedded(program, original, hoisted), *leaves)
+
+    def _embedded(self, program: Program, closed, hoisted):
+        """``closed`` (the program's final or original jaxpr) as this trace embeds it: large
+        constants the placer passes as device arguments (``_hoist``), and NumPy constants with
+        the bytes of the program's first lowering (``Program.frozen_host_consts``; a trace
+        for a report reads them as they are, as jax.jit's ``trace`` does)."""
+        out, passed = closed, ()
+        if self._placer is not None:
+            from autoopt.passes.placement import large_consts, with_hoisted_consts
+
+            out = with_hoisted_consts(closed, hoisted)
+            passed = large_consts(closed)
+        if getattr(self._caches.tls, "trace_only", False):
+            return out
+        frozen = program.frozen_host_consts(closed, skip=passed)
+        if not frozen:
+            return out
+        consts = list(out.consts)
+        for i, snapshot in frozen.items():
+            if consts[i] is closed.consts[i]:  # (not one the placer passes or bound)
+                consts[i] = snapshot
+        return out.replace(consts=consts)
 
     def _fall_back(self, error: BaseException, where: str) -> None:
         if self._policy.options.fallback == "raise" or isinstance(error, ProcessMismatchError):

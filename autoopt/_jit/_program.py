@@ -20,10 +20,12 @@ It is computed in three places, each a projection of the same tuple:
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import tree_util
 
 from autoopt import _compat, _jaxpr, _multiprocess, _trace
@@ -58,6 +60,7 @@ class Program:
         "ctx",
         "fit",
         "lost_updates",
+        "_host_bytes",
     )
 
     def __init__(
@@ -97,6 +100,39 @@ class Program:
         # (``OptimizedFunction._run``), so such a program donates nothing and is never a
         # cached plan.
         self.lost_updates: tuple = ()
+        # id(final or traced.closed) -> {const index: its NumPy constant's bytes at the first
+        # evaluation into a jit that compiles} (``frozen_host_consts``)
+        self._host_bytes: dict[int, dict[int, Any]] = {}
+
+    def frozen_host_consts(self, closed, skip=()) -> dict[int, Any]:
+        """``{index: bytes}`` for each NumPy constant of ``closed`` (this program's ``final`` or
+        ``traced.closed``): its bytes at the first call of this method, which
+        ``OptimizedFunction._evaluate`` makes when it evaluates the program into a jit that
+        compiles (a call or ``lower()``, not ``trace()`` or a report).
+
+        jax.jit reads a closed-over NumPy array's bytes when it lowers a signature, and every
+        later call of that signature runs them, whatever the caller writes into the array
+        afterwards. autoopt evaluates one program into several jit traces, each lowered on its
+        own (a jit object per donated set, a placement strategy on trial, a new large constant
+        passed as an argument): each of them embeds these bytes, so the signature keeps the
+        bytes of its first lowering, as under jax.jit. A constant with one value repeated is
+        kept as a broadcast of that value (jax emits it as one). ``skip``: the constants the
+        placer passes as arguments (``_hoist`` binds those itself), read on the first call."""
+        key = id(closed)
+        found = self._host_bytes.get(key)
+        if found is not None:
+            return found
+        with _HOST_BYTES_LOCK:
+            found = self._host_bytes.get(key)
+            if found is None:
+                skipped = {id(c) for c in skip}
+                found = {
+                    i: _frozen_bytes(c)
+                    for i, c in enumerate(closed.consts)
+                    if isinstance(c, np.ndarray) and id(c) not in skipped
+                }
+                self._host_bytes[key] = found
+        return found
 
     @property
     def const_ids(self) -> frozenset[int]:
@@ -258,3 +294,23 @@ class Site:
             w.donates = False
             self._withheld = w
         return w
+
+
+_HOST_BYTES_LOCK = threading.Lock()
+
+
+def _frozen_bytes(c: np.ndarray) -> np.ndarray:
+    """A private copy of ``c``'s bytes, read-only (a broadcast of one element where every
+    element has the same bytes: no copy of the whole array)."""
+    from autoopt.passes.placement import is_splat
+
+    a = np.asarray(c)
+    if a.size > 1 and a.nbytes >= _SPLAT_VIEW_MIN_BYTES and is_splat(a):
+        return np.broadcast_to(a.reshape(-1)[:1].copy().reshape((1,) * a.ndim), a.shape)
+    out = np.array(a, copy=True)
+    out.flags.writeable = False
+    return out
+
+
+# From this size a splat constant is kept as a broadcast view rather than a full copy.
+_SPLAT_VIEW_MIN_BYTES = 1 << 16

@@ -8,7 +8,12 @@ is ``autoopt.prefetch``; ``_findings`` reports what the placer saw; ``codemod`` 
 """
 
 from autoopt.passes.placement._findings import findings_for
-from autoopt.passes.placement._hoist import HoistConstants, with_hoisted_consts
+from autoopt.passes.placement._hoist import (
+    HoistConstants,
+    is_splat,
+    large_consts,
+    with_hoisted_consts,
+)
 from autoopt.passes.placement._host_constants import constant
 from autoopt.passes.placement._packing import unpack
 from autoopt.passes.placement._placer import placer_for
@@ -21,6 +26,8 @@ __all__ = [
     "constant",
     "findings_for",
     "host_callbacks",
+    "is_splat",
+    "large_consts",
     "placer_for",
     "prefetch",
     "transfers",

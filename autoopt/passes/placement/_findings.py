@@ -17,7 +17,7 @@ from jax import tree_util
 from autoopt import _jaxpr, _trace
 from autoopt._finding import Finding
 from autoopt._memory import format_bytes
-from autoopt.passes.placement._hoist import HOIST_MIN_BYTES, is_splat
+from autoopt.passes.placement._hoist import large_consts, splat_consts
 from autoopt.passes.placement._host_arrays import SCALAR_TYPES, is_aligned, is_read_only
 from autoopt.passes.placement._placer import PACK_MIN_LEAVES, ZERO_COPY_MIN_BYTES
 
@@ -204,10 +204,14 @@ def _closed_constant_findings(program, hoist: bool = False) -> list:
     """Large constants closed over by the function: passed as device arguments placed once
     (``hoist``: placement on, and at least ``HOIST_MIN_BYTES``) or embedded into the program."""
     closed = program.traced.closed
+    # What the placer decided for the program it runs (on its first look: a constant refilled
+    # since does not change it)
+    passed = {id(c) for c in large_consts(program.final)}
+    splats = {id(c) for c in splat_consts(program.final)}
     out = []
     for var, c in zip(closed.jaxpr.constvars, closed.consts):
         nbytes = int(getattr(c, "nbytes", 0) or 0)
-        if nbytes < _LARGE_CONSTANT_BYTES or is_splat(c):
+        if nbytes < _LARGE_CONSTANT_BYTES or id(c) in splats:
             continue  # (a splat costs nothing embedded: XLA knows its value, see is_splat)
         where = None
         for site in _jaxpr.iter_eqns(closed):
@@ -215,7 +219,7 @@ def _closed_constant_findings(program, hoist: bool = False) -> list:
                 where = _jaxpr.user_location(site.eqn)
                 break
         what = f"a closed-over constant {getattr(c, 'dtype', '')}{list(getattr(c, 'shape', ()))}"
-        hoisted = hoist and nbytes >= HOIST_MIN_BYTES
+        hoisted = hoist and id(c) in passed
         out.append(
             Finding(
                 kind="placement",

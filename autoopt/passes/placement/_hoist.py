@@ -81,6 +81,16 @@ class HoistedConst:
             # then see the user's later writes. Place a private copy instead.
             if is_aligned(src):
                 src = np.array(src, copy=True)
+        elif (
+            isinstance(host, jax.Array)
+            and host.is_fully_addressable
+            and not jax.numpy.issubdtype(host.dtype, jax.dtypes.extended)
+        ):
+            # jax.jit embeds a closed-over array's value: its executable holds neither the
+            # array's buffer (another jit may donate it, or the user delete it) nor its
+            # sharding or device (the outputs land where jax puts uncommitted values). A
+            # private host copy placed uncommitted does the same.
+            src = np.array(host, copy=True)
         with jax.ensure_compile_time_eval():
             dev = jax.device_put(src, device)
         dev.block_until_ready()  # the transfer reads the host bytes: complete it now
@@ -133,22 +143,32 @@ def large_consts(closed) -> list:
     """The constants of ``closed`` passed as device arguments: at least ``HOIST_MIN_BYTES``,
     and not one value repeated (``is_splat``). Decided once a program, on its first look: a
     host constant refilled later changes neither this choice nor the numbers (an embedded
-    constant is the bytes of the trace that embeds it, as under jax.jit; a hoisted one is
-    bound by ``_bind``)."""
+    constant holds the bytes of the program's first lowering, ``Program.frozen_host_consts``,
+    as under jax.jit; a passed one is bound by ``_bind``)."""
+    return [closed.consts[i] for i in _large_and_splat(closed)[0]]
+
+
+def splat_consts(closed) -> list:
+    """The constants of at least ``HOIST_MIN_BYTES`` that ``large_consts`` keeps embedded
+    because every element has the same bytes (read on the same first look)."""
+    return [closed.consts[i] for i in _large_and_splat(closed)[1]]
+
+
+def _large_and_splat(closed) -> tuple[tuple[int, ...], tuple[int, ...]]:
     with _BINDINGS_LOCK:
-        chosen = _LARGE.get(closed)
-    if chosen is None:
-        chosen = tuple(
-            i
-            for i, c in enumerate(closed.consts)
-            if getattr(c, "ndim", 0) > 0
-            and int(getattr(c, "nbytes", 0) or 0) >= HOIST_MIN_BYTES
-            and not isinstance(c, Tracer)
-            and not is_splat(c)
-        )
+        decided = _LARGE.get(closed)
+    if decided is None:
+        large, splat = [], []
+        for i, c in enumerate(closed.consts):
+            if (
+                getattr(c, "ndim", 0) > 0
+                and int(getattr(c, "nbytes", 0) or 0) >= HOIST_MIN_BYTES
+                and not isinstance(c, Tracer)
+            ):
+                (splat if is_splat(c) else large).append(i)
         with _BINDINGS_LOCK:
-            chosen = _LARGE.setdefault(closed, chosen)
-    return [closed.consts[i] for i in chosen]
+            decided = _LARGE.setdefault(closed, (tuple(large), tuple(splat)))
+    return decided
 
 
 def is_splat(c, chunk: int = 1 << 20) -> bool:
@@ -184,7 +204,7 @@ def is_splat(c, chunk: int = 1 << 20) -> bool:
 # snapshot of the host bytes to embed}: what its first trace under the placer read.
 _BINDINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _BINDINGS_LOCK = threading.Lock()
-# closed jaxpr -> indices of the constants it passes as arguments (``large_consts``)
+# closed jaxpr -> (indices of the constants it passes as arguments, of its large splats)
 _LARGE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
