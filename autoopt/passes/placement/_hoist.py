@@ -189,15 +189,27 @@ def is_splat(c, chunk: int = 1 << 20) -> bool:
         a = np.asarray(c)
     except Exception:  # noqa: BLE001 - typed PRNG keys and the like have no host bytes
         return False
-    if a.dtype == object or a.size < 2:
+    if a.dtype == object or a.size < 2 or a.ndim == 0:
         return False
-    items = np.ascontiguousarray(a).reshape(-1).view(np.uint8).reshape(a.size, a.dtype.itemsize)
-    first = items[0]
-    step = max(1, chunk // a.dtype.itemsize)
-    for start in range(0, a.size, step):  # in chunks: random data stops at the first
-        if not (items[start : start + step] == first).all():
+    width = a.dtype.itemsize
+    as_words = (lambda b: b.view(f"u{width}")) if width in (1, 2, 4, 8) else _as_byte_rows
+    first = as_words(np.ascontiguousarray(a[(0,) * a.ndim]).reshape(1))
+    # A few elements first, read in place: most arrays that are not splats stop here, without
+    # a copy of a non-contiguous array.
+    for flat in (a.size - 1, a.size // 2, a.size // 3, 1):
+        element = np.ascontiguousarray(a[np.unravel_index(flat, a.shape)]).reshape(1)
+        if not (as_words(element) == first).all():
+            return False
+    rows = max(1, chunk // max(1, a[0].nbytes))
+    for start in range(0, a.shape[0], rows):  # in chunks of about ``chunk`` bytes
+        block = np.ascontiguousarray(a[start : start + rows]).reshape(-1)
+        if not (as_words(block) == first).all():
             return False
     return True
+
+
+def _as_byte_rows(b: np.ndarray) -> np.ndarray:
+    return b.view(np.uint8).reshape(b.size, b.dtype.itemsize)
 
 
 # closed jaxpr (a program, one a signature) -> {const index: HoistedConst to pass, or a private
