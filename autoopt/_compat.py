@@ -17,6 +17,7 @@ from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import distributed as _distributed
 from jax._src import linear_util as _lu
+from jax._src.random import prng as _prng
 from jax._src import source_info_util as _siu
 from jax._src import traceback_util as _tbu
 from jax._src import tree_util as _tree_util
@@ -26,6 +27,7 @@ from jax.core import Tracer
 
 __all__ = [
     "ARRAY_IMPL",
+    "KEY_ARRAY",
     "user_frame",
     "trace_closed_jaxpr",
     "jit_debug_info",
@@ -44,6 +46,9 @@ __all__ = [
 # ``type(jnp.zeros(()))``, which would initialize a backend at import time (after that,
 # ``jax.config.update("jax_num_cpu_devices", ...)`` and ``jax.distributed.initialize()`` fail).
 ARRAY_IMPL: type = _array.ArrayImpl
+# The type of a typed PRNG key array (``jax.random.key``): a jax.Array with an extended dtype,
+# not an ``ArrayImpl``. Its ``aval`` is computed (equal, not identical, between two keys).
+KEY_ARRAY: type = _prng.PRNGKeyArray
 
 
 def user_frame(source_info) -> tuple[str, int] | None:

@@ -7,7 +7,7 @@ its signature's first call through the general path (``_dispatch.remember_fast``
 and kept per call site under ``"safe"`` (``Site.plans``) and per function under ``"auto"``.
 ``flat_key``/``lookup_nested`` find it from the positional arguments' signature alone:
 
-- flat arguments (jax arrays and Python scalars): one aval or type per argument
+- flat arguments (jax arrays, typed PRNG keys and Python scalars): one aval or type per argument
   (``callsite.flat_signature``), ~0.3 us;
 - arguments made of jax arrays, scalars, NumPy leaves, None and plain dicts, lists, tuples and
   NamedTuples of them at any depth (a model's parameters, an optax state, a batch of NumPy
@@ -46,6 +46,9 @@ from autoopt.passes.donation import callsite
 MISS: Any = object()
 
 _ARRAY_IMPL = _compat.ARRAY_IMPL
+# (a typed PRNG key is read by its aval, as ``callsite.flat_signature`` reads it; the C path
+# reads only jax arrays' avals, so it never finds the plan of a key and leaves it to ``_call``)
+_AVAL_TYPES = frozenset({_ARRAY_IMPL, _compat.KEY_ARRAY})
 _CALL_REFS = callsite.CALL_REFS
 _getrefcount = sys.getrefcount
 _DEBUG_STATES = _compat.DEBUG_NANS_STATES
@@ -60,14 +63,14 @@ def flat_key(args: tuple) -> tuple:
     n = len(args)
     if n == 1:
         a = args[0]
-        return (a.aval if type(a) is _ARRAY_IMPL else type(a),)
+        return (a.aval if type(a) in _AVAL_TYPES else type(a),)
     if n == 2:
         a, b = args
         return (
-            a.aval if type(a) is _ARRAY_IMPL else type(a),
-            b.aval if type(b) is _ARRAY_IMPL else type(b),
+            a.aval if type(a) in _AVAL_TYPES else type(a),
+            b.aval if type(b) in _AVAL_TYPES else type(b),
         )
-    return tuple([a.aval if type(a) is _ARRAY_IMPL else type(a) for a in args])
+    return tuple([a.aval if type(a) in _AVAL_TYPES else type(a) for a in args])
 
 
 def lookup_nested(plans: dict, args: tuple) -> Callable | None:

@@ -58,7 +58,9 @@ _ARRAY_LEAF_TYPES = (
     jax.ShapeDtypeStruct,
 )
 # Exact types checked first: ``isinstance(x, jax.Array)`` goes through an ABC check.
-PLAIN_TYPES = frozenset({_compat.ARRAY_IMPL, int, float, bool, complex, np.ndarray})
+PLAIN_TYPES = frozenset(
+    {_compat.ARRAY_IMPL, _compat.KEY_ARRAY, int, float, bool, complex, np.ndarray}
+)
 
 
 def is_array_leaf(x: Any) -> bool:

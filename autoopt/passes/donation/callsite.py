@@ -41,6 +41,7 @@ import numpy as np
 
 from autoopt._compat import (
     ARRAY_IMPL,
+    KEY_ARRAY,
     flatten_one_level,
     is_plain_namedtuple,
     is_tracer,
@@ -1136,6 +1137,9 @@ def _is_value(kid) -> bool:
 # (the program's aliasing, the site's proof) as a plan, which re-checks only the run-time half.
 
 _FLAT_SCALARS = (int, float, bool, complex)
+# Leaves a signature reads by their ``aval``: jax arrays, and typed PRNG keys (never donated:
+# ``Program.decide`` leaves them out, so a plan never checks or donates one).
+_AVAL_TYPES = frozenset({_ARRAY_IMPL, KEY_ARRAY})
 
 
 def flat_signature(args: tuple) -> tuple:
@@ -1145,7 +1149,7 @@ def flat_signature(args: tuple) -> tuple:
     executable, so building and hashing this tuple costs ~0.3 us. Only signatures of flat
     arguments are stored under it, so a pytree argument (its type here) never finds an entry.
     """
-    return tuple([a.aval if type(a) is _ARRAY_IMPL else type(a) for a in args])
+    return tuple([a.aval if type(a) in _AVAL_TYPES else type(a) for a in args])
 
 
 _HOST_LEAVES = (np.ndarray, np.float32, np.float64, np.int32, np.int64, np.bool_, np.float16)
@@ -1162,7 +1166,7 @@ def tree_signature(args: tuple) -> tuple[tuple, list] | None:
     sig = []
     for x in leaves:
         t = type(x)
-        if t is _ARRAY_IMPL:
+        if t is _ARRAY_IMPL or t is KEY_ARRAY:
             sig.append(x.aval)
         elif t in _FLAT_SCALARS:
             sig.append(t)
@@ -1213,7 +1217,7 @@ _NESTED_DEPTH = 48
 
 def _nested_entry(a: Any, host: list, depth: int) -> Any:
     t = type(a)
-    if t is _ARRAY_IMPL:
+    if t is _ARRAY_IMPL or t is KEY_ARRAY:  # (the C path reads no key: it leaves them here)
         return a.aval
     if t in _FLAT_SCALARS:
         return t
@@ -1257,8 +1261,9 @@ def is_array(x) -> bool:
 
 
 def is_flat(args: tuple) -> bool:
-    """Every argument is a concrete jax array or a Python scalar (no pytree, tracer, NumPy)."""
-    return all(type(a) is _ARRAY_IMPL or type(a) in _FLAT_SCALARS for a in args)
+    """Every argument is a concrete jax array, a typed PRNG key or a Python scalar (no pytree,
+    tracer, NumPy)."""
+    return all(type(a) in _AVAL_TYPES or type(a) in _FLAT_SCALARS for a in args)
 
 
 def all_array_leaves(x) -> bool:
