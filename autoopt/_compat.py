@@ -17,12 +17,12 @@ from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import distributed as _distributed
 from jax._src import linear_util as _lu
-from jax._src.random import prng as _prng
 from jax._src import source_info_util as _siu
 from jax._src import traceback_util as _tbu
 from jax._src import tree_util as _tree_util
 from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import partial_eval as _pe
+from jax._src.random import prng as _prng
 from jax.core import Tracer
 
 __all__ = [
