@@ -28,6 +28,7 @@ from jax.core import Tracer
 __all__ = [
     "ARRAY_IMPL",
     "KEY_ARRAY",
+    "key_entry",
     "user_frame",
     "trace_closed_jaxpr",
     "jit_debug_info",
@@ -49,6 +50,13 @@ ARRAY_IMPL: type = _array.ArrayImpl
 # The type of a typed PRNG key array (``jax.random.key``): a jax.Array with an extended dtype,
 # not an ``ArrayImpl``. Its ``aval`` is computed (equal, not identical, between two keys).
 KEY_ARRAY: type = _prng.PRNGKeyArray
+
+
+def key_entry(key) -> tuple:
+    """A typed PRNG key array's part of a call signature: its type, the stored aval of the
+    uint32 array holding its data and its implementation, equal exactly when two keys' avals
+    are. (``key.aval`` is computed on every read, through sharding checks: tens of us.)"""
+    return (KEY_ARRAY, key._base_array.aval, key._impl)
 
 
 def user_frame(source_info) -> tuple[str, int] | None:

@@ -46,9 +46,10 @@ from autoopt.passes.donation import callsite
 MISS: Any = object()
 
 _ARRAY_IMPL = _compat.ARRAY_IMPL
-# (a typed PRNG key is read by its aval, as ``callsite.flat_signature`` reads it; the C path
-# reads only jax arrays' avals, so it never finds the plan of a key and leaves it to ``_call``)
-_AVAL_TYPES = frozenset({_ARRAY_IMPL, _compat.KEY_ARRAY})
+# A typed PRNG key is read as ``callsite.flat_signature`` reads it (``_compat.key_entry``);
+# the C path reads only jax arrays' avals, so it never finds the plan of a key and leaves it
+# to ``_call``.
+_entry = callsite.non_array_entry
 _CALL_REFS = callsite.CALL_REFS
 _getrefcount = sys.getrefcount
 _DEBUG_STATES = _compat.DEBUG_NANS_STATES
@@ -63,14 +64,14 @@ def flat_key(args: tuple) -> tuple:
     n = len(args)
     if n == 1:
         a = args[0]
-        return (a.aval if type(a) in _AVAL_TYPES else type(a),)
+        return (a.aval if type(a) is _ARRAY_IMPL else _entry(a),)
     if n == 2:
         a, b = args
         return (
-            a.aval if type(a) in _AVAL_TYPES else type(a),
-            b.aval if type(b) in _AVAL_TYPES else type(b),
+            a.aval if type(a) is _ARRAY_IMPL else _entry(a),
+            b.aval if type(b) is _ARRAY_IMPL else _entry(b),
         )
-    return tuple([a.aval if type(a) in _AVAL_TYPES else type(a) for a in args])
+    return tuple([a.aval if type(a) is _ARRAY_IMPL else _entry(a) for a in args])
 
 
 def lookup_nested(plans: dict, args: tuple) -> Callable | None:

@@ -46,6 +46,7 @@ from autoopt._compat import (
     is_plain_namedtuple,
     is_tracer,
     jit_accepts_leaf,
+    key_entry,
 )
 from autoopt.passes.donation import _frames
 
@@ -1137,8 +1138,9 @@ def _is_value(kid) -> bool:
 # (the program's aliasing, the site's proof) as a plan, which re-checks only the run-time half.
 
 _FLAT_SCALARS = (int, float, bool, complex)
-# Leaves a signature reads by their ``aval``: jax arrays, and typed PRNG keys (never donated:
-# ``Program.decide`` leaves them out, so a plan never checks or donates one).
+# Leaves a signature reads by their ``aval``: jax arrays, and typed PRNG keys (by
+# ``_compat.key_entry``; never donated: ``Program.decide`` leaves them out, so a plan never
+# checks or donates one).
 _AVAL_TYPES = frozenset({_ARRAY_IMPL, KEY_ARRAY})
 
 
@@ -1149,7 +1151,13 @@ def flat_signature(args: tuple) -> tuple:
     executable, so building and hashing this tuple costs ~0.3 us. Only signatures of flat
     arguments are stored under it, so a pytree argument (its type here) never finds an entry.
     """
-    return tuple([a.aval if type(a) in _AVAL_TYPES else type(a) for a in args])
+    return tuple([a.aval if type(a) is _ARRAY_IMPL else non_array_entry(a) for a in args])
+
+
+def non_array_entry(a) -> Any:
+    """A flat signature's entry for an argument that is not a jax array: a typed key's
+    ``_compat.key_entry``, anything else's type."""
+    return key_entry(a) if type(a) is KEY_ARRAY else type(a)
 
 
 _HOST_LEAVES = (np.ndarray, np.float32, np.float64, np.int32, np.int64, np.bool_, np.float16)
@@ -1166,8 +1174,10 @@ def tree_signature(args: tuple) -> tuple[tuple, list] | None:
     sig = []
     for x in leaves:
         t = type(x)
-        if t is _ARRAY_IMPL or t is KEY_ARRAY:
+        if t is _ARRAY_IMPL:
             sig.append(x.aval)
+        elif t is KEY_ARRAY:
+            sig.append(key_entry(x))
         elif t in _FLAT_SCALARS:
             sig.append(t)
         elif t in _HOST_LEAVES:
@@ -1217,8 +1227,10 @@ _NESTED_DEPTH = 48
 
 def _nested_entry(a: Any, host: list, depth: int) -> Any:
     t = type(a)
-    if t is _ARRAY_IMPL or t is KEY_ARRAY:  # (the C path reads no key: it leaves them here)
+    if t is _ARRAY_IMPL:
         return a.aval
+    if t is KEY_ARRAY:  # (the C path reads no key: it leaves them here)
+        return key_entry(a)
     if t in _FLAT_SCALARS:
         return t
     if a is None:
