@@ -559,7 +559,7 @@ class OptimizedFunction(_CallBase):
 
     def _build_from(self, traced: _trace.TracedProgram, eager_autodiff: bool) -> Program:
         """The program of a traced signature: the passes run on it (``_build``)."""
-        policy, caches = self._policy, self._caches
+        policy, caches, ad = self._policy, self._caches, eager_autodiff
         several = _multiprocess.several()
         if several:  # a jax.distributed job: every process must trace this signature alike
             fn_id = _process_independent_id(self.__wrapped__)
@@ -573,6 +573,8 @@ class OptimizedFunction(_CallBase):
             fn_name=getattr(self.__wrapped__, "__name__", "fn"),
             fn_location=policy.fn_location,
             under_autodiff=eager_autodiff,
+            # remat="auto" leaves measuring the original to the call's first-call check
+            extra={"remat_defer": policy.remat_auto and not ad and _fit.call_checks_next()},
         )
         if policy.remat_auto and not eager_autodiff:
             from autoopt.passes.remat import forward_plannable

@@ -303,7 +303,7 @@ def _choose(
     budget: int | None,
     bisect: bool = True,
     floor_extra: list[Candidate] | None = None,
-    base: Measured | None = None,
+    base: Measured | concurrent.futures.Future | None = None,
 ) -> Decision:
     """``_choose_here``, or the same decision measured before: by another process of a
     ``jax.distributed`` job (process 0 measures, the others read its decision: compiled memory
@@ -418,7 +418,7 @@ def _choose_here(
     budget: int | None,
     bisect: bool = True,
     floor_extra: list[Candidate] | None = None,
-    known_base: Measured | None = None,
+    known_base: Measured | concurrent.futures.Future | None = None,
 ) -> Decision:
     """Apply the rule, compiling as few programs as possible.
 
@@ -430,7 +430,7 @@ def _choose_here(
     the budget, the next ones not yet compiled are tried too. The estimate ranks far-apart
     plans well but not plans a few MiB apart (the benchmark's transformer: the lowest
     estimate compiles to 75 MiB, the second lowest to 67 MiB).
-    ``known_base``: the original's figures, already measured (``_known_base``): not compiled.
+    ``known_base``: the original's figures, measured by the call (``_known_base``): not compiled.
     """
     tried: list[tuple[str, Measured | None]] = []
     cache: dict[str, Measured | None] = {}
@@ -466,7 +466,7 @@ def _choose_here(
     with concurrent.futures.ThreadPoolExecutor(max_workers=1 + len(first)) as pool:
         for c in first:
             pending[c.name] = pool.submit(attempt, c)
-        base = known_base if known_base is not None else measure(base_program)
+        base = _measured_now(known_base) if known_base is not None else measure(base_program)
         if base is None:
             for fut in pending.values():
                 fut.result()  # finish before the pool closes; the figures are not used
@@ -776,6 +776,17 @@ def _plan_joint(
         ]
     if g.residual_bytes < MIN_RESIDUAL_BYTES and options.memory_budget is None:
         return closed, []
+    if _defers(closed, ctx, stored):
+        return closed, [
+            Finding(
+                "remat",
+                False,
+                f"not planned yet: {where} is measured on its first call, against the "
+                "executable that call compiles",
+                location=ctx.fn_location,
+                details={"deferred": True, "mechanism": mechanism},
+            )
+        ]
 
     def decide() -> Decision:
         total = _remat_plan.jaxpr_flops(closed)
@@ -807,6 +818,27 @@ def _plan_joint(
             **({"found": stored[2]} if stored is not None else {}),
         )
     return _finish(closed, dec, where, ctx, mechanism=mechanism)
+
+
+def _defers(closed: ClosedJaxpr, ctx: PassContext, stored: tuple | None) -> bool:
+    """Whether remat="auto" leaves this level's decision to the call's first-call check
+    (``ctx.extra["remat_defer"]``, set by the call path when that check follows the build):
+    the check compiles the call's own executable of the original and plans with its figures
+    (``extra["original"]``), so that where no plan is applied, the executable measured is the
+    one that runs (``autoopt/_jit/_fit.py``). Only the top level, when nothing kept on disk
+    answers it and no other process decides for this one."""
+    return (
+        bool(ctx.extra.get("remat_defer"))
+        and ctx.options.remat == "auto"
+        and ctx.extra.get("remat_top") is closed
+        and (stored is None or stored[2] is None)
+        and not _multiprocess.several()
+    )
+
+
+def deferred(findings) -> bool:
+    """Whether remat left its decision to the first call's check (``_defers``)."""
+    return any(f.kind == "remat" and f.details.get("deferred") for f in findings)
 
 
 def _joint_decision_to(d: Decision) -> dict:
@@ -1214,7 +1246,8 @@ class Original:
 
     program: ClosedJaxpr
     donated: tuple[int, ...]
-    measured: Measured
+    # (a future while the call's check compiles it, under remat="auto": ``_known_base``)
+    measured: Measured | concurrent.futures.Future
 
 
 def measured_of(compiled, seconds: float) -> Measured | None:
@@ -1223,7 +1256,14 @@ def measured_of(compiled, seconds: float) -> Measured | None:
     return None if mem is None else Measured(mem, _flops(compiled), seconds)
 
 
-def _known_base(closed: ClosedJaxpr, ctx: PassContext, donate: tuple) -> Measured | None:
+def _measured_now(m: Measured | concurrent.futures.Future | None) -> Measured | None:
+    """The figures of an executable the call compiles meanwhile (a future), once compiled."""
+    return m.result() if isinstance(m, concurrent.futures.Future) else m
+
+
+def _known_base(
+    closed: ClosedJaxpr, ctx: PassContext, donate: tuple
+) -> Measured | concurrent.futures.Future | None:
     """The original's figures without compiling it again: those of the executable the call's
     fit check compiled, when that executable is the program measured here (the same equations,
     the top level, donating the same inputs). Its options differ only by what
@@ -1231,7 +1271,7 @@ def _known_base(closed: ClosedJaxpr, ctx: PassContext, donate: tuple) -> Measure
     (tests/test_remat_first_call.py); anything else (another donation, constants passed as
     arguments) is compiled as before."""
     fit = ctx.extra.get("fit")
-    original = getattr(fit, "original", None)
+    original = getattr(fit, "original", None) or ctx.extra.get("original")
     if original is None or ctx.extra.get("remat_top") is not closed:
         return None
     if tuple(original.donated) != tuple(donate):
