@@ -130,3 +130,93 @@ def test_measuring_options_leave_the_memory_figures_as_the_final_program_has_the
         return tuple(getattr(m, f"{s}_size_in_bytes") for s in sizes)
 
     assert figures(measuring_options(None, backend)) == figures(None)
+
+
+# --- remat="auto" at a call that rebinds its state: the call's own executable is measured -------
+
+
+def _deep(layers=16, n=1024, d=256):
+    ws = [jax.random.normal(jax.random.key(i), (d, d)) / math.sqrt(d) for i in range(layers)]
+    return ws, jnp.ones((n, d))
+
+
+def _fresh(tree):
+    return jax.block_until_ready(jax.tree_util.tree_map(jnp.copy, tree))
+
+
+def _remat_finding(fast, *args):
+    (finding,) = [f for f in fast.inspect(*args).findings if f.kind == "remat"]
+    return finding
+
+
+def _decision(finding) -> tuple:
+    d = finding.details
+    return (
+        finding.applied,
+        d.get("plan"),
+        d["before"]["peak_bytes"],
+        d["before"]["flops"],
+        d.get("after", {}).get("peak_bytes"),
+        d["tried"],
+    )
+
+
+def test_a_rebinding_first_call_that_keeps_the_original_runs_the_executable_it_measured():
+    """The 16-layer step keeps its original (no plan cuts 20%). Its first call compiles the
+    original once, through the jit object the call runs, and the one candidate measured (before:
+    the original a second time, to measure it); the decision and its figures are those remat
+    makes measuring the original itself (``inspect`` before any call)."""
+    ws, x = _deep()
+    expected = jax.jit(train_step)(_fresh(ws), x)
+    reported = _decision(_remat_finding(autoopt.optimize(train_step, remat="auto"), ws, x))
+    fast = autoopt.optimize(train_step, fallback="raise", remat="auto")
+    jax.clear_caches()
+    ws = _fresh(ws)
+    with _Compiles() as c:
+        ws, value = fast(ws, x)  # rebinds: the call donates ws, as remat's measurements assume
+    assert c.names == ["jit(train_step)", "jit(jaxpr_as_fun)"], c.names
+    assert_trees_equivalent(expected, (ws, value), exact=True)
+    assert _decision(_remat_finding(fast, ws, x)) == reported
+    assert not reported[0]
+    with _Compiles() as c:
+        fast(ws, x)
+    assert c.names == []
+
+
+def test_a_plan_applied_on_a_rebinding_first_call_is_the_one_remat_chooses_alone():
+    """A plan applied (for a memory budget): the same plan and figures as remat measuring the
+    original itself; the call runs the plan (the original's executable, compiled meanwhile,
+    is dropped: compiles are the original, the candidates measured, the plan)."""
+    ws, x = _deep(layers=12)
+    expected = jax.jit(train_step)(_fresh(ws), x)
+    peak = jax.jit(train_step, donate_argnums=0).lower(ws, x).compile().memory_analysis()
+    original = sum(
+        getattr(peak, f"{s}_size_in_bytes") for s in ("argument", "output", "temp")
+    ) - peak.alias_size_in_bytes
+    options = {"remat": "auto", "memory_budget": int(0.8 * original)}
+    reported = _decision(_remat_finding(autoopt.optimize(train_step, **options), ws, x))
+    assert reported[0], reported  # the premise: a plan is applied
+    fast = autoopt.optimize(train_step, fallback="raise", **options)
+    jax.clear_caches()
+    ws = _fresh(ws)
+    with _Compiles() as c:
+        ws, value = fast(ws, x)
+    assert c.names.count("jit(train_step)") == 2, c.names  # the original, then the plan
+    assert len(c.names) == 2 + len(reported[5]), (c.names, reported)
+    assert _decision(_remat_finding(fast, ws, x)) == reported
+    assert_trees_equivalent(expected, (ws, value))
+
+
+def test_a_new_signature_of_a_function_already_compiled_is_decided_before_it_compiles():
+    """A plan would clear the jit object's caches (jax keeps one trace per signature), which
+    would cost the signatures compiled before one compile each: a new signature of a function
+    that already compiled one is measured as before, and nothing compiled earlier is lost."""
+    ws, x = _deep(layers=12, d=128)
+    fast = autoopt.optimize(train_step, fallback="raise", remat="auto")
+    ws, value = fast(ws, x)
+    x2 = jnp.ones((2048, 128))
+    ws, value = fast(ws, x2)
+    with _Compiles() as c:
+        ws, value = fast(ws, x)
+        ws, value = fast(ws, x2)
+    assert c.names == []
