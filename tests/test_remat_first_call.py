@@ -190,9 +190,10 @@ def test_a_plan_applied_on_a_rebinding_first_call_is_the_one_remat_chooses_alone
     ws, x = _deep(layers=12)
     expected = jax.jit(train_step)(_fresh(ws), x)
     peak = jax.jit(train_step, donate_argnums=0).lower(ws, x).compile().memory_analysis()
-    original = sum(
-        getattr(peak, f"{s}_size_in_bytes") for s in ("argument", "output", "temp")
-    ) - peak.alias_size_in_bytes
+    original = (
+        sum(getattr(peak, f"{s}_size_in_bytes") for s in ("argument", "output", "temp"))
+        - peak.alias_size_in_bytes
+    )
     options = {"remat": "auto", "memory_budget": int(0.8 * original)}
     reported = _decision(_remat_finding(autoopt.optimize(train_step, **options), ws, x))
     assert reported[0], reported  # the premise: a plan is applied
