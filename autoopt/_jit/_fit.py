@@ -24,6 +24,12 @@ pending, compiles the executable with them as arguments (the one that runs).
 
 A signature first met inside another trace (an outer jit, vmap) is not checked: jax keeps one
 trace of it for every context, and the outer program's executable is what runs.
+
+Under remat="auto" the same check measures the original for remat's decision
+(``_checked_auto``): the build leaves it to the check (``passes.remat._defers``), which
+compiles the call's executable of the original through the jit object while remat measures
+its candidates, and plans with that executable's figures where it donates what remat's
+measurements assume; when no plan is applied, that executable runs (one compile fewer).
 """
 
 from __future__ import annotations

@@ -53,7 +53,12 @@ likes) is never compiled here and costs one walk over its equations. Otherwise t
 a signature compiles the original and the first candidate at once, and without a budget a
 further candidate only when the estimate, corrected by the first one's compile, lets it pass
 the rule (``_may_pass``); with a budget, up to six. Each is about one extra compile of the
-training step (0.1-0.2 s for the 16-layer MLP of the benchmark, seconds for big models).
+training step (0.1-0.2 s for the 16-layer MLP of the benchmark, seconds for big models). On a
+call (not ``lower``/``inspect``), the top level's decision is left to the call's first-call
+check (``_defers``): it compiles the call's own executable of the original, whose figures
+stand for the original's measuring compile when it donates what the plans are measured
+donating (a call rebinding its state), so that when no plan is applied, the executable
+measured is the one that runs (``autoopt/_jit/_fit.py``, ``_checked_auto``).
 """
 
 from __future__ import annotations
