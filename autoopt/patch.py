@@ -668,7 +668,8 @@ def _donation_reason(
             [
                 *dict.fromkeys(why),
                 "a call site rebinds it, but the signature's one executable was fixed by an "
-                "earlier call that could not donate it (its calls pass copies)",
+                "earlier call that could not donate it, so no call donates it (one executable "
+                "per signature, as jax.jit compiles: make the rebinding call first)",
             ]
         )
     return "no call site proved it dead (a call from inside a transformation or a framework)"

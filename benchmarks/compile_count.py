@@ -21,32 +21,9 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from _harness import Compiles
 
 import autoopt
-
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-
-
-class Compiles:
-    """Compiles of ``jit(name)`` and of everything else while active."""
-
-    def __init__(self, name: str):
-        self.name, self.own, self.other = f"jit({name})", 0, 0
-
-    def __call__(self, event, duration, fun_name=None, **kw):
-        if event == COMPILE_EVENT:
-            if fun_name == self.name:
-                self.own += 1
-            else:
-                self.other += 1
-
-    def __enter__(self):
-        jax.monitoring.register_event_duration_secs_listener(self)
-        return self
-
-    def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self)
-
 
 # --- the functions (module level: the donation proof reads the caller's source) ----------------
 

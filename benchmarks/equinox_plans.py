@@ -33,83 +33,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _harness import interleave, markdown_table
+from _harness import (
+    buffer_pointers,
+    interleave_loops,
+    markdown_table,
+    reused_buffers,
+    same_arrays,
+)
+from frameworks import equinox_variants
 
 import autoopt
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-REUSE: dict = {}
-
-
-def _arrays(tree):
-    import equinox as eqx
-
-    return [x for x in jax.tree_util.tree_leaves(eqx.filter(tree, eqx.is_array))]
-
-
-def _pointers(tree) -> set[int]:
-    return {x.unsafe_buffer_pointer() for x in _arrays(tree) if x.ndim}
-
-
-def _reused(before: set[int], tree) -> tuple[int, int]:
-    big = [x for x in _arrays(tree) if x.ndim]
-    return sum(x.unsafe_buffer_pointer() in before for x in big), len(big)
-
-
-def _same(a, b) -> bool:
-    la, lb = _arrays(a), _arrays(b)
-    return len(la) == len(lb) and all(
-        x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb)
-    )
-
 
 def mlp_loop(width: int):
-    import equinox as eqx
-
-    tx = optax.adam(1e-3)
-    rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((64, 32)).astype(np.float32))
-    y = jnp.asarray(rng.standard_normal((64, 32)).astype(np.float32))
-
-    def init():
-        model = eqx.nn.MLP(32, 32, width, 3, key=jax.random.key(0))
-        return model, tx.init(eqx.filter(model, eqx.is_array))
-
-    def step(model, opt_state, x, y):
-        def loss(m):
-            return jnp.mean((jax.vmap(m)(x) - y) ** 2)
-
-        value, g = eqx.filter_value_and_grad(loss)(model)
-        updates, opt_state = tx.update(g, opt_state, eqx.filter(model, eqx.is_array))
-        return eqx.apply_updates(model, updates), opt_state, value
-
-    def step_batch_first(batch, model, opt_state):
-        return step(model, opt_state, *batch)
-
-    plain = eqx.filter_jit(step)
-    with autoopt.patch():
-        patched = eqx.filter_jit(step)
-    expert = eqx.filter_jit(step_batch_first, donate="all-except-first")
-
-    def loop(kind, fn):
-        def run(box, steps):
-            model, opt_state = box.pop()  # the loop's names are the state's only holders
-            before: set[int] = set()
-            for i in range(steps):
-                if i == steps - 1:
-                    before = _pointers((model, opt_state))
-                if kind == "expert":
-                    model, opt_state, loss = fn((x, y), model, opt_state)
-                else:
-                    model, opt_state, loss = fn(model, opt_state, x, y)
-            jax.block_until_ready(loss)
-            REUSE[("mlp", kind)] = _reused(before, (model, opt_state))
-            return model, opt_state
-
-        return run
-
-    return {"plain": plain, "autoopt.patch()": patched, "expert": expert}, init, loop
+    """frameworks.py's equinox MLP + adam loop, patched with the defaults only."""
+    return equinox_variants(width, patches={"autoopt.patch()": {}})
 
 
 def _public_gru() -> types.ModuleType:
@@ -163,11 +103,10 @@ def gru_loop(width: int):
             before: set[int] = set()
             for i, (x, y) in zip(range(steps), batches):
                 if i == steps - 1:
-                    before = _pointers((model, opt_state))
+                    before = buffer_pointers((model, opt_state))
                 loss, model, opt_state = fn(model, x, y, opt_state)
                 loss = loss.item()
-            REUSE[("gru", kind)] = _reused(before, (model, opt_state))
-            return model, opt_state
+            return (model, opt_state), reused_buffers(before, (model, opt_state))
 
         return run
 
@@ -176,29 +115,11 @@ def gru_loop(width: int):
 
 def bench(name, make, width, steps, rounds):
     fns, init, loop = make(width)
-    final = {k: loop(k, f)([init()], steps) for k, f in fns.items()}
-    holders = {k: {"s": init()} for k in fns}
-
-    def runner(k):
-        run = loop(k, fns[k])
-
-        def go(state):
-            box = [state]
-            del state
-            holders[k]["s"] = run(box, steps)
-
-        return go
-
-    t = interleave(
-        {k: runner(k) for k in fns},
-        rounds,
-        per=steps,
-        prepare={k: (lambda k=k: holders[k].pop("s")) for k in fns},
-    )
+    t, final, reused = interleave_loops(fns, init, loop, steps, rounds)
     rows = []
     base, base_cpu = t.median("plain"), t.cpu.median("plain")
     for k in fns:
-        hit, of = REUSE[(name, k)]
+        hit, of, _ = reused[k]
         rows.append(
             [
                 name,
@@ -206,7 +127,7 @@ def bench(name, make, width, steps, rounds):
                 f"{t.median(k) * 1e6:.0f} us",
                 f"{t.median(k) / base:.3f}",
                 f"{t.cpu.median(k) / base_cpu:.3f}",
-                "bit-identical" if _same(final["plain"], final[k]) else "DIFFERENT",
+                "bit-identical" if same_arrays(final["plain"], final[k]) else "DIFFERENT",
                 f"{hit}/{of}",
             ]
         )

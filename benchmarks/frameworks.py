@@ -26,41 +26,36 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _harness import interleave, markdown_table
+from _harness import (
+    buffer_pointers,
+    interleave_loops,
+    markdown_table,
+    reused_buffers,
+    same_arrays,
+)
 
 import autoopt
 
-
-def _arrays(tree):
-    return [x for x in jax.tree_util.tree_leaves(tree) if isinstance(x, jax.Array)]
-
-
-# (loop, variant) -> (buffers reused, of, bytes) in the last step of its last run
-REUSE: dict = {}
+# variant name -> the keywords of the ``autoopt.patch()`` it is made under
+PATCHES = {"autoopt.patch()": {}, 'autoopt.patch(remat="off")': {"remat": "off"}}
 
 
-def _pointers(tree) -> set[int]:
-    """The buffers of the tree's arrays of at least one dimension (integers: no reference)."""
-    return {x.unsafe_buffer_pointer() for x in _arrays(tree) if x.ndim}
-
-
-def _reused(before: set[int], tree) -> tuple[int, int, int]:
-    big = [x for x in _arrays(tree) if x.ndim]
-    hit = [x for x in big if x.unsafe_buffer_pointer() in before]
-    return len(hit), len(big), sum(x.nbytes for x in hit)
-
-
-def _same(a, b) -> bool:
-    la, lb = _arrays(a), _arrays(b)
-    return len(la) == len(lb) and all(
-        x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb)
-    )
+def _variants(jitted, patches, expert) -> dict:
+    """``jitted()`` plainly and under each of ``patches``, then the expert's. ``jitted`` looks
+    the framework's jit up when called (``lambda: eqx.filter_jit(step)``): the patch replaces
+    the module's attribute, not a reference taken before."""
+    variants = {"plain": jitted()}
+    for name, options in patches.items():
+        with autoopt.patch(**options):
+            variants[name] = jitted()
+    variants["expert"] = expert
+    return variants
 
 
 # --- equinox ---------------------------------------------------------------------------------
 
 
-def equinox_variants(width: int):
+def equinox_variants(width: int, patches=PATCHES):
     import equinox as eqx
 
     tx = optax.adam(1e-3)
@@ -83,11 +78,6 @@ def equinox_variants(width: int):
     def step_batch_first(batch, model, opt_state):  # equinox's documented idiom for donation
         return step(model, opt_state, *batch)
 
-    plain = eqx.filter_jit(step)
-    with autoopt.patch():
-        patched = eqx.filter_jit(step)
-    with autoopt.patch(remat="off"):
-        patched_off = eqx.filter_jit(step)
     expert = eqx.filter_jit(step_batch_first, donate="all-except-first")
 
     def loop(kind, fn):
@@ -97,30 +87,23 @@ def equinox_variants(width: int):
             before: set[int] = set()
             for i in range(steps):
                 if i == steps - 1:
-                    before = _pointers((model, opt_state))
+                    before = buffer_pointers((model, opt_state))
                 if kind == "expert":
                     model, opt_state, loss = fn((x, y), model, opt_state)
                 else:
                     model, opt_state, loss = fn(model, opt_state, x, y)
             jax.block_until_ready(loss)
-            REUSE[("equinox", kind)] = _reused(before, (model, opt_state))
-            return model, opt_state
+            return (model, opt_state), reused_buffers(before, (model, opt_state))
 
         return run
 
-    variants = {
-        "plain": plain,
-        "autoopt.patch()": patched,
-        'autoopt.patch(remat="off")': patched_off,
-        "expert": expert,
-    }
-    return variants, init, loop
+    return _variants(lambda: eqx.filter_jit(step), patches, expert), init, loop
 
 
 # --- flax nnx --------------------------------------------------------------------------------
 
 
-def nnx_variants(width: int):
+def nnx_variants(width: int, patches=PATCHES):
     from flax import nnx
 
     rng = np.random.default_rng(0)
@@ -148,11 +131,6 @@ def nnx_variants(width: int):
         optimizer.update(model, grads)
         return value
 
-    plain = nnx.jit(step)
-    with autoopt.patch():
-        patched = nnx.jit(step)
-    with autoopt.patch(remat="off"):
-        patched_off = nnx.jit(step)
     expert = nnx.jit(step, donate_argnums=(0, 1))
 
     def loop(kind, fn):
@@ -161,55 +139,30 @@ def nnx_variants(width: int):
             before: set[int] = set()
             for i in range(steps):
                 if i == steps - 1:
-                    before = _pointers(nnx.state((model, optimizer)))
+                    before = buffer_pointers(nnx.state((model, optimizer)))
                 loss = fn(model, optimizer, x, y)
             jax.block_until_ready(loss)
-            REUSE[("flax nnx", kind)] = _reused(before, nnx.state((model, optimizer)))
-            return model, optimizer
+            return (model, optimizer), reused_buffers(before, nnx.state((model, optimizer)))
 
         return run
 
-    variants = {
-        "plain": plain,
-        "autoopt.patch()": patched,
-        'autoopt.patch(remat="off")': patched_off,
-        "expert": expert,
-    }
-    return variants, init, loop
+    return _variants(lambda: nnx.jit(step), patches, expert), init, loop
 
 
 def bench(name, make, width, steps, rounds):
     fns, init, loop = make(width)
-    final = {k: loop(k, f)([init()], steps) for k, f in fns.items()}
-    holders = {k: {"s": init()} for k in fns}
-
-    def runner(k):
-        run = loop(k, fns[k])
-
-        def go(state):
-            box = [state]
-            del state
-            holders[k]["s"] = run(box, steps)
-
-        return go
-
-    t = interleave(
-        {k: runner(k) for k in fns},
-        rounds,
-        per=steps,
-        prepare={k: (lambda k=k: holders[k].pop("s")) for k in fns},
-    )
+    t, final, reused = interleave_loops(fns, init, loop, steps, rounds)
     rows = []
     base = t.median("plain")
     for k in fns:
-        hit, of, nbytes = REUSE[(name, k)]
+        hit, of, nbytes = reused[k]
         rows.append(
             [
                 name,
                 k,
                 f"{t.median(k) * 1e3:.3f} ms",
                 f"{t.median(k) / base:.2f}",
-                "bit-identical" if _same(final["plain"], final[k]) else "DIFFERENT",
+                "bit-identical" if same_arrays(final["plain"], final[k]) else "DIFFERENT",
                 f"{hit}/{of}",
                 f"{nbytes:,}",
             ]

@@ -62,25 +62,13 @@ def many_leaves(rounds: int, steps: int, n_leaves: int = 64, step=features_step)
     expert = jax.jit(by_hand_step)
     vectorized = jax.jit(features_step_vectorized)
 
-    def run_naive():
-        for i in range(steps):
-            out = naive(w, batches[i % 4])
-        out.block_until_ready()
+    def run(f):
+        def go():
+            for i in range(steps):
+                out = f(w, batches[i % 4])
+            out.block_until_ready()
 
-    def run_fast():
-        for i in range(steps):
-            out = fast(w, batches[i % 4])
-        out.block_until_ready()
-
-    def run_packed():
-        for i in range(steps):
-            out = packed(w, batches[i % 4])
-        out.block_until_ready()
-
-    def run_off():
-        for i in range(steps):
-            out = off(w, batches[i % 4])
-        out.block_until_ready()
+        return go
 
     def by_hand(f):
         def go():
@@ -103,10 +91,10 @@ def many_leaves(rounds: int, steps: int, n_leaves: int = 64, step=features_step)
         np.asarray(packed(w, batches[0])), np.asarray(ref), rtol=1e-5, atol=1e-5
     )
     runs = {
-        "naive": run_naive,
-        "autoopt": run_fast,
-        "autoopt placement='pack'": run_packed,
-        "autoopt placement='off'": run_off,
+        "naive": run(naive),
+        "autoopt": run(fast),
+        "autoopt placement='pack'": run(packed),
+        "autoopt placement='off'": run(off),
         "expert": by_hand(expert),
     }
     if step is features_step:

@@ -50,7 +50,14 @@ from typing import NamedTuple, cast
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _harness import markdown_table, rss_now, rss_peak, rss_reset, run_fresh  # noqa: E402
+from _harness import (  # noqa: E402
+    equinox_cnn_class,
+    markdown_table,
+    rss_now,
+    rss_peak,
+    rss_reset,
+    run_fresh,
+)
 
 MIB = 1 << 20
 STEPS = 3
@@ -60,7 +67,8 @@ ROUNDS = 3  # measurements per process, the median shown
 class Kind(NamedTuple):
     """One program kind: its step, a loop that runs ``STEPS`` steps from inputs it makes
     itself (``state = step(state, ...)``), the step's arguments (for the report), the options
-    autoopt gets, and how a user jits it plainly."""
+    autoopt gets, and how a user jits it plainly. Each kind writes its loop out: autoopt proves
+    donation at the statement that calls the step, so that statement is the user's own form."""
 
     step: Callable
     loop: Callable
@@ -122,22 +130,7 @@ def _equinox_cnn() -> Kind:
     import jax.numpy as jnp
 
     n, hw, ch = 128, 32, 64
-
-    class CNN(eqx.Module):
-        c1: eqx.nn.Conv2d
-        c2: eqx.nn.Conv2d
-        head: eqx.nn.Linear
-
-        def __init__(self, key):
-            k1, k2, k3 = jax.random.split(key, 3)
-            self.c1 = eqx.nn.Conv2d(3, ch, 3, padding=1, key=k1)
-            self.c2 = eqx.nn.Conv2d(ch, ch, 3, padding=1, key=k2)
-            self.head = eqx.nn.Linear(ch * hw * hw, 10, key=k3)
-
-        def __call__(self, x):
-            x = jax.nn.relu(self.c1(x))
-            x = jax.nn.relu(self.c2(x))
-            return self.head(x.reshape(-1))
+    CNN = equinox_cnn_class(ch=ch, hw=hw)
 
     def make_args():
         kx, ky, km = jax.random.split(jax.random.key(0), 3)

@@ -24,6 +24,13 @@ import autoopt
 pytestmark = pytest.mark.filterwarnings("error:Some donated buffers")
 
 
+def _exec_from_file(src: str, ns: dict, path) -> None:
+    """Run ``src`` in the namespace ``ns`` from a real file at ``path``, so that the call sites
+    in it can be read, as in a module."""
+    path.write_text(src)
+    exec(compile(src, str(path), "exec"), ns)  # noqa: S102
+
+
 def _fresh(n=3):
     return jnp.ones(n) + 0  # a computed array: nothing else refers to it
 
@@ -54,10 +61,7 @@ def test_class_body_rebinding_never_donates_the_module_global(tmp_path):
     separate locals) must not prove anything."""
     ns: dict = {"f": autoopt.optimize(lambda v: v * 2), "jnp": jnp}
     src = "x = jnp.ones(3) + 0\nclass C:\n    x = f(x)\n"
-    path = str(tmp_path / "_autoopt_review_class_body.py")
-    with open(path, "w") as fh:  # a real file, so the call site can be read (as in a module)
-        fh.write(src)
-    exec(compile(src, path, "exec"), ns)  # noqa: S102
+    _exec_from_file(src, ns, tmp_path / "_autoopt_review_class_body.py")
     assert not ns["x"].is_deleted()
     np.testing.assert_array_equal(ns["C"].x, 2 * np.ones(3))
 
@@ -185,10 +189,7 @@ def test_argument_also_captured_as_a_constant_is_not_donated(tmp_path):
         "y = g(y)\n"
         "z = g(jnp.ones(3))\n"
     )
-    path = str(tmp_path / "_autoopt_review_captured_global.py")
-    with open(path, "w") as fh:
-        fh.write(src)
-    exec(compile(src, path, "exec"), ns)  # noqa: S102
+    _exec_from_file(src, ns, tmp_path / "_autoopt_review_captured_global.py")
     np.testing.assert_array_equal(ns["y"], 5 * np.ones(3))
     np.testing.assert_array_equal(ns["z"], 5 * np.ones(3))
 
@@ -370,10 +371,7 @@ def test_global_rebinding_at_module_level_site_respects_aliases_in_other_globals
         "x = jnp.ones(3) + 0\nsnaps = []\nfor i in range(4):\n"
         "    if i == 2:\n        snaps.append(x)\n    x = f(x)\n"
     )
-    path = str(tmp_path / "_autoopt_review_module_loop.py")
-    with open(path, "w") as fh:
-        fh.write(src)
-    exec(compile(src, path, "exec"), ns)  # noqa: S102
+    _exec_from_file(src, ns, tmp_path / "_autoopt_review_module_loop.py")
     np.testing.assert_array_equal(ns["snaps"][0], 4 * np.ones(3))
     np.testing.assert_array_equal(ns["x"], 16 * np.ones(3))
 

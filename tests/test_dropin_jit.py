@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import SingleDeviceSharding
 
 import autoopt
+from benchmarks._harness import Compiles
 
 
 def _fn(x, scale, use_relu):
@@ -127,24 +128,6 @@ def test_a_static_argnum_passed_by_name_is_static_as_under_jit():
 # --- eval_shape and clear_cache ---------------------------------------------------------------
 
 
-class _CompileCount:
-    """Compiles of functions named ``name``, counted from jax's own compile event."""
-
-    def __init__(self, name: str):
-        self.name, self.count = f"jit({name})", 0
-
-    def __call__(self, event, duration, fun_name=None, **kw):
-        if event == "/jax/core/compile/backend_compile_duration" and fun_name == self.name:
-            self.count += 1
-
-    def __enter__(self):
-        jax.monitoring.register_event_duration_secs_listener(self)
-        return self
-
-    def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self)
-
-
 def _model(params, x, act):
     return {"y": act(params["w"] * x), "n": 2}, x.sum()
 
@@ -152,9 +135,9 @@ def _model(params, x, act):
 def test_eval_shape_is_jax_jits_and_compiles_nothing():
     params, x = {"w": jnp.ones(3)}, jnp.arange(3)
     fast = autoopt.optimize(_model, static_argnums=2, fallback="raise")
-    with _CompileCount("_model") as compiles:
+    with Compiles("_model") as compiles:
         got = fast.eval_shape(params, x, jnp.tanh)
-    assert compiles.count == 0
+    assert compiles.own == 0
     assert got == jax.jit(_model, static_argnums=2).eval_shape(params, x, jnp.tanh)
     assert all(isinstance(s, jax.ShapeDtypeStruct) for s in jax.tree_util.tree_leaves(got))
 
@@ -178,13 +161,13 @@ def test_clear_cache_recompiles_as_jax_jit_does(donate):
 
     counts = []
     for fn in (jax.jit(step), autoopt.optimize(step, donate=donate, fallback="raise")):
-        with _CompileCount("step") as compiles:
+        with Compiles("step") as compiles:
             fn(jnp.ones(3), jnp.ones(3))
             fn(jnp.ones(3), jnp.ones(3))
             fn.clear_cache()
             out = fn(jnp.ones(3), jnp.ones(3))
         np.testing.assert_array_equal(out, 3 * np.ones(3))
-        counts.append(compiles.count)
+        counts.append(compiles.own)
     assert counts[1] == counts[0] == 2
 
 
@@ -213,9 +196,9 @@ def _held_fresh_discarded(step):
 
 def _compiles_of(name: str, run):
     jax.clear_caches()  # jax shares executables between jit objects of one program
-    with _CompileCount(name) as compiles:
+    with Compiles(name) as compiles:
         result = run()
-    return compiles.count, result
+    return compiles.own, result
 
 
 @pytest.mark.parametrize("donate", ["safe", "auto", "off"])
@@ -261,9 +244,9 @@ def test_a_call_that_must_not_donate_passes_copies_and_keeps_its_arguments():
     params, state = jnp.ones(8), jnp.zeros(8)
     params, state = fast(params, state)  # decides the executable: it donates both
     keep_p, keep_s = jnp.ones(8), jnp.zeros(8)
-    with _CompileCount("_train_step") as compiles:
+    with Compiles("_train_step") as compiles:
         out = fast(keep_p, keep_s)  # not rebound: copies are donated instead
-    assert compiles.count == 0
+    assert compiles.own == 0
     assert not keep_p.is_deleted() and not keep_s.is_deleted()
     np.testing.assert_array_equal(out[0], jnp.ones(8) * 0.9)
 
@@ -293,9 +276,9 @@ def test_many_calls_that_must_not_donate_keep_their_arguments_and_the_one_execut
     state = fast(_keyed_state())  # decides the executable: it donates the state
     kept = _keyed_state()
     expected = jax.jit(_keyed_step)(_keyed_state())
-    with _CompileCount("_keyed_step") as compiles:
+    with Compiles("_keyed_step") as compiles:
         outs = [fast(kept) for _ in range(40)]
-    assert compiles.count == 0
+    assert compiles.own == 0
     assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(kept))
     for out in (outs[0], outs[-1]):
         for k in expected:

@@ -1,5 +1,5 @@
 """The cached plan of a rebinding call site whose state is a plain dict, list or tuple of arrays
-(``callsite.shallow_signature``: the signature read off the containers, the reference counts
+(``callsite.nested_signature``: the signature read off the containers, the reference counts
 alone proving the state the call's only holder) donates exactly when the general path would:
 never an array another name, container or argument still holds (issue 15 item 7 made this
 path cheaper; these are the holes a cheaper check could open)."""
@@ -41,8 +41,8 @@ STATES = {
     "dict": lambda: {f"p{i}": _f(i + 1.0) for i in range(6)},
     "list": lambda: [_f(i + 1.0) for i in range(6)],
     "tuple": lambda: tuple(_f(i + 1.0) for i in range(6)),
-    # Nested states take the plan keyed by jax's treedef (``_plans``, kind "tree"), whose check
-    # is the reference counts of every part (``callsite.shared_parts``).
+    # Nested states: the check is the reference counts of every part (``callsite.shared_parts``,
+    # and ``shared_walk`` in the C call path).
     "nested": lambda: {
         "a": {"x": _f(1), "y": _f(2)},
         "b": [_f(3), _f(4)],

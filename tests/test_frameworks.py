@@ -40,6 +40,35 @@ def _assert_same_arrays(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y), strict=True)
 
 
+def _autoopt_run(tmp_path, program: str) -> str:
+    """What ``autoopt run prog.py`` prints, ``program`` (dedented) the script, in a fresh process
+    on CPU."""
+    (tmp_path / "prog.py").write_text(textwrap.dedent(program))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run(
+        [sys.executable, "-m", "autoopt", "run", "prog.py"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def _summary_row(data, name: str) -> tuple[dict, dict]:
+    """The summary's row of this file's function ``name``, and its donations not applied
+    (what -> reason)."""
+    (row,) = [
+        r
+        for r in data["functions"]
+        if r["name"].endswith(name) and __file__ in (r["location"] or "")
+    ]
+    refused = {n["what"]: n["reason"] for n in row["not_applied"] if n["kind"] == "donate"}
+    return row, refused
+
+
 # --- equinox ---------------------------------------------------------------------------------
 
 
@@ -182,35 +211,21 @@ def test_equinox_runtime_errors_are_raised_as_equinox_raises_them():
 
 def test_autoopt_run_routes_filter_jit_imported_after_the_patch(tmp_path):
     pytest.importorskip("equinox")
-    (tmp_path / "prog.py").write_text(
-        textwrap.dedent(
-            """
-            import jax.numpy as jnp
-            import equinox as eqx
+    program = """
+        import jax.numpy as jnp
+        import equinox as eqx
 
-            @eqx.filter_jit
-            def step(s, x):
-                return s + x, None
+        @eqx.filter_jit
+        def step(s, x):
+            return s + x, None
 
-            s = jnp.zeros(1000)
-            p = s.unsafe_buffer_pointer()
-            for _ in range(3):
-                s, _ = step(s, jnp.ones(1000))
-            print(type(step).__name__, s.unsafe_buffer_pointer() == p, float(s[0]))
-            """
-        )
-    )
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run(
-        [sys.executable, "-m", "autoopt", "run", "prog.py"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-        env=env,
-    )
-    assert out.returncode == 0, out.stderr
-    assert "EquinoxJit True 3.0" in out.stdout
+        s = jnp.zeros(1000)
+        p = s.unsafe_buffer_pointer()
+        for _ in range(3):
+            s, _ = step(s, jnp.ones(1000))
+        print(type(step).__name__, s.unsafe_buffer_pointer() == p, float(s[0]))
+    """
+    assert "EquinoxJit True 3.0" in _autoopt_run(tmp_path, program)
 
 
 def test_the_summary_lists_what_was_considered_and_why_it_was_not_applied():
@@ -224,13 +239,8 @@ def test_the_summary_lists_what_was_considered_and_why_it_was_not_applied():
             model, opt_state, loss = make_step(model, opt_state, x, y)
         data = summary()
         text = format_summary(data)
-    (row,) = [
-        r
-        for r in data["functions"]
-        if r["name"].endswith("make_step_fn") and __file__ in (r["location"] or "")
-    ]
+    row, refused = _summary_row(data, "make_step_fn")
     assert row["applied"].get("donate", 0) >= 2  # the model and the optimizer state (rows add up)
-    refused = {n["what"]: n["reason"] for n in row["not_applied"] if n["kind"] == "donate"}
     assert "`x`" in refused and "the statement rebinds" in refused["`x`"]
     assert "not applied: donate `x`" in text
 
@@ -463,13 +473,8 @@ def test_the_summary_lists_the_nnx_variables_considered_and_why_not_donated():
             step(model, optimizer, x, y)
         data = summary()
         text = format_summary(data)
-    (row,) = [
-        r
-        for r in data["functions"]
-        if r["name"].endswith("train_step") and __file__ in (r["location"] or "")
-    ]
+    row, refused = _summary_row(data, "train_step")
     assert row["applied"].get("donate", 0) >= 5  # kernel, adam's mu and nu of both, step...
-    refused = {n["what"]: n["reason"] for n in row["not_applied"] if n["kind"] == "donate"}
     assert "`model.bias`" in refused, refused
     assert "held by another object" in refused["`model.bias`"]
     assert "not applied: donate `model.bias`" in text
@@ -560,40 +565,26 @@ def test_nnx_jit_semantics_are_kept_under_the_patch():
 
 def test_autoopt_run_routes_nnx_jit_imported_after_the_patch(tmp_path):
     pytest.importorskip("flax.nnx")
-    (tmp_path / "prog.py").write_text(
-        textwrap.dedent(
-            """
-            import jax.numpy as jnp
-            from flax import nnx
+    program = """
+        import jax.numpy as jnp
+        from flax import nnx
 
-            class C(nnx.Module):
-                def __init__(self):
-                    self.s = nnx.Variable(jnp.zeros(1000))
+        class C(nnx.Module):
+            def __init__(self):
+                self.s = nnx.Variable(jnp.zeros(1000))
 
-            @nnx.jit
-            def step(c, x):
-                c.s[...] = c.s[...] + x
+        @nnx.jit
+        def step(c, x):
+            c.s[...] = c.s[...] + x
 
-            c = C()
-            p = c.s.get_raw_value().unsafe_buffer_pointer()
-            for _ in range(3):
-                step(c, jnp.ones(1000))
-            print(type(step).__name__, c.s.get_raw_value().unsafe_buffer_pointer() == p,
-                  float(c.s[0]))
-            """
-        )
-    )
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run(
-        [sys.executable, "-m", "autoopt", "run", "prog.py"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-        env=env,
-    )
-    assert out.returncode == 0, out.stderr
-    assert "NnxJit True 3.0" in out.stdout
+        c = C()
+        p = c.s.get_raw_value().unsafe_buffer_pointer()
+        for _ in range(3):
+            step(c, jnp.ones(1000))
+        print(type(step).__name__, c.s.get_raw_value().unsafe_buffer_pointer() == p,
+              float(c.s[0]))
+    """
+    assert "NnxJit True 3.0" in _autoopt_run(tmp_path, program)
 
 
 def test_undoing_the_patch_gives_equinox_its_filter_jit_back():

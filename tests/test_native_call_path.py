@@ -27,8 +27,10 @@ needs_native = pytest.mark.skipif(
 )
 
 
-def _run(code: str, native: bool) -> str:
+def _run(code: str, native: bool, extra_env: dict | None = None) -> str:
+    """``code``'s stdout, run in a fresh interpreter with the C call path on or off."""
     env = {**os.environ, "AUTOOPT_NATIVE": "1" if native else "0", "PYTHONPATH": ROOT}
+    env.update(extra_env or {})
     done = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         env=env,
@@ -175,6 +177,8 @@ def test_the_key_safety_tests_pass_with_the_c_path_off():
             "tests/test_review_call_path.py",
             "tests/test_safety_donation.py",
             "tests/test_donation_adversarial.py",
+            "tests/test_fast_path_trees.py",
+            "tests/test_nested_signatures.py",
         ],
         env=env,
         capture_output=True,

@@ -277,3 +277,25 @@ def test_the_summary_says_a_jit_called_only_inside_another_trace_was_inlined_the
     assert reasons, row
     for reason in reasons.values():
         assert "inside another jit" in reason and "report only" not in reason, reason
+
+
+def test_a_rebinding_loop_after_a_warm_up_call_says_why_it_donates_nothing():
+    # The warm-up `f(x)` (x kept) is the signature's first call: it fixes the executable that
+    # donates nothing, and the loop's `x = step(x)` then runs it (one executable per signature).
+    def body(x):
+        return x * 0.5 + 1.0
+
+    with autoopt.patch():
+        step = jax.jit(body)
+        x = jnp.ones(64)
+        warm = step(x)
+        for _ in range(3):
+            before = x.unsafe_buffer_pointer()
+            x = step(x)
+        data = summary()
+    assert x.unsafe_buffer_pointer() != before  # no call donated
+    assert not warm.is_deleted()
+    (row,) = [r for r in data["functions"] if r["name"].endswith("body")]
+    (why,) = [n["reason"] for n in row["not_applied"] if n["what"] == "`x`"]
+    assert "fixed by an earlier call that could not donate it" in why
+    assert "make the rebinding call first" in why

@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 
 import autoopt
+from benchmarks._harness import Compiles, equinox_cnn_class
 
 
 def _gpt():
@@ -172,23 +173,7 @@ def _equinox_cnn():
 
     n, hw, ch = 16, 16, 16
 
-    class CNN(eqx.Module):
-        c1: eqx.nn.Conv2d
-        c2: eqx.nn.Conv2d
-        head: eqx.nn.Linear
-
-        def __init__(self, key):
-            k1, k2, k3 = jax.random.split(key, 3)
-            self.c1 = eqx.nn.Conv2d(3, ch, 3, padding=1, key=k1)
-            self.c2 = eqx.nn.Conv2d(ch, ch, 3, padding=1, key=k2)
-            self.head = eqx.nn.Linear(ch * hw * hw, 10, key=k3)
-
-        def __call__(self, x):
-            x = jax.nn.relu(self.c1(x))
-            x = jax.nn.relu(self.c2(x))
-            return self.head(x.reshape(-1))
-
-    model = CNN(jax.random.key(0))
+    model = equinox_cnn_class(ch=ch, hw=hw)(jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (n, 3, hw, hw))
     y = jax.random.normal(jax.random.key(2), (n, 10))
 
@@ -243,22 +228,6 @@ PROGRAMS = {
 }
 
 
-class _Compiles:
-    def __init__(self):
-        self.count = 0
-
-    def __call__(self, event, duration, **kw):
-        if event == "/jax/core/compile/backend_compile_duration":
-            self.count += 1
-
-    def __enter__(self):
-        jax.monitoring.register_event_duration_secs_listener(self)
-        return self
-
-    def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self)
-
-
 def _peak(compiled) -> int:
     m = compiled.memory_analysis()
     return (
@@ -287,17 +256,17 @@ def test_every_claim_of_the_report_matches_a_measurement(name):
     # compiles: the loop under autoopt against jax.jit's (remat's measuring compiles apart)
     jax.clear_caches()
     make_args()  # its own compiles are not the loop's
-    with _Compiles() as plain_compiles:
+    with Compiles() as plain_compiles:
         loop(plain, 3)
-    with _Compiles() as fast_compiles:
+    with Compiles() as fast_compiles:
         loop(fast, 3)
     args = make_args()
     report = fast.explain(*args)
     remat = [f for f in report.findings if f.kind == "remat" and "tried" in f.details]
     measuring = sum(1 + len(f.details["tried"]) for f in remat)  # the original + candidates
-    assert fast_compiles.count <= plain_compiles.count + measuring, (
-        fast_compiles.count,
-        plain_compiles.count,
+    assert fast_compiles.total <= plain_compiles.total + measuring, (
+        fast_compiles.total,
+        plain_compiles.total,
         measuring,
     )
 

@@ -13,6 +13,7 @@ import pytest
 
 import autoopt
 from autoopt.testing import assert_trees_equivalent
+from benchmarks._harness import Compiles
 
 
 def _pointers(tree) -> list[int]:
@@ -69,30 +70,16 @@ def test_an_alias_of_the_pytree_keeps_it_from_being_donated():
     np.testing.assert_array_equal(held[0].w, np.full((4, 4), 0.5))
 
 
-class _Compiles:
-    """Compiles of ``jit(sgd)``, counted from jax's own compile event."""
-
-    count = 0
-
-    def __call__(self, event, duration, fun_name=None, **kw):
-        if event == "/jax/core/compile/backend_compile_duration" and fun_name == "jit(sgd)":
-            self.count += 1
-
-
 def test_one_executable_per_signature_whatever_each_call_donates():
     fast = autoopt.optimize(sgd, fallback="raise")
     state, x = _state(), jnp.ones((8, 4))
     jax.clear_caches()
-    compiles = _Compiles()
-    jax.monitoring.register_event_duration_secs_listener(compiles)
-    try:
+    with Compiles("sgd") as compiles:
         state = fast(state, x)  # donates: the signature's executable donates the state
         other = fast(_state(), x)  # passes a fresh state: donated too
         kept = state
         state = fast(state, x)  # an alias: runs the same executable on copies
-    finally:
-        jax.monitoring.unregister_event_duration_listener(compiles)
-    assert compiles.count == 1
+    assert compiles.own == 1
     assert not kept.w.is_deleted() and other.name == "layer"
 
 

@@ -347,6 +347,7 @@ def plan_donating(
         static = _trace.normalize_static(policy.static_argnums, len(args))
         positions = tuple(p for p in positions if p not in static)
         names = tuple(n for n in names if n not in policy.static_argnames)
+    positions, names = _without_self_keeping(args, kwargs, positions, names)
     # The program first, outside the try: tracing runs the user's function, whose errors are
     # the user's, as from jax.jit. And the references are counted after it, since a trace may
     # capture an argument as a constant (a global the function reads).
@@ -383,6 +384,19 @@ def plan_donating(
     return plan_for(of, program, d, pos, nms)
 
 
+def _without_self_keeping(
+    args: tuple, kwargs: dict, positions: tuple, names: tuple
+) -> tuple[tuple, tuple]:
+    """The candidates without those holding a node whose type's ``__del__`` can keep it
+    (``callsite.keeps_itself``): never donated, whatever the call site, so the executable is
+    decided without them."""
+    keeping = callsite.holds_node_keeping_itself
+    return (
+        tuple(p for p in positions if p >= len(args) or not keeping(args[p])),
+        tuple(n for n in names if n not in kwargs or not keeping(kwargs[n])),
+    )
+
+
 def plan_static_leaves(
     of: Planned,
     positions: tuple,
@@ -414,6 +428,7 @@ def plan_static_leaves(
         static = _trace.normalize_static(policy.static_argnums, len(args))
         positions = tuple(p for p in positions if p not in static)
         names = tuple(n for n in names if n not in policy.static_argnames)
+    positions, names = _without_self_keeping(args, kwargs, positions, names)
     pos = nms = ()
     try:
         if host_callbacks(program.final):  # "safe" never donates into callbacks
@@ -449,7 +464,7 @@ def plan_kept(of: Planned, args: tuple, kwargs: dict, site: Any) -> CallPlan:
     plan = plan_for(of, program, program.decide(None if fresh else ((), ())), (), ())
     plans = site.plans
     if plan.direct and not kwargs and not program.lost_updates and len(plans) < FAST_ENTRIES:
-        found = _plans.signature_of(args, shallow=False)
+        found = _plans.signature_of(args)
         if found is not None:
             sig, _, host = found
             lean = not host and not placer_needed(of, program)
@@ -500,7 +515,7 @@ def remember_fast(
     proof); the plan re-checks the run-time half (no other reference, not deleted, no array
     twice) on every call.
     """
-    found = _plans.signature_of(args, shallow=check_refs)
+    found = _plans.signature_of(args)
     if found is None:
         return
     sig, kind, host = found
@@ -515,8 +530,11 @@ def remember_fast(
         return
     arrays = tuple(p for p in positions if p < len(args) and is_donatable(args[p]))
     pos = tuple(p for p in arrays if p in d[0]) if program.unpacks_to(unpack) else ()
-    if any(p not in pos and _holds_arrays(args[p]) for p in d[0]):
-        return  # this site's calls pass copies of what the executable donates: general path
+    if any(p not in pos for p in d[0]):
+        # The executable donates a position this site does not (its calls pass copies of its
+        # arrays), or one the plan would not check (it holds no array now: one put there
+        # between the plan's lookup and the call would be deleted): the general path decides.
+        return
     jitted = of._jit_for(*d) if d[0] else of._plain
     # The placer stays in the call for NumPy leaves (``placer_needed`` says when else).
     placer = of._placer if host or placer_needed(of, program) else None
@@ -532,12 +550,6 @@ def placer_needed(of: Planned, program: Program) -> bool:
     signature's first (general) call already did."""
     placer = of._placer
     return placer is not None and (of._policy.placer_every_call or placer.hoists(program))
-
-
-def _holds_arrays(x: Any) -> bool:
-    """``x`` holds a jax array, which a call not donating it must copy (a Python scalar or a
-    NumPy array is transferred to a fresh buffer by every call anyway)."""
-    return any(isinstance(leaf, jax.Array) for leaf in jax.tree_util.tree_leaves(x))
 
 
 def with_copies(args: tuple, kwargs: dict, copies: tuple) -> tuple[tuple, dict]:

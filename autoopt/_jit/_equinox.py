@@ -373,6 +373,8 @@ def _held_elsewhere(obj: Any, array_base: int, depth: int = 0) -> bool:
     if depth > 64:
         return True
     t = type(obj)
+    if t not in _BUILTIN_NODES and callsite.keeps_itself(t):
+        return True  # its __del__ can keep it (and its arrays) after the call drops it
     layout = _LAYOUTS[t] if t in _LAYOUTS else _layout_of(obj)
     d = None
     if layout is not None:

@@ -6,8 +6,9 @@ repeating call (the site's plan for this signature, or the plain plan of flat ar
 asks ``dispatch`` for a ``CallPlan`` (which jit object, what it donates, whether the placer runs,
 whether to verify, or the function for the call's static leaves); then the plan runs. A decorated
 method is the same call with the instance in front (``_BoundOptimized``). Where the C call path
-is built (``_native.c``, CPython 3.11), it is ``__call__`` and runs a repeating call's flat plan
-with the same checks, calling ``_call`` (the Python path) for everything else. ``trace``, ``lower``,
+is built (``_native.c``, CPython 3.11), it is ``__call__`` and runs a repeating call's plan for
+a flat or nested signature with the same checks, calling ``_call`` (the Python path) for
+everything else. ``trace``, ``lower``,
 ``explain`` and ``inspect`` share one preparation (``_prepare``: the static-leaf split) and one
 program lookup (``_program_for_call``).
 """
@@ -29,6 +30,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
+import numpy as np
 from jax import tree_util
 
 from autoopt import _compat, _jaxpr, _multiprocess, _trace
@@ -299,6 +301,16 @@ def _configured(_native: Any) -> Any:
         _type_function(_compat.ARRAY_IMPL, "aval", property),
         _type_function(_compat.ARRAY_IMPL, "is_deleted", None),
     )
+    # The nested signatures read in C are ``callsite``'s, and a part only its container holds
+    # counts one reference in the C walk (``shared_walk``: 0 unshared, 1 shared).
+    _native.configure_nested(*callsite.nested_tables())
+    probe = ({"a": float("1.5"), "b": [None, ()]}, (), np.float32(2), 3)
+    python_key = callsite.nested_signature(probe)
+    if python_key is None or _native.nested_key(probe) != python_key[0]:
+        return None
+    held = float("2.5")
+    if _native.shared_walk({"a": float("1.5")}) != 0 or _native.shared_walk([held]) != 1:
+        return None
     # A plan the C path calls with a tuple of its own counts what it counts under ``_call``.
     plan_probe = CallProbe()
     plan_probe._native_configure(
@@ -656,7 +668,7 @@ class OptimizedFunction(_CallBase):
         site = None
         try:
             if trace_state_clean():
-                sites, plans, shallow = self._sites, self._auto_fast, False
+                sites, plans = self._sites, self._auto_fast
                 if sites is not None:  # "safe"
                     try:
                         frame = sys._getframe(1)
@@ -669,15 +681,14 @@ class OptimizedFunction(_CallBase):
                     if site.donates and not site.proof.check(frame, self, args, kwargs):
                         site = site.withheld()  # another callee, or a thread could read a name
                     del frame
-                    if site.donates:
-                        plans, shallow = site.plans, True
-                    elif self._caches.lookup_plain:  # the signature's executable may donate
+                    if site.donates or self._caches.lookup_plain:
+                        # (a site that donates nothing: the signature's executable may donate)
                         plans = site.plans
                 if plans is not None:
                     if plans and not kwargs:
                         plan = plans.get(flat_key(args))
                         if plan is None:
-                            plan = lookup_nested(plans, args, shallow)
+                            plan = lookup_nested(plans, args)
                         if plan is not None:
                             out = plan(args)
                             if out is not MISS:

@@ -12,14 +12,19 @@
  *     donated name read from the frame's own slots or globals, each the very object the call
  *     received, and ``callsite.other_code_may_run`` where a donated name is shared;
  *   - the plan for the arguments' flat signature (``_plans.flat_key``) in the site's plans (the
- *     function's under "auto"), or the plain plan for flat arguments (``_flat_plain``);
- *   - the plan: a plan ``_plans`` marks ``_native = (jit, positions)`` (nothing to check, or a
- *     flat signature donating ``positions`` under "safe") is run here, with its checks: each
- *     donated argument's reference count is the call's only (against ``refs_base``, measured
- *     through this very entry at import: ``_function``), it is not deleted, and neither
- *     ``jax_debug_nans`` nor ``jax_debug_infs`` is on. Any other plan is called as Python does,
- *     with a new tuple of the arguments: the references it counts are those of ``_call``'s
- *     ``*args`` tuple.
+ *     function's under "auto"), else for their nested signature (``callsite.nested_signature``,
+ *     read by ``nested_key`` into the equal key: plain dicts, lists, tuples and NamedTuples of
+ *     arrays, scalars, NumPy leaves and None), or the plain plan for flat arguments
+ *     (``_flat_plain``);
+ *   - the plan: a plan ``_plans`` marks ``_native = (jit, positions, runner)`` (nothing to
+ *     check, or a flat or nested signature donating ``positions`` under "safe") is run here,
+ *     with its checks: each donated argument's reference count is the call's only (against
+ *     ``refs_base``, measured through this very entry at import: ``_function``), an array is
+ *     not deleted, and every container and array inside a donated pytree is held by its
+ *     container alone (``shared_walk``, ``callsite.shared_parts``), and neither
+ *     ``jax_debug_nans`` nor ``jax_debug_infs`` is on; then ``jit`` runs, or ``runner`` (the
+ *     plan's placer-calling ``run``). Any other plan is called as Python does, with a new tuple
+ *     of the arguments: the references it counts are those of ``_call``'s ``*args`` tuple.
  *
  * Anything else (a new site, a refused check, a signature without a plan, a plan's MISS,
  * keyword arguments) calls ``_call(self, *args, **kwargs)`` the way CPython calls a Python
@@ -56,8 +61,13 @@ static PyObject *miss;            /* _plans.MISS */
  * ``_function``), called directly: the attribute lookup each call would find the same one. */
 static PyObject *value_getter[4], *aval_getter, *is_deleted_fn;
 static Py_ssize_t refs_base = -1; /* a lone local argument's reference count in tp_call */
+/* ``callsite.nested_signature``'s tables (``configure_nested``): the NamedTuple types jax
+ * flattens by its default rule (the set ``callsite`` fills as it meets them), the NumPy leaf
+ * types, the Python scalar types. NULL: nested signatures are left to the Python path. */
+static PyObject *namedtuple_types, *host_leaf_types, *scalar_types;
+#define NESTED_DEPTH 48 /* callsite._NESTED_DEPTH */
 static PyObject *s_value, *s_donates, *s_plans, *s_proof, *s_slot_spec, *s_lookup_plain,
-    *s_native, *s_is_deleted, *s_call, *s_fit_escaped, *s_aval, *empty_dict;
+    *s_native, *s_is_deleted, *s_call, *s_fit_escaped, *s_aval, *s_shape, *s_dtype, *empty_dict;
 
 /* Threads inside a plan's executable run from here: ``_fit.caught_here`` asks (``catching``)
  * whether this thread is, as it looks for the Python plans' catcher frames. */
@@ -301,6 +311,199 @@ copy_args(PyObject *args)
     return copy;
 }
 
+/* --- nested signatures ------------------------------------------------------------------- */
+
+/* A marker for "not a nested signature" (``callsite._NOT_NESTED``): a borrowed pointer never
+ * returned to Python. */
+static PyObject not_nested_marker;
+#define NOT_NESTED (&not_nested_marker)
+
+/* 1: ``t`` is a NamedTuple type ``callsite`` met and found flattened by jax's default rule,
+ * 0: not (or not yet met: the Python path meets it first), -1: error. */
+static int
+is_namedtuple_node(PyTypeObject *t)
+{
+    if (!PyType_IsSubtype(t, &PyTuple_Type))
+        return 0;
+    return PySet_Contains(namedtuple_types, (PyObject *)t);
+}
+
+/* ``callsite._nested_entry``: a new reference, NOT_NESTED (borrowed), or NULL (error). */
+static PyObject *
+nested_entry(PyObject *a, int depth)
+{
+    PyTypeObject *t = Py_TYPE(a);
+    if ((PyObject *)t == array_type)
+        return get_via(a, aval_getter, s_aval);
+    int in = PySet_Contains(scalar_types, (PyObject *)t);
+    if (in != 0)
+        return in < 0 ? NULL : Py_NewRef((PyObject *)t);
+    if (a == Py_None)
+        return Py_NewRef(Py_None);
+    if (depth >= NESTED_DEPTH)
+        return NOT_NESTED;
+    PyObject *keys, *entries;
+    if (t == &PyDict_Type) {
+        Py_ssize_t n = PyDict_GET_SIZE(a), pos = 0, i = 0;
+        keys = PyTuple_New(n);
+        entries = PyTuple_New(n);
+        if (keys == NULL || entries == NULL)
+            goto error;
+        PyObject *k, *v;
+        while (PyDict_Next(a, &pos, &k, &v)) {
+            if (i >= n || !PyUnicode_CheckExact(k))
+                goto not_nested; /* (a dict changed while read: let Python read it) */
+            PyTuple_SET_ITEM(keys, i, Py_NewRef(k));
+            Py_INCREF(v); /* (held while read: reading it may run a metaclass's __hash__) */
+            PyObject *e = nested_entry(v, depth + 1);
+            Py_DECREF(v);
+            if (e == NULL)
+                goto error;
+            if (e == NOT_NESTED)
+                goto not_nested;
+            PyTuple_SET_ITEM(entries, i, e);
+            i++;
+        }
+        if (i != n)
+            goto not_nested;
+    } else {
+        in = PySet_Contains(host_leaf_types, (PyObject *)t);
+        if (in < 0)
+            return NULL;
+        if (in) {
+            PyObject *shape = PyObject_GetAttr(a, s_shape);
+            if (shape == NULL)
+                return NULL;
+            PyObject *dtype = PyObject_GetAttr(a, s_dtype);
+            if (dtype == NULL) {
+                Py_DECREF(shape);
+                return NULL;
+            }
+            return Py_BuildValue("(ONN)", (PyObject *)t, shape, dtype);
+        }
+        PyObject *seq;
+        if (t == &PyList_Type || t == &PyTuple_Type) {
+            seq = a;
+        } else {
+            in = is_namedtuple_node(t);
+            if (in <= 0)
+                return in < 0 ? NULL : NOT_NESTED;
+            seq = a;
+        }
+        /* A list read item by item: an item's aval getter runs no Python code, but a list may
+         * still change under another thread between two reads; its length is re-read. */
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+        keys = PyLong_FromSsize_t(n);
+        entries = PyTuple_New(n);
+        if (keys == NULL || entries == NULL)
+            goto error;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (i >= PySequence_Fast_GET_SIZE(seq))
+                goto not_nested;
+            PyObject *kid = Py_NewRef(PySequence_Fast_GET_ITEM(seq, i));
+            PyObject *e = nested_entry(kid, depth + 1);
+            Py_DECREF(kid);
+            if (e == NULL)
+                goto error;
+            if (e == NOT_NESTED)
+                goto not_nested;
+            PyTuple_SET_ITEM(entries, i, e);
+        }
+        if (n != PySequence_Fast_GET_SIZE(seq))
+            goto not_nested;
+    }
+    PyObject *entry = PyTuple_Pack(3, (PyObject *)t, keys, entries);
+    Py_DECREF(keys);
+    Py_DECREF(entries);
+    return entry;
+not_nested:
+    Py_XDECREF(keys);
+    Py_XDECREF(entries);
+    return NOT_NESTED;
+error:
+    Py_XDECREF(keys);
+    Py_XDECREF(entries);
+    return NULL;
+}
+
+/* ``callsite.nested_signature(args)[0]``: a new reference, NOT_NESTED, or NULL (error). */
+static PyObject *
+nested_key(PyObject *args)
+{
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    PyObject *key = PyTuple_New(n);
+    if (key == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *e = nested_entry(PyTuple_GET_ITEM(args, i), 0);
+        if (e == NULL || e == NOT_NESTED) {
+            /* (the key's unset items are NULL, which a tuple's dealloc skips) */
+            Py_DECREF(key);
+            return e;
+        }
+        PyTuple_SET_ITEM(key, i, e);
+    }
+    return key;
+}
+
+/* ``callsite.shared_parts(obj)`` for the nodes a nested signature holds (``obj`` not an
+ * array): 1 when a part is also referenced from elsewhere, 0 when none is, 2 when ``obj`` or a
+ * part is a node only the Python walk reads (the Python plan decides), -1 on error. A part held
+ * by its container alone has a reference count of 1 here (nothing in this walk takes one). */
+static int
+shared_walk(PyObject *obj, int depth)
+{
+    if (depth >= NESTED_DEPTH)
+        return 2;
+    PyTypeObject *t = Py_TYPE(obj);
+    if (t == &PyDict_Type) {
+        Py_ssize_t pos = 0;
+        PyObject *k, *v;
+        while (PyDict_Next(obj, &pos, &k, &v)) {
+            int r = 0;
+            if (v == Py_None || (PyTuple_CheckExact(v) && PyTuple_GET_SIZE(v) == 0))
+                continue; /* an empty node: no buffer, and a single object every holder shares */
+            if (Py_REFCNT(v) > 1)
+                return 1;
+            if ((PyObject *)Py_TYPE(v) != array_type) {
+                Py_INCREF(v); /* (a dict's value may be replaced while the walk reads it) */
+                r = shared_walk(v, depth + 1);
+                Py_DECREF(v);
+            }
+            if (r != 0)
+                return r;
+        }
+        return 0;
+    }
+    int node = t == &PyList_Type || t == &PyTuple_Type;
+    if (!node) {
+        int in = PySet_Contains(host_leaf_types, (PyObject *)t);
+        if (in != 0)
+            return in < 0 ? -1 : 0; /* a NumPy leaf: no buffer */
+        in = PySet_Contains(scalar_types, (PyObject *)t);
+        if (in != 0)
+            return in < 0 ? -1 : 0; /* a Python scalar: no buffer */
+        in = is_namedtuple_node(t);
+        if (in <= 0)
+            return in < 0 ? -1 : 2;
+    }
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(obj); i++) {
+        PyObject *kid = PySequence_Fast_GET_ITEM(obj, i);
+        if (kid == Py_None || (PyTuple_CheckExact(kid) && PyTuple_GET_SIZE(kid) == 0))
+            continue; /* an empty node: no buffer, and a single object every holder shares */
+        if (Py_REFCNT(kid) > 1)
+            return 1;
+        if ((PyObject *)Py_TYPE(kid) != array_type) {
+            Py_INCREF(kid);
+            int r = shared_walk(kid, depth + 1);
+            Py_DECREF(kid);
+            if (r != 0)
+                return r;
+        }
+    }
+    return 0;
+}
+
 /* --- running a plan ----------------------------------------------------------------------- */
 
 static int
@@ -407,11 +610,14 @@ run_plan(CallPath *self, PyObject *site, PyObject *plan, PyObject *args, PyObjec
                 return -1;
         }
     }
-    if (native != NULL && PyTuple_Check(native) && PyTuple_GET_SIZE(native) == 2) {
+    if (native != NULL && PyTuple_Check(native) && PyTuple_GET_SIZE(native) == 3) {
         PyObject *jit = PyTuple_GET_ITEM(native, 0), *positions = PyTuple_GET_ITEM(native, 1);
+        PyObject *runner = PyTuple_GET_ITEM(native, 2);
         Py_ssize_t nargs = PyTuple_GET_SIZE(args);
         Py_INCREF(jit);
         Py_INCREF(positions);
+        Py_INCREF(runner);
+        /* 1: refused, 2: a part only the Python plan reads, -1: error */
         int refused = 0;
         for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(positions) && !refused; i++) {
             Py_ssize_t p = PyLong_AsSsize_t(PyTuple_GET_ITEM(positions, i));
@@ -424,7 +630,11 @@ run_plan(CallPath *self, PyObject *site, PyObject *plan, PyObject *args, PyObjec
                 refused = 1;
                 break;
             }
-            PyObject *deleted = (PyObject *)Py_TYPE(a) == array_type && is_deleted_fn != NULL
+            if ((PyObject *)Py_TYPE(a) != array_type) {
+                refused = shared_walk(a, 0);
+                continue;
+            }
+            PyObject *deleted = is_deleted_fn != NULL
                                     ? PyObject_Vectorcall(is_deleted_fn, &a, 1, NULL)
                                     : PyObject_CallMethodNoArgs(a, s_is_deleted);
             if (deleted == NULL) {
@@ -439,14 +649,25 @@ run_plan(CallPath *self, PyObject *site, PyObject *plan, PyObject *args, PyObjec
         Py_DECREF(positions);
         if (refused != 0) {
             Py_DECREF(jit);
+            Py_DECREF(runner);
+            if (refused == 2)
+                goto python_plan;
             return refused < 0 ? -1 : 0;
         }
-        *out = run_jit(self, site, jit, args);
+        if (runner == Py_None) {
+            *out = run_jit(self, site, jit, args);
+        } else { /* the plan's ``run(args)``: the placer, and its own catcher of FitCheck */
+            PyObject *copy = copy_args(args);
+            *out = copy == NULL ? NULL : PyObject_CallOneArg(runner, copy);
+            Py_XDECREF(copy);
+        }
         Py_DECREF(jit);
+        Py_DECREF(runner);
         if (*out == NULL && !PyErr_Occurred())
             return 0; /* no catcher slot: the Python path runs it */
         return 1;
     }
+python_plan:;
     /* A plan with checks of its own: called as ``_call`` calls it, on a tuple of its own. */
     PyObject *copy = copy_args(args);
     if (copy == NULL)
@@ -476,6 +697,40 @@ fall_back_error(void)
         PyErr_Clear();
 }
 
+/* The plan for the arguments' nested signature (``_plans.lookup_nested``) in ``plans`` (a new
+ * reference), or NULL: flat arguments (their flat key found none), a signature ``nested_key``
+ * does not read (a registered node: the Python path reads its tree signature), or a new one. */
+static PyObject *
+find_nested_plan(PyObject *plans, PyObject *args)
+{
+    if (namedtuple_types == NULL)
+        return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    Py_ssize_t i = 0;
+    for (; i < n; i++) { /* ``callsite.is_flat`` */
+        PyObject *t = (PyObject *)Py_TYPE(PyTuple_GET_ITEM(args, i));
+        if (t != array_type) {
+            int in = PySet_Contains(scalar_types, t);
+            if (in < 0)
+                return fall_back_error(), NULL;
+            if (!in)
+                break;
+        }
+    }
+    if (i == n)
+        return NULL;
+    PyObject *key = nested_key(args);
+    if (key == NULL)
+        return fall_back_error(), NULL;
+    if (key == NOT_NESTED)
+        return NULL;
+    PyObject *plan = PyDict_GetItemWithError(plans, key);
+    Py_DECREF(key);
+    if (plan == NULL)
+        return fall_back_error(), NULL;
+    return Py_NewRef(plan);
+}
+
 static PyObject *
 find_plan(CallPath *self, PyObject *plans, PyObject *args)
 {
@@ -497,7 +752,9 @@ find_plan(CallPath *self, PyObject *plans, PyObject *args)
     PyObject *plan = PyDict_GetItemWithError(plans, key);
     if (plan == NULL) {
         Py_DECREF(key);
-        return fall_back_error(), NULL;
+        if (PyErr_Occurred())
+            return fall_back_error(), NULL;
+        return find_nested_plan(plans, args);
     }
     Py_INCREF(plan);
     /* (read after the lookup: a comparison that ran Python code and changed the dict made the
@@ -775,6 +1032,41 @@ configure(PyObject *module, PyObject *const *a, Py_ssize_t n)
 }
 
 static PyObject *
+configure_nested(PyObject *module, PyObject *const *a, Py_ssize_t n)
+{
+    if (n != 3 || !PySet_Check(a[0]) || !PyFrozenSet_Check(a[1]) || !PyFrozenSet_Check(a[2]))
+        return PyErr_Format(PyExc_TypeError,
+                            "configure_nested takes (a set of NamedTuple types, a frozenset of "
+                            "NumPy leaf types, a frozenset of scalar types)");
+    Py_XSETREF(namedtuple_types, Py_NewRef(a[0]));
+    Py_XSETREF(host_leaf_types, Py_NewRef(a[1]));
+    Py_XSETREF(scalar_types, Py_NewRef(a[2]));
+    Py_RETURN_NONE;
+}
+
+/* For tests and the calibration: ``nested_key(args)`` (None where ``nested_key`` reads no
+ * signature) and ``shared_walk(obj)``. */
+static PyObject *
+nested_key_py(PyObject *module, PyObject *args)
+{
+    if (!PyTuple_Check(args) || namedtuple_types == NULL)
+        return PyErr_Format(PyExc_TypeError, "nested_key takes a tuple, once configured");
+    PyObject *key = nested_key(args);
+    if (key == NOT_NESTED)
+        Py_RETURN_NONE;
+    return key;
+}
+
+static PyObject *
+shared_walk_py(PyObject *module, PyObject *obj)
+{
+    if (namedtuple_types == NULL)
+        return PyErr_Format(PyExc_TypeError, "shared_walk needs configure_nested first");
+    int r = shared_walk(obj, 0);
+    return r < 0 ? NULL : PyLong_FromLong(r);
+}
+
+static PyObject *
 catching(PyObject *module, PyObject *unused)
 {
     PyThreadState *ts = PyThreadState_GET();
@@ -790,6 +1082,12 @@ static PyMethodDef module_methods[] = {
     {"configure", (PyCFunction)(void (*)(void))configure, METH_FASTCALL,
      "The objects every call reads, the measured reference count of a lone argument, and the "
      "functions behind the attributes it reads."},
+    {"configure_nested", (PyCFunction)(void (*)(void))configure_nested, METH_FASTCALL,
+     "callsite.nested_signature's tables: NamedTuple types (the set callsite fills), NumPy leaf "
+     "types, scalar types."},
+    {"nested_key", nested_key_py, METH_O, "callsite.nested_signature(args)[0], read in C."},
+    {"shared_walk", shared_walk_py, METH_O,
+     "1: a part is referenced from elsewhere, 0: none is, 2: a node only Python reads."},
     {"catching", catching, METH_NOARGS,
      "Whether this thread is inside a plan's executable run from C (``_fit.caught_here``)."},
 #endif
@@ -818,9 +1116,12 @@ PyInit__native(void)
     s_is_deleted = PyUnicode_InternFromString("is_deleted");
     s_fit_escaped = PyUnicode_InternFromString("_fit_escaped");
     s_aval = PyUnicode_InternFromString("aval");
+    s_shape = PyUnicode_InternFromString("shape");
+    s_dtype = PyUnicode_InternFromString("dtype");
     empty_dict = PyDict_New();
     if (!s_value || !s_donates || !s_plans || !s_proof || !s_slot_spec || !s_lookup_plain ||
-        !s_native || !s_is_deleted || !s_fit_escaped || !s_aval || !empty_dict)
+        !s_native || !s_is_deleted || !s_fit_escaped || !s_aval || !s_shape || !s_dtype ||
+        !empty_dict)
         return NULL;
 #endif
     if (PyType_Ready(&CallPathType) < 0)

@@ -9,9 +9,11 @@ and kept per call site under ``"safe"`` (``Site.plans``) and per function under 
 
 - flat arguments (jax arrays and Python scalars): one aval or type per argument
   (``callsite.flat_signature``), ~0.3 us;
-- under ``"safe"``, arguments that are jax arrays or plain dicts, lists and tuples of them
-  (``callsite.shallow_signature``), read off the containers without flattening;
-- anything else: jax's treedef and one type per leaf (``callsite.tree_signature``).
+- arguments made of jax arrays, scalars, NumPy leaves, None and plain dicts, lists, tuples and
+  NamedTuples of them at any depth (a model's parameters, an optax state, a batch of NumPy
+  columns: ``callsite.nested_signature``), read off the containers without flattening;
+- anything else (a registered node: an equinox module, a flax struct): jax's treedef and one
+  type per leaf (``callsite.tree_signature``).
 
 What a plan re-checks is the run-time half of ``callsite.donation_checks`` for the arguments it
 donates: under ``"safe"`` that the call holds the only reference to each donated argument and
@@ -20,10 +22,11 @@ that no array is passed twice or is a constant of the program; under both, that 
 deleted and ``jax_debug_nans`` is off (jax re-runs the inputs op by op on a NaN). A plan that
 donates nothing checks nothing.
 
-The C call path (``_native.c``) runs two kinds of plan itself, with the same checks: those
-marked ``_native = (jit, positions)``, a plan with nothing to check (placer None) and the flat
-signature's plan donating ``positions`` under ``"safe"``. It calls any other plan as
-``__call__`` does.
+The C call path (``_native.c``) finds flat and nested signatures' plans itself, and runs
+those marked ``_native = (jit, positions, runner)`` with the same checks: a plan with nothing
+to check (placer None), and the plan donating ``positions`` under ``"safe"`` of a flat or
+nested signature (``runner``: None to call ``jit`` directly, else the plan's placer-calling
+``run``). It calls any other plan as ``__call__`` does.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ _ARRAY_IMPL = _compat.ARRAY_IMPL
 _CALL_REFS = callsite.CALL_REFS
 _getrefcount = sys.getrefcount
 _DEBUG_STATES = _compat.DEBUG_NANS_STATES
-_shallow_signature, _tree_signature = callsite.shallow_signature, callsite.tree_signature
+_nested_signature, _tree_signature = callsite.nested_signature, callsite.tree_signature
 
 
 def flat_key(args: tuple) -> tuple:
@@ -67,30 +70,27 @@ def flat_key(args: tuple) -> tuple:
     return tuple([a.aval if type(a) is _ARRAY_IMPL else type(a) for a in args])
 
 
-def lookup_nested(plans: dict, args: tuple, shallow: bool) -> Callable | None:
+def lookup_nested(plans: dict, args: tuple) -> Callable | None:
     """The plan for positional arguments that are not flat (``flat_key`` found none), or
-    None. ``shallow``: the plans are keyed by ``callsite.shallow_signature`` where it applies
-    (``"safe"``'s donating sites)."""
+    None."""
     if callsite.is_flat(args):
         return None
-    if shallow:
-        sig = _shallow_signature(args)
-        if sig is not None:
-            return plans.get(sig)
+    nested = _nested_signature(args)
+    if nested is not None:
+        return plans.get(nested[0])
     tree = _tree_signature(args)
     return None if tree is None else plans.get(tree[0])
 
 
-def signature_of(args: tuple, shallow: bool) -> tuple[Any, str, bool] | None:
+def signature_of(args: tuple) -> tuple[Any, str, bool] | None:
     """``(the key lookup finds these arguments under, how it was read, whether they hold NumPy
     leaves)``, or None when they cannot have a plan (a leaf that is not a jax array, a Python
-    scalar or a NumPy array or scalar). The kinds: ``"flat"``, ``"shallow"``, ``"tree"``."""
+    scalar or a NumPy array or scalar). The kinds: ``"flat"``, ``"nested"``, ``"tree"``."""
     if callsite.is_flat(args):
         return callsite.flat_signature(args), "flat", False
-    if shallow:
-        sig = _shallow_signature(args)
-        if sig is not None:
-            return sig, "shallow", False
+    nested = _nested_signature(args)
+    if nested is not None:
+        return nested[0], "nested", nested[1]
     tree = _tree_signature(args)
     if tree is None:
         return None
@@ -108,7 +108,7 @@ def _runner(jit: Any, placer: Any) -> Callable:
             except FitCheck as e:
                 return _fit.first_call(e, jit, None, args, {})
 
-        run._native = (jit, ())  # pyright: ignore[reportFunctionMemberAccess]
+        run._native = (jit, (), None)  # pyright: ignore[reportFunctionMemberAccess]
 
     else:
 
@@ -137,7 +137,7 @@ def donating(
     """The plan donating ``positions`` (an empty tuple: nothing, no check). ``check_refs``:
     ``"safe"`` (the reference counts prove each donated argument the call's only); else
     ``"auto"`` (identities: no array twice, none a constant of the program). ``kind``: how its
-    arguments' signature was read (``"flat"``, ``"shallow"`` or ``"tree"``, ``signature_of``)."""
+    arguments' signature was read (``"flat"``, ``"nested"`` or ``"tree"``, ``signature_of``)."""
     run = _runner(jit, placer)
     if not positions:
         return run
@@ -159,15 +159,33 @@ def donating(
             except FitCheck as e:
                 return _fit.first_call(e, jit, None, args, {})
 
-        plan._native = (jit, positions)  # pyright: ignore[reportFunctionMemberAccess]
+        plan._native = (jit, positions, None)  # pyright: ignore[reportFunctionMemberAccess]
 
-    elif kind == "flat" and check_refs:
+    elif check_refs:
+        shared_parts = callsite.shared_parts
 
         def plan(args):
+            # The reference counts alone prove each donated argument, and every container and
+            # array inside it, the call's only (an array also passed elsewhere, or held by a
+            # program, counts more): the signature fixed everything else the general path's
+            # ``leaf_problem`` looks at. A deleted array inside a container is not looked for:
+            # jax's call raises for it before it donates any input, as the general path's plan
+            # would.
             for p in positions:
-                if getrefcount(args[p]) > base or args[p].is_deleted():
+                if getrefcount(args[p]) > base:
+                    return MISS
+                if type(args[p]) is _ARRAY_IMPL:
+                    if args[p].is_deleted():
+                        return MISS
+                elif shared_parts(args[p]):
                     return MISS
             return MISS if nans.value or infs.value else run(args)
+
+        plan._native = (  # pyright: ignore[reportFunctionMemberAccess]
+            jit,
+            positions,
+            None if placer is None else run,
+        )
 
     elif kind == "flat":
         distinct = callsite.distinct_arrays
@@ -180,46 +198,16 @@ def donating(
                 return MISS
             return run(args)
 
-    elif kind == "shallow":  # "safe" only
-        kid_refcounts = callsite.kid_refcounts
-
-        def plan(args):
-            # The reference counts alone prove each donated container and array is the call's
-            # only (an array also passed elsewhere, or held by a program, counts more). A
-            # deleted array inside a container is not looked for: jax's call raises for it
-            # before it donates any input, as the general path's plan would.
-            for p in positions:
-                if getrefcount(args[p]) > base:
-                    return MISS
-                if type(args[p]) is not _ARRAY_IMPL:
-                    _, counts, kid_base = kid_refcounts(args[p])
-                    if max(counts) > kid_base:
-                        return MISS
-                elif args[p].is_deleted():
-                    return MISS
-            return MISS if nans.value or infs.value else run(args)
-
-    elif check_refs:
-        shared_parts = callsite.shared_parts
-
-        def plan(args):
-            for p in positions:
-                if getrefcount(args[p]) > base or shared_parts(args[p]):
-                    return MISS
-            return MISS if nans.value or infs.value else run(args)
-
     else:
         leaf_problem, distinct = callsite.leaf_problem, callsite.distinct_arrays
         tree_leaves = jax.tree_util.tree_leaves
 
         def plan(args):
-            if not check_refs and not distinct(tree_leaves(args), const_ids):
+            if not distinct(tree_leaves(args), const_ids):
                 return MISS
             seen: set[int] = set()
             for p in positions:
-                if check_refs and getrefcount(args[p]) > base:
-                    return MISS
-                if leaf_problem(args[p], seen, check_refs) is not None:
+                if leaf_problem(args[p], seen, False) is not None:
                     return MISS
             return MISS if nans.value or infs.value else run(args)
 

@@ -642,8 +642,9 @@ def kid_refcounts(obj) -> tuple[list, list[int], int]:
     if t in _NAMEDTUPLE_NODES or _is_namedtuple_node(t):
         # An optax state's NamedTuple: its items are its children, held by the tuple itself,
         # read as a tuple's (~6x cheaper than the registry's path, which looks for a container
-        # of its own behind them: a tuple has none).
-        kids = list(obj)
+        # of its own behind them: a tuple has none). Read as jax reads them, past any
+        # ``__iter__`` the class defines (one hiding a field would hide it from this count).
+        kids = list(tuple.__iter__(obj))
         return kids, list(map(sys.getrefcount, kids)), _BASE_KID_BUILTIN
     return _registry_kid_refcounts(obj)
 
@@ -654,10 +655,33 @@ _NAMEDTUPLE_NODES: set[type] = set()
 
 
 def _is_namedtuple_node(t: type) -> bool:
-    if is_plain_namedtuple(t):
+    if is_plain_namedtuple(t) and not keeps_itself(t):
         _NAMEDTUPLE_NODES.add(t)
         return True
     return False
+
+
+def holds_node_keeping_itself(x: Any, depth: int = 0) -> bool:
+    """Whether the pytree ``x`` has a node of a type that ``keeps_itself``: never donated, so a
+    signature's executable is decided without it (else every call would pass copies, in
+    containers of that type built for the call, which its ``__del__`` could keep)."""
+    t = type(x)
+    if t is _ARRAY_IMPL or depth > 64:
+        return False
+    try:
+        kids, _ = flatten_one_level(x)
+    except ValueError:  # a leaf
+        return False
+    if t not in _BUILTIN_NODES and keeps_itself(t):
+        return True
+    return any(holds_node_keeping_itself(k, depth + 1) for k in kids)
+
+
+def keeps_itself(t: type) -> bool:
+    """Whether instances of the node type ``t`` run a ``__del__`` of their own: one that
+    stores ``self`` somewhere keeps the node, and the arrays it held, after the call dropped it,
+    so a donated node's arrays would be read deleted. Such nodes are never donated."""
+    return getattr(t, "__del__", None) is not None
 
 
 def _registry_counts(obj) -> tuple[list, list[int], int, bool]:
@@ -836,6 +860,11 @@ def leaf_problem(obj, seen: set[int], check_refs: bool = True) -> str | None:
         kids, counts, base = kid_refcounts(obj)
     except ValueError:
         return f"it holds a leaf of type {type(obj).__name__} that is not a jax.Array"
+    if t not in _BUILTIN_NODES and keeps_itself(t):
+        return (
+            f"it holds a {t.__name__}, whose __del__ can keep it (and the arrays it holds) "
+            "after the call drops it"
+        )
     if kids and set(map(type, kids)) == _ONLY_ARRAYS:
         # A node of arrays only (an optimizer state's dict, a list of layers' weights): the
         # per-kid checks below, each as one C-level pass over the kids (a state of 512 leaves
@@ -880,6 +909,8 @@ def shared_parts(obj) -> bool:
         kids, counts, base = kid_refcounts(obj)
     except ValueError:  # a leaf that is not a jax array (a scalar, a NumPy array): no buffer
         return False
+    if t not in _BUILTIN_NODES and keeps_itself(t):
+        return True  # a node whose __del__ can keep it (and its arrays) after the call
     for kid, count in zip(kids, counts):
         if kid is None or kid is _EMPTY_TUPLE:
             # an empty node (a None field, an empty state's ``()``): no buffer, and None and
@@ -1142,33 +1173,79 @@ def tree_signature(args: tuple) -> tuple[tuple, list] | None:
     return (treedef, tuple(sig)), leaves
 
 
-def shallow_signature(args: tuple) -> tuple | None:
-    """The signature of positional arguments each a jax array, a Python scalar, or a plain
-    dict, list or tuple of jax arrays (a model's parameters, an optimizer's or a simulation's
-    state), or None for anything else (``tree_signature`` decides then).
+def nested_signature(args: tuple) -> tuple[tuple, bool] | None:
+    """``(signature, whether a leaf is a NumPy array or scalar)`` of positional arguments made of
+    jax arrays, Python scalars, NumPy arrays and scalars, None, and plain dicts, lists, tuples
+    and NamedTuples (jax's default rule) of them at any depth: a model's parameters, an optax
+    state, a simulation's state, a batch of NumPy columns. None for anything else (a registered
+    node, a tracer: ``tree_signature`` decides then).
 
-    Read off the containers directly: a state of 512 arrays costs ~4x less than flattening it
-    (jax's treedef is not needed to tell these signatures apart). A container's entry is a
-    3-tuple, which no flat signature holds and no tree signature starts with (a treedef)."""
+    Read off the containers directly, without jax's treedef. The C call path (``_native.c``,
+    ``nested_key``) builds the equal key, entry for entry, and both must change together. An
+    argument's entry: a jax array's ``aval``, a scalar's type, None, a NumPy leaf's ``(type,
+    shape, dtype)``, a container's ``(type, keys or length, entries)``. A dict's keys are in
+    insertion order (a dict built in another order is another signature: one more plan, never
+    a wrong one). No flat signature holds a tuple or None, and no tree signature starts with
+    anything but a treedef, so the three kinds never meet in one plans dict."""
+    host = [False]
     sig = []
     for a in args:
-        t = type(a)
-        if t is _ARRAY_IMPL:
-            sig.append(a.aval)
-        elif t in _FLAT_SCALARS:
-            sig.append(t)
-        elif t is dict:
-            kids = list(a.values())
-            if not kids or not set(map(type, kids)) <= _ONLY_ARRAYS:
-                return None
-            sig.append((t, tuple(a), tuple(map(_AVAL, kids))))
-        elif t is list or t is tuple:
-            if not a or not set(map(type, a)) <= _ONLY_ARRAYS:
-                return None
-            sig.append((t, len(a), tuple(map(_AVAL, a))))
-        else:
+        entry = _nested_entry(a, host, 0)
+        if entry is _NOT_NESTED:
             return None
-    return tuple(sig)
+        sig.append(entry)
+    return tuple(sig), host[0]
+
+
+def nested_tables() -> tuple[set, frozenset, frozenset]:
+    """What ``nested_signature`` reads types by, for the C call path's copy of it: the NamedTuple
+    types met so far that jax flattens by its default rule (the set itself, which grows), the
+    NumPy leaf types, the Python scalar types."""
+    return _NAMEDTUPLE_NODES, frozenset(_HOST_LEAVES), frozenset(_FLAT_SCALARS)
+
+
+_NOT_NESTED: Any = object()
+_ONLY_STR = {str}
+# Deeper than any state is written: the tree signature decides (it has no recursion limit of
+# its own to reach).
+_NESTED_DEPTH = 48
+
+
+def _nested_entry(a: Any, host: list, depth: int) -> Any:
+    t = type(a)
+    if t is _ARRAY_IMPL:
+        return a.aval
+    if t in _FLAT_SCALARS:
+        return t
+    if a is None:
+        return None
+    if depth >= _NESTED_DEPTH:
+        return _NOT_NESTED
+    if t is dict:
+        kids = list(a.values())
+        keys = tuple(a)
+        if not set(map(type, keys)) <= _ONLY_STR:
+            return _NOT_NESTED  # (what jax sorts them by is the tree signature's to read)
+    elif t in _HOST_LEAVES:
+        host[0] = True
+        return (t, a.shape, a.dtype)
+    elif t is list or t is tuple:
+        kids = a
+        keys = len(a)
+    elif t in _NAMEDTUPLE_NODES or _is_namedtuple_node(t):
+        kids = tuple(tuple.__iter__(a))  # its items as jax reads them, past its own __iter__
+        keys = len(kids)
+    else:
+        return _NOT_NESTED
+    if set(map(type, kids)) <= _ONLY_ARRAYS:  # one C-level pass for a node of arrays
+        return (t, keys, tuple(map(_AVAL, kids)))
+    entries = []
+    for kid in kids:
+        entry = _nested_entry(kid, host, depth + 1)
+        if entry is _NOT_NESTED:
+            return _NOT_NESTED
+        entries.append(entry)
+    return (t, keys, tuple(entries))
 
 
 def has_host_leaves(leaves: list) -> bool:
