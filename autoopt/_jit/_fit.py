@@ -236,27 +236,34 @@ def checked_call(of: OptimizedFunction, program: Program, jit: Any, args: tuple,
 
 def _checked_auto(of: OptimizedFunction, program: Program, jit: Any, args: tuple, kwargs: dict):
     """remat="auto": run the call, planning first when the build left remat's measurements to
-    this check (``passes.remat.deferred``). The call's own executable of the original is
-    compiled through ``jit`` (XLA releases the GIL: while remat enumerates and compiles its
-    candidates) and stands for the original's measuring compile where it is the same
-    computation (``passes.remat._known_base``): when no plan is applied, it is the executable
-    the call runs, from jax's caches. When a plan is applied, ``jit``'s caches are cleared
-    (``replan``), so this is done only while no other signature was compiled; otherwise remat
-    measures the original itself, as at a build, and ``jit`` compiles only what was decided."""
-    from autoopt.passes.remat import deferred
+    this check (``passes.remat.deferred``). The original and the plans are measured donating
+    what ``jit`` donates (the executable the call runs: nothing where the statement keeps its
+    arguments). The call's own executable of the original is compiled through ``jit`` (XLA
+    releases the GIL: while remat enumerates and compiles its candidates) and stands for the
+    original's measuring compile (``passes.remat._known_base``): when no plan is applied, it
+    is the executable the call runs, from jax's caches. When a plan is applied, ``jit``'s
+    caches are cleared (``replan``), so this is done only while no other signature was
+    compiled; otherwise remat measures the original itself, as at a build, and ``jit``
+    compiles only what was decided. A decision the build read from disk that was measured
+    donating other inputs than ``jit`` does is made again for ``jit``'s."""
+    from autoopt.passes.remat import deferred, measured_donating
 
     try:
-        if program.pipeline is not None and deferred(program.pipeline.findings):
+        findings = program.pipeline.findings if program.pipeline is not None else ()
+        donated = _donated_by(of, program, jit)
+        if deferred(findings):
             original = _original(of, program, jit, kwargs, concurrent.futures.Future())
             if original is not None and not _compiled_others(of, program):
                 lowered = jit.lower(*args, **kwargs)
                 with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
                     compiled = pool.submit(_measured_compile, lowered)
                     original = dataclasses.replace(original, measured=compiled)
-                    _plan_deferred(of, program, jit, original)
+                    _plan_deferred(of, program, jit, original, donated)
                     compiled.result()  # (in jit's caches: the call below runs it if kept)
             else:  # (jit has not traced this signature: nothing to clear)
-                _plan_deferred(of, program, None, None)
+                _plan_deferred(of, program, None, None, donated)
+        elif donated is not None and measured_donating(findings) not in (None, donated):
+            _plan_deferred(of, program, None, None, donated)
         out = jit(*args, **kwargs)
     except Exception as e:
         if _placer_retries(e):
@@ -285,14 +292,22 @@ def _measured_compile(lowered: Any):
 
 
 def _plan_deferred(
-    of: OptimizedFunction, program: Program, jit: Any, original: Any
+    of: OptimizedFunction,
+    program: Program,
+    jit: Any,
+    original: Any,
+    donated: tuple[int, ...] | None,
 ) -> Program | None:
     """remat="auto"'s decision for ``program``, made now (``_checked_auto``): the passes run
-    again with the original's figures from the call (``original``; None: remat measures it).
-    ``jit``: the jit object whose caches hold the original, cleared if a plan is applied."""
+    again with the original's figures from the call (``original``; None: remat measures it),
+    measuring donated the flat inputs ``donated`` (None: what a call rebinding its arguments
+    would donate). ``jit``: the jit object whose caches hold the original, cleared if a plan is
+    applied."""
     extra = {**program.ctx.extra, "remat_defer": False}
     if original is not None:
         extra["original"] = original
+    if donated is not None:
+        extra["remat_donate"] = donated
     return _run_again(of, program, jit, dataclasses.replace(program.ctx, extra=extra))
 
 
@@ -380,6 +395,22 @@ def _original(
 
     if program.ctx is None or any(k.startswith("_autoopt_") for k in kwargs):
         return None
+    donated = _donated_by(of, program, jit)
+    if donated is None:
+        return None
+    if isinstance(compiled, concurrent.futures.Future):  # (its figures, once compiled)
+        return Original(program.final, donated, compiled)
+    measured = measured_of(compiled, seconds)
+    if measured is None:
+        return None
+    return Original(program.final, donated, measured)
+
+
+def _donated_by(of: OptimizedFunction, program: Program, jit: Any) -> tuple[int, ...] | None:
+    """The flat inputs of ``program`` that ``jit``'s executable donates; None when not known
+    here (a jit object not of ``of``'s)."""
+    if program.ctx is None:
+        return None
     policy = of._policy
     if policy.donate == "explicit":
         nums = policy.jit_kwargs.get("donate_argnums")
@@ -394,13 +425,7 @@ def _original(
             return None
         positions, names = found[0]
     chosen = set(positions) | set(names)
-    donated = tuple(i for i, a in enumerate(program.ctx.in_arg_of_leaf) if a in chosen)
-    if isinstance(compiled, concurrent.futures.Future):  # (its figures, once compiled)
-        return Original(program.final, donated, compiled)
-    measured = measured_of(compiled, seconds)
-    if measured is None:
-        return None
-    return Original(program.final, donated, measured)
+    return tuple(i for i, a in enumerate(program.ctx.in_arg_of_leaf) if a in chosen)
 
 
 def replan(
@@ -420,7 +445,11 @@ def replan(
         return None
     live = tuple(live_at_peak(program.final, _jaxpr.user_location))
     fit = Fit(budget, reason, live, original)
-    ctx = dataclasses.replace(program.ctx, extra={**program.ctx.extra, "fit": fit})
+    extra = {**program.ctx.extra, "fit": fit}
+    donated = _donated_by(of, program, jit)
+    if donated is not None:  # measured as the executable that runs donates (``_checked_auto``)
+        extra["remat_donate"] = donated
+    ctx = dataclasses.replace(program.ctx, extra=extra)
     return _run_again(of, program, jit, ctx, reason)
 
 

@@ -218,6 +218,10 @@ def _donated_leaves(closed: ClosedJaxpr, ctx: PassContext) -> tuple[int, ...]:
     options, arg_of_leaf = ctx.options, ctx.in_arg_of_leaf
     if ctx.extra.get("remat_top") is not closed or len(arg_of_leaf) != len(closed.in_avals):
         return ()  # a loop or branch body: the caller's donation does not reach it
+    if ctx.extra.get("remat_donate") is not None:
+        # what the call's own executable donates, known to its first-call check (remat="auto":
+        # ``autoopt/_jit/_fit.py``): the original and the plans are measured as it runs
+        return tuple(ctx.extra["remat_donate"])
     if options.explicit_donation:
         nums = options.jit_kwargs.get("donate_argnums")
         names = options.jit_kwargs.get("donate_argnames")
@@ -693,9 +697,12 @@ class _JointSetup:
         )
 
 
-def _joint_setup(closed: ClosedJaxpr, ctx: PassContext) -> _JointSetup:
+def _joint_setup(
+    closed: ClosedJaxpr, ctx: PassContext, donate: tuple[int, ...] | None = None
+) -> _JointSetup:
+    """``donate``: the flat inputs measured as donated; None: ``_donated_leaves``."""
     compiler_options = ctx.options.jit_kwargs.get("compiler_options")
-    donate = _donated_leaves(closed, ctx)
+    donate = _donated_leaves(closed, ctx) if donate is None else donate
     measure = functools.partial(
         _measure_closed,
         compiler_options=measuring_options(compiler_options, ctx.backend),
@@ -726,7 +733,18 @@ def _stored_joint(closed: ClosedJaxpr, ctx: PassContext):
         return None
     setup = _joint_setup(closed, ctx)
     parts = _joint_parts(closed, ctx, setup)
-    return setup, parts, _plan_cache.stored("remat-joint", _backend_of(), parts)
+    found = _plan_cache.stored("remat-joint", _backend_of(), parts)
+    if found is None and setup.donate and ctx.extra.get("remat_defer"):
+        # A call's executable donates what its call site proves dead; one whose statement keeps
+        # its arguments donates nothing, and its decision was measured (and kept) so. Which of
+        # the two this call is, its first-call check says: it plans again when the decision
+        # read here was measured with another donation (``measured_donating``).
+        kept = _joint_setup(closed, ctx, donate=())
+        kept_parts = _joint_parts(closed, ctx, kept)
+        found_kept = _plan_cache.stored("remat-joint", _backend_of(), kept_parts)
+        if found_kept is not None:
+            return kept, kept_parts, found_kept
+    return setup, parts, found
 
 
 def _stored_no_plan(found: Any) -> Decision | None:
@@ -822,7 +840,8 @@ def _plan_joint(
             lambda v: _joint_decision_from(v, closed, g, fence),
             **({"found": stored[2]} if stored is not None else {}),
         )
-    return _finish(closed, dec, where, ctx, mechanism=mechanism)
+    top = ctx.extra.get("remat_top") is closed
+    return _finish(closed, dec, where, ctx, mechanism, donated=donate if top else None)
 
 
 def _defers(closed: ClosedJaxpr, ctx: PassContext, stored: tuple | None) -> bool:
@@ -844,6 +863,15 @@ def _defers(closed: ClosedJaxpr, ctx: PassContext, stored: tuple | None) -> bool
 def deferred(findings) -> bool:
     """Whether remat left its decision to the first call's check (``_defers``)."""
     return any(f.kind == "remat" and f.details.get("deferred") for f in findings)
+
+
+def measured_donating(findings) -> tuple[int, ...] | None:
+    """The flat inputs the top level's decision was measured donating (``_finish``); None
+    when no top-level decision was measured."""
+    for f in findings:
+        if f.kind == "remat" and "measured_donating" in f.details:
+            return tuple(f.details["measured_donating"])
+    return None
 
 
 def _joint_decision_to(d: Decision) -> dict:
@@ -1076,8 +1104,20 @@ def _mb(n: int) -> str:
 
 
 def _finish(
-    closed: ClosedJaxpr, dec: Decision, where: str, ctx: PassContext, mechanism: str
+    closed: ClosedJaxpr,
+    dec: Decision,
+    where: str,
+    ctx: PassContext,
+    mechanism: str,
+    donated: tuple[int, ...] | None = None,
 ) -> tuple[ClosedJaxpr, list[Finding]]:
+    """``donated``: the top level's flat inputs its figures were measured donating (said in
+    the finding's ``measured_donating``: a call's check plans again when its executable
+    donates others, ``autoopt/_jit/_fit.py``)."""
+    if donated is not None:
+        mechanism_details = {"mechanism": mechanism, "measured_donating": list(donated)}
+    else:
+        mechanism_details = {"mechanism": mechanism}
     budget = ctx.options.memory_budget
     if dec.chosen is None:
         msg = f"not applied: {dec.reason}"
@@ -1093,7 +1133,7 @@ def _finish(
                 "; memory_budget=... lets it recompute more (matmuls, loop bodies) to meet a budget"
             )
             return closed, [
-                _finding(False, msg, where, ctx, None, None, {"mechanism": mechanism}, "none", dec)
+                _finding(False, msg, where, ctx, None, None, mechanism_details, "none", dec)
             ]
         if dec.base is None and budget is None:
             return closed, []  # no memory figures from this backend: nothing to report
@@ -1102,10 +1142,9 @@ def _finish(
                 f"memory budget {_mb(budget)} cannot be met: the original peak is "
                 f"{_mb(dec.base.peak)} and no plan lowers it"
             )
-        f = _finding(False, msg, where, ctx, dec.base, None, {"mechanism": mechanism}, "none", dec)
+        f = _finding(False, msg, where, ctx, dec.base, None, mechanism_details, "none", dec)
         return closed, [f]
-    details = dec.chosen.describe() or {}
-    details["mechanism"] = mechanism
+    details = {**(dec.chosen.describe() or {}), **mechanism_details}
     if dec.reason == "rule":
         head = f"applied {dec.chosen.name}"
     elif dec.reason == "budget":
@@ -1152,7 +1191,8 @@ def _plan_level(
     if stored is not None:
         dec = _stored_no_plan(stored[2])
         if dec is not None:
-            return _finish(closed, dec, where, ctx, mechanism=stored[0].mechanism)
+            setup = stored[0]
+            return _finish(closed, dec, where, ctx, setup.mechanism, donated=setup.donate)
     g = _remat_plan.joint_graph(closed.jaxpr)
     if g is not None:
         return _plan_joint(closed, g, ctx, where, stored)
