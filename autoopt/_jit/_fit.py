@@ -28,8 +28,10 @@ trace of it for every context, and the outer program's executable is what runs.
 Under remat="auto" the same check measures the original for remat's decision
 (``_checked_auto``): the build leaves it to the check (``passes.remat._defers``), which
 compiles the call's executable of the original through the jit object while remat measures
-its candidates, and plans with that executable's figures where it donates what remat's
-measurements assume; when no plan is applied, that executable runs (one compile fewer).
+its candidates, donating what that executable donates (nothing where the call keeps its
+arguments), and plans with that executable's figures; when no plan is applied, that
+executable runs (one compile fewer). A decision kept on disk is read by the build; the check
+makes it again only when it was measured donating other inputs than the call's executable.
 """
 
 from __future__ import annotations

@@ -56,9 +56,11 @@ the rule (``_may_pass``); with a budget, up to six. Each is about one extra comp
 training step (0.1-0.2 s for the 16-layer MLP of the benchmark, seconds for big models). On a
 call (not ``lower``/``inspect``), the top level's decision is left to the call's first-call
 check (``_defers``): it compiles the call's own executable of the original, whose figures
-stand for the original's measuring compile when it donates what the plans are measured
-donating (a call rebinding its state), so that when no plan is applied, the executable
-measured is the one that runs (``autoopt/_jit/_fit.py``, ``_checked_auto``).
+stand for the original's measuring compile, and the plans are measured donating what that
+executable donates (``extra["remat_donate"]``: nothing where the call keeps its arguments,
+``out = step(state, x)``), so that when no plan is applied, the executable measured is the
+one that runs (``autoopt/_jit/_fit.py``, ``_checked_auto``). ``lower``/``inspect`` measure
+donating what a call rebinding its arguments would (``_donated_leaves``).
 """
 
 from __future__ import annotations
