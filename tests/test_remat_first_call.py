@@ -77,6 +77,32 @@ def test_a_forward_only_loop_compiles_only_itself_as_under_jax_jit():
     assert_trees_equivalent(jax.jit(decode)(x, cache), fast(x, cache), exact=True)
 
 
+def test_remat_auto_calls_a_program_it_has_nothing_to_measure_for_as_remat_off_does():
+    """A forward-only loop under remat="auto": no first-call check (its aborted trace and its
+    own lower() cost a warm first call a few percent): the same traces as remat="off"."""
+    x, cache = jnp.ones(256), jnp.zeros((64, 256))
+
+    def traces(remat):
+        fast = autoopt.optimize(decode, fallback="raise", remat=remat)
+        jax.clear_caches()
+        names = []
+
+        def on(event, duration, fun_name=None, **kw):
+            if event == "/jax/core/compile/jaxpr_trace_duration":
+                names.append(fun_name)
+
+        jax.monitoring.register_event_duration_secs_listener(on)
+        try:
+            jax.block_until_ready(fast(x, cache))
+        finally:
+            jax.monitoring.unregister_event_duration_listener(on)
+        return names
+
+    off = traces("off")
+    assert traces("auto") == off, off
+    assert len(traces("fit")) > len(off)  # (the default's check: the test can fail)
+
+
 def test_a_forward_differentiated_eagerly_or_under_a_budget_is_still_planned():
     ws = [jnp.eye(D) * 0.5 for _ in range(6)]
     x = jnp.ones((512, D))

@@ -93,6 +93,19 @@ def call_checks_next() -> bool:
     return False
 
 
+def needs_check(of: OptimizedFunction, program: Program) -> bool:
+    """Whether a signature's first call goes through the check: always under remat="fit";
+    under remat="auto" only where remat left its top-level decision to it or measured one,
+    whose figures depend on what the call's executable donates (a program without a backward,
+    or below remat's gate, is called as jax.jit calls it)."""
+    if of._policy.options.remat != "auto":
+        return True
+    from autoopt.passes.remat import deferred, measured_donating
+
+    findings = program.pipeline.findings if program.pipeline is not None else ()
+    return deferred(findings) or measured_donating(findings) is not None
+
+
 # The program this thread's check is compiling (``checked_call``): a build inside it (a
 # ``clear_cache()`` from another thread made its compile trace anew) measures as before.
 _CHECKING = threading.local()

@@ -538,6 +538,9 @@ class OptimizedFunction(_CallBase):
         if program.traced.captures_tracers or program.untouched is not None:
             program.fit = "off"
             return
+        if not _fit.needs_check(self, program):  # remat="auto" measured nothing to check
+            program.fit = "off"
+            return
         if _compat.top_level_trace() and _fit.caught_here():
             raise _fit.fit_check(self, program)
 

@@ -1116,9 +1116,9 @@ def _finish(
     """``donated``: the top level's flat inputs its figures were measured donating (said in
     the finding's ``measured_donating``: a call's check plans again when its executable
     donates others, ``autoopt/_jit/_fit.py``)."""
-    if donated is not None:
+    if donated is not None and (dec.base is not None or dec.tried):
         mechanism_details = {"mechanism": mechanism, "measured_donating": list(donated)}
-    else:
+    else:  # (nothing measured: the static estimate alone decided, whatever is donated)
         mechanism_details = {"mechanism": mechanism}
     budget = ctx.options.memory_budget
     if dec.chosen is None:
