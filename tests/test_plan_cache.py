@@ -245,3 +245,21 @@ def test_a_first_call_compiles_each_program_once_cold_and_only_the_chosen_one_wa
     assert second["compiles"] == [name], second["compiles"]
     assert second["cache"] == ["hits"], second["cache"]
     assert second["messages"] == first["messages"] and second["out"] == first["out"]
+
+
+def test_a_decision_kept_for_another_donation_is_made_again_for_the_call_s_own(tmp_path):
+    """A process rebinding its state keeps a decision measured donating it; a later process
+    whose call keeps its arguments (its executable donates nothing) does not take it: the
+    check measures again without donation, as a cold process keeping its arguments does, and
+    keeps that decision too (a third such process compiles only the chosen program)."""
+    cache = tmp_path / "jax-cache"
+    rebinding = _process(tmp_path, str(cache), {"remat": "auto"}, "residual", "rebind")
+    assert rebinding["donating"] != [[]], rebinding["donating"]  # the premise
+    keeping = _process(tmp_path, str(cache), {"remat": "auto"}, "residual", "keep")
+    cold = _process(tmp_path, "-", {"remat": "auto"}, "residual", "keep")
+    assert keeping["donating"] == [[]] == cold["donating"]
+    assert keeping["messages"] == cold["messages"] and keeping["out"] == cold["out"]
+    assert [n for n in keeping["compiles"] if n == "jit(jaxpr_as_fun)"], keeping  # measured
+    again = _process(tmp_path, str(cache), {"remat": "auto"}, "residual", "keep")
+    assert again["compiles"] == ["jit(train_step)"], again["compiles"]
+    assert again["messages"] == cold["messages"]
