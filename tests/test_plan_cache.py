@@ -26,6 +26,7 @@ _SCRIPT = textwrap.dedent(
 
     names, cache = [], []
     program = sys.argv[3] if len(sys.argv) > 3 else "residual"
+    rebind = len(sys.argv) > 4 and sys.argv[4] == "rebind"
 
     def on_event(event, duration, fun_name=None, **kw):
         if event == "/jax/core/compile/backend_compile_duration":
@@ -77,11 +78,23 @@ _SCRIPT = textwrap.dedent(
         step = deep_step
     options = json.loads(sys.argv[2])
     fast = autoopt.optimize(step, fallback="raise", **options)
+    # (the rebinding call's own state: copies made before compiles are counted)
+    held = [(jax.block_until_ready(jax.tree_util.tree_map(jnp.copy, ps)), x)] if rebind else []
     jax.monitoring.register_event_duration_secs_listener(on_event)
     jax.monitoring.register_event_listener(on_cache)
     profile = cProfile.Profile()
-    profile.enable()
-    out = jax.block_until_ready(fast(ps, x))
+
+    def rebinding_call(held):
+        ps, x = held.pop()  # the statement's names hold the state's only references
+        ps, value = fast(ps, x)  # donate="safe" donates ps
+        return jax.block_until_ready((ps, value))
+
+    if rebind:
+        profile.enable()
+        out = rebinding_call(held)
+    else:
+        profile.enable()
+        out = jax.block_until_ready(fast(ps, x))
     profile.disable()
     jax.monitoring.unregister_event_duration_listener(on_event)
     jax.monitoring.unregister_event_listener(on_cache)
@@ -101,17 +114,22 @@ _SCRIPT = textwrap.dedent(
         "messages": [f.message for f in remat],
         "out": digest.hexdigest(),
         "calls": calls,
+        "donating": [f.details.get("measured_donating") for f in remat],
+        "tried": [len(f.details.get("tried", ())) for f in remat],
     }))
     """
 )
 
 
-def _process(tmp_path, cache: str, options: dict, program: str = "residual") -> dict:
+def _process(
+    tmp_path, cache: str, options: dict, program: str = "residual", call: str = "keep"
+) -> dict:
+    """``call``: "keep" (``out = fast(ps, x)``) or "rebind" (``ps, value = fast(ps, x)``)."""
     script = tmp_path / "plan_once.py"
     script.write_text(_SCRIPT)
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOOPT_SIMULATED")}
     result = subprocess.run(
-        [sys.executable, str(script), cache, json.dumps(options), program],
+        [sys.executable, str(script), cache, json.dumps(options), program, call],
         capture_output=True,
         text=True,
         timeout=300,
@@ -200,3 +218,48 @@ def test_a_step_with_small_residuals_costs_no_key_even_with_a_cache(tmp_path):
         assert got["applied"] == [], got["messages"]
         assert "pp_jaxpr" not in got["calls"], got["calls"]
         assert "joint_graph" not in got["calls"], got["calls"]
+
+
+@pytest.mark.parametrize("program", ["residual", "deep"], ids=["planned", "not planned"])
+@pytest.mark.parametrize("call", ["keep", "rebind"])
+def test_a_first_call_compiles_each_program_once_cold_and_only_the_chosen_one_warm(
+    tmp_path, program, call
+):
+    """remat="auto", cold: the original once (the call's own executable, measured donating
+    what it donates: nothing where the call keeps its arguments), each candidate tried once,
+    and the plan once when one is applied. Warm (a second process, both caches): the chosen
+    program only, from JAX's cache, with the same decision."""
+    cache = tmp_path / "jax-cache"
+    first = _process(tmp_path, str(cache), {"remat": "auto"}, program, call)
+    planned = program == "residual"
+    assert first["applied"] == [planned], first["messages"]  # the premise
+    (donating,) = first["donating"]
+    assert (donating == []) == (call == "keep"), donating  # the state's leaves when rebinding
+    name = "jit(train_step)" if planned else "jit(deep_step)"
+    own = first["compiles"].count(name)
+    measuring = [n for n in first["compiles"] if n == "jit(jaxpr_as_fun)"]
+    assert own == (2 if planned else 1), first["compiles"]  # (the original; the plan)
+    assert len(measuring) + own == len(first["compiles"]), first["compiles"]
+    assert len(measuring) == first["tried"][0] >= 1, first  # each candidate once
+    second = _process(tmp_path, str(cache), {"remat": "auto"}, program, call)
+    assert second["compiles"] == [name], second["compiles"]
+    assert second["cache"] == ["hits"], second["cache"]
+    assert second["messages"] == first["messages"] and second["out"] == first["out"]
+
+
+def test_a_decision_kept_for_another_donation_is_made_again_for_the_call_s_own(tmp_path):
+    """A process rebinding its state keeps a decision measured donating it; a later process
+    whose call keeps its arguments (its executable donates nothing) does not take it: the
+    check measures again without donation, as a cold process keeping its arguments does, and
+    keeps that decision too (a third such process compiles only the chosen program)."""
+    cache = tmp_path / "jax-cache"
+    rebinding = _process(tmp_path, str(cache), {"remat": "auto"}, "residual", "rebind")
+    assert rebinding["donating"] != [[]], rebinding["donating"]  # the premise
+    keeping = _process(tmp_path, str(cache), {"remat": "auto"}, "residual", "keep")
+    cold = _process(tmp_path, "-", {"remat": "auto"}, "residual", "keep")
+    assert keeping["donating"] == [[]] == cold["donating"]
+    assert keeping["messages"] == cold["messages"] and keeping["out"] == cold["out"]
+    assert [n for n in keeping["compiles"] if n == "jit(jaxpr_as_fun)"], keeping  # measured
+    again = _process(tmp_path, str(cache), {"remat": "auto"}, "residual", "keep")
+    assert again["compiles"] == ["jit(train_step)"], again["compiles"]
+    assert again["messages"] == cold["messages"]

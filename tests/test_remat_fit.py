@@ -234,3 +234,35 @@ def test_planning_for_a_short_memory_compiles_the_original_once(how):
     assert ours.names.count("jit(train_step)") == 2, ours.names  # the original, then the plan
     assert finding.details["before"]["peak_bytes"] == original
     assert_trees_equivalent(expected, (ws, value))
+
+
+@pytest.mark.parametrize("how", ["budget", "out of memory"])
+def test_planning_for_a_short_memory_at_a_call_keeping_its_arguments_compiles_the_original_once(
+    how,
+):
+    """``out = step(ws, x)`` runs an executable that donates nothing: the plans are measured
+    so, and the check's executable stands for the original's measuring compile (before, the
+    original was compiled a second time, donating, and reported 4 MiB below the check's own
+    figure). Compiled: the check, the candidates the planner tried, the plan."""
+    ws, x = _args()
+    original = _peak(jax.jit(train_step), ws, x)
+    short = int(0.75 * original)
+    expected = jax.jit(train_step)(ws, x)
+    jax.clear_caches()
+    options = {"memory_budget": short} if how == "budget" else {}
+    fast = autoopt.optimize(train_step, fallback="raise", **options)
+    with _Compiles() as ours:
+        if how == "budget":
+            out = fast(ws, x)
+        else:
+            with simulated_device_memory(short, reported=False):
+                out = fast(ws, x)
+    (finding,) = _remat(fast, ws, x)
+    assert finding.applied, finding.message
+    tried = finding.details["tried"]
+    measuring = [n for n in ours.names if n != "jit(train_step)"]
+    assert len(measuring) == len(tried), (ours.names, tried)  # no second compile of the original
+    assert ours.names.count("jit(train_step)") == 2, ours.names  # the original, then the plan
+    assert finding.details["before"]["peak_bytes"] == original
+    assert finding.details["measured_donating"] == []
+    assert_trees_equivalent(expected, out)

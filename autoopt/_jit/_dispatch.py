@@ -95,7 +95,8 @@ class Policy:
     guard_transforms: bool
     remat_auto: bool  # remat may plan a forward for a caller that differentiates it eagerly
     # remat="fit": a signature's first call compiles the original, and plans only when its
-    # executable does not fit (``_fit``)
+    # executable does not fit (``_fit``); remat="auto": that call measures the original for
+    # remat's decision (``_fit._checked_auto``)
     fit: bool
     # The fast path needs no static arguments (their positions shift its signature) and no
     # verify=True (which checks the first call of each signature).
@@ -135,7 +136,7 @@ class Policy:
             nested_kwargs=nested,
             guard_transforms=True,
             remat_auto=options.remat == "auto" and not options.explicit_donation,
-            fit=options.remat == "fit",
+            fit=options.remat in ("fit", "auto"),
             fast_ok=not has_static and not options.verify,
             placer_every_call=(
                 options.transfer_guard in ("log", "disallow") or bool(options.canonicalize_scalars)

@@ -24,10 +24,19 @@ pending, compiles the executable with them as arguments (the one that runs).
 
 A signature first met inside another trace (an outer jit, vmap) is not checked: jax keeps one
 trace of it for every context, and the outer program's executable is what runs.
+
+Under remat="auto" the same check measures the original for remat's decision
+(``_checked_auto``): the build leaves it to the check (``passes.remat._defers``), which
+compiles the call's executable of the original through the jit object while remat measures
+its candidates, donating what that executable donates (nothing where the call keeps its
+arguments), and plans with that executable's figures; when no plan is applied, that
+executable runs (one compile fewer). A decision kept on disk is read by the build; the check
+makes it again only when it was measured donating other inputs than the call's executable.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import sys
@@ -63,6 +72,43 @@ CATCHERS: set = set()
 # Whether this thread is inside an executable the C call path runs (``_native.catching``), which
 # catches ``FitCheck`` as the Python plans do; set by ``_function`` when that path is on.
 NATIVE_CATCHING: Any = None
+
+
+def call_checks_next() -> bool:
+    """Whether the program being built is for a call whose first-call check follows (a
+    function that calls a jit object and catches ``FitCheck`` on the stack, at the top level
+    of tracing, not inside this thread's own check): ``remat="auto"`` may then leave its
+    measurements to the check, which compiles the call's own executable (``checked_call``).
+    ``_program_for_call`` alone (for ``inspect``/``explain``/``lower``) is not a call."""
+    if getattr(_CHECKING, "program", None) is not None or not _compat.top_level_trace():
+        return False
+    if NATIVE_CATCHING is not None and NATIVE_CATCHING():
+        return True
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code in CATCHERS and code.co_qualname != "OptimizedFunction._program_for_call":
+            return True
+        frame = frame.f_back
+    return False
+
+
+def needs_check(of: OptimizedFunction, program: Program) -> bool:
+    """Whether a signature's first call goes through the check: always under remat="fit";
+    under remat="auto" only where remat left its top-level decision to it or measured one,
+    whose figures depend on what the call's executable donates (a program without a backward,
+    or below remat's gate, is called as jax.jit calls it)."""
+    if of._policy.options.remat != "auto":
+        return True
+    from autoopt.passes.remat import deferred, measured_donating
+
+    findings = program.pipeline.findings if program.pipeline is not None else ()
+    return deferred(findings) or measured_donating(findings) is not None
+
+
+# The program this thread's check is compiling (``checked_call``): a build inside it (a
+# ``clear_cache()`` from another thread made its compile trace anew) measures as before.
+_CHECKING = threading.local()
 
 
 def caught_here() -> bool:
@@ -189,13 +235,95 @@ def checked_call(of: OptimizedFunction, program: Program, jit: Any, args: tuple,
             out = jit(*args, **kwargs)
         else:
             outer, caches.tls.fit_checking = getattr(caches.tls, "fit_checking", None), program
+            outer_checking, _CHECKING.program = getattr(_CHECKING, "program", None), program
             try:
-                out = _checked_call(of, program, jit, args, kwargs)
+                if of._policy.options.remat == "auto":
+                    out = _checked_auto(of, program, jit, args, kwargs)
+                else:
+                    out = _checked_call(of, program, jit, args, kwargs)
             finally:
                 caches.tls.fit_checking = outer
+                _CHECKING.program = outer_checking
     # The aborted trace left this signature's dispatch entry on jax's slow path for good.
     _compat.reset_dispatch_cache(jit)
     return out
+
+
+def _checked_auto(of: OptimizedFunction, program: Program, jit: Any, args: tuple, kwargs: dict):
+    """remat="auto": run the call, planning first when the build left remat's measurements to
+    this check (``passes.remat.deferred``). The original and the plans are measured donating
+    what ``jit`` donates (the executable the call runs: nothing where the statement keeps its
+    arguments). The call's own executable of the original is compiled through ``jit`` (XLA
+    releases the GIL: while remat enumerates and compiles its candidates) and stands for the
+    original's measuring compile (``passes.remat._known_base``): when no plan is applied, it
+    is the executable the call runs, from jax's caches. When a plan is applied, ``jit``'s
+    caches are cleared (``replan``), so this is done only while no other signature was
+    compiled; otherwise remat measures the original itself, as at a build, and ``jit``
+    compiles only what was decided. A decision the build read from disk that was measured
+    donating other inputs than ``jit`` does is made again for ``jit``'s."""
+    from autoopt.passes.remat import deferred, measured_donating
+
+    try:
+        findings = program.pipeline.findings if program.pipeline is not None else ()
+        donated = _donated_by(of, program, jit)
+        if deferred(findings):
+            original = _original(of, program, jit, kwargs, concurrent.futures.Future())
+            if original is not None and not _compiled_others(of, program):
+                lowered = jit.lower(*args, **kwargs)
+                with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+                    compiled = pool.submit(_measured_compile, lowered)
+                    original = dataclasses.replace(original, measured=compiled)
+                    _plan_deferred(of, program, jit, original, donated)
+                    compiled.result()  # (in jit's caches: the call below runs it if kept)
+            else:  # (jit has not traced this signature: nothing to clear)
+                _plan_deferred(of, program, None, None, donated)
+        elif donated is not None and measured_donating(findings) not in (None, donated):
+            _plan_deferred(of, program, None, None, donated)
+        out = jit(*args, **kwargs)
+    except Exception as e:
+        if _placer_retries(e):
+            raise  # still "checking": the placer calls the stand-in again, with what it placed
+        if program.fit == "checking":
+            program.fit = "fits"
+        raise
+    if program.fit == "checking":
+        program.fit = "fits"
+    return out
+
+
+def _compiled_others(of: OptimizedFunction, program: Program) -> bool:
+    """Whether a jit object of ``of`` may hold an executable of another signature (which
+    clearing ``jit``'s caches for a plan would cost a compile)."""
+    return any(p.compiled for p in list(of._caches.programs.values()) if p is not program)
+
+
+def _measured_compile(lowered: Any):
+    """The figures of ``lowered``'s executable, compiled (jax keeps it for the jit object)."""
+    from autoopt.passes.remat import measured_of
+
+    t0 = time.perf_counter()
+    compiled = lowered.compile()
+    return measured_of(compiled, time.perf_counter() - t0)
+
+
+def _plan_deferred(
+    of: OptimizedFunction,
+    program: Program,
+    jit: Any,
+    original: Any,
+    donated: tuple[int, ...] | None,
+) -> Program | None:
+    """remat="auto"'s decision for ``program``, made now (``_checked_auto``): the passes run
+    again with the original's figures from the call (``original``; None: remat measures it),
+    measuring donated the flat inputs ``donated`` (None: what a call rebinding its arguments
+    would donate). ``jit``: the jit object whose caches hold the original, cleared if a plan is
+    applied."""
+    extra = {**program.ctx.extra, "remat_defer": False}
+    if original is not None:
+        extra["original"] = original
+    if donated is not None:
+        extra["remat_donate"] = donated
+    return _run_again(of, program, jit, dataclasses.replace(program.ctx, extra=extra))
 
 
 def _checked_call(of: OptimizedFunction, program: Program, jit: Any, args: tuple, kwargs: dict):
@@ -267,7 +395,12 @@ def _checked_call(of: OptimizedFunction, program: Program, jit: Any, args: tuple
 
 
 def _original(
-    of: OptimizedFunction, program: Program, jit: Any, kwargs: dict, compiled: Any, seconds: float
+    of: OptimizedFunction,
+    program: Program,
+    jit: Any,
+    kwargs: dict,
+    compiled: Any,
+    seconds: float = 0.0,
 ):
     """What planning may take from the check's executable instead of compiling the original
     again (``passes.remat.Original``): the program it evaluated, the flat inputs it donates,
@@ -276,6 +409,22 @@ def _original(
     from autoopt.passes.remat import Original, measured_of
 
     if program.ctx is None or any(k.startswith("_autoopt_") for k in kwargs):
+        return None
+    donated = _donated_by(of, program, jit)
+    if donated is None:
+        return None
+    if isinstance(compiled, concurrent.futures.Future):  # (its figures, once compiled)
+        return Original(program.final, donated, compiled)
+    measured = measured_of(compiled, seconds)
+    if measured is None:
+        return None
+    return Original(program.final, donated, measured)
+
+
+def _donated_by(of: OptimizedFunction, program: Program, jit: Any) -> tuple[int, ...] | None:
+    """The flat inputs of ``program`` that ``jit``'s executable donates; None when not known
+    here (a jit object not of ``of``'s)."""
+    if program.ctx is None:
         return None
     policy = of._policy
     if policy.donate == "explicit":
@@ -291,11 +440,7 @@ def _original(
             return None
         positions, names = found[0]
     chosen = set(positions) | set(names)
-    donated = tuple(i for i, a in enumerate(program.ctx.in_arg_of_leaf) if a in chosen)
-    measured = measured_of(compiled, seconds)
-    if measured is None:
-        return None
-    return Original(program.final, donated, measured)
+    return tuple(i for i, a in enumerate(program.ctx.in_arg_of_leaf) if a in chosen)
 
 
 def replan(
@@ -309,28 +454,45 @@ def replan(
     """The signature's program planned for ``budget``, in place of ``program`` in the caches
     (``jit``'s cleared, so its next call traces it); None when no pass changed anything.
     ``original``: the check's executable (``_original``), whose figures planning reuses."""
-    from autoopt.passes import run_pipeline
     from autoopt.passes.remat import Fit
 
     if program.ctx is None or program.key is None:
         return None
     live = tuple(live_at_peak(program.final, _jaxpr.user_location))
     fit = Fit(budget, reason, live, original)
-    ctx = dataclasses.replace(program.ctx, extra={**program.ctx.extra, "fit": fit})
+    extra = {**program.ctx.extra, "fit": fit}
+    donated = _donated_by(of, program, jit)
+    if donated is not None:  # measured as the executable that runs donates (``_checked_auto``)
+        extra["remat_donate"] = donated
+    ctx = dataclasses.replace(program.ctx, extra=extra)
+    return _run_again(of, program, jit, ctx, reason)
+
+
+def _run_again(
+    of: OptimizedFunction, program: Program, jit: Any, ctx: Any, fit_reason: str | None = None
+) -> Program | None:
+    """The passes run again on ``program``'s trace with ``ctx``: the planned program in its
+    place when remat applied a plan (``replan``), else None (the findings say why).
+    ``fit_reason``: remat="fit"'s, whose findings are logged."""
+    from autoopt.passes import run_pipeline
+
+    if program.ctx is None or program.key is None:
+        return None
     try:
         pipeline = run_pipeline(program.traced.closed, ctx)
     except Exception as e:  # noqa: BLE001 - the original still runs
-        of._fall_back(e, "remat='fit'")
+        of._fall_back(e, "remat='fit'" if fit_reason is not None else "remat='auto'")
         return None
     found = [f for f in pipeline.findings if f.kind == "remat"]
-    for f in found:
-        log.warning("autoopt: %s: %s", getattr(of.__wrapped__, "__name__", "fn"), f.message)
+    if fit_reason is not None:
+        for f in found:
+            log.warning("autoopt: %s: %s", getattr(of.__wrapped__, "__name__", "fn"), f.message)
     if not any(f.applied for f in found):
-        if not found:
+        if not found and fit_reason is not None:
             log.warning(
                 "autoopt: %s: %s; remat found no plan that lowers the peak",
                 getattr(of.__wrapped__, "__name__", "fn"),
-                reason,
+                fit_reason,
             )
         program.fit = "fits"
         program.pipeline = pipeline  # the findings say why nothing was applied
@@ -349,7 +511,8 @@ def replan(
             if v is program:
                 caches.by_call[k] = new
     program.fit = "replaced"
-    jit.clear_cache()  # jax keeps one trace per signature: the next call traces the plan
+    if jit is not None:
+        jit.clear_cache()  # jax keeps one trace per signature: the next call traces the plan
     return new
 
 

@@ -538,6 +538,9 @@ class OptimizedFunction(_CallBase):
         if program.traced.captures_tracers or program.untouched is not None:
             program.fit = "off"
             return
+        if not _fit.needs_check(self, program):  # remat="auto" measured nothing to check
+            program.fit = "off"
+            return
         if _compat.top_level_trace() and _fit.caught_here():
             raise _fit.fit_check(self, program)
 
@@ -571,7 +574,7 @@ class OptimizedFunction(_CallBase):
 
     def _build_from(self, traced: _trace.TracedProgram, eager_autodiff: bool) -> Program:
         """The program of a traced signature: the passes run on it (``_build``)."""
-        policy, caches = self._policy, self._caches
+        policy, caches, ad = self._policy, self._caches, eager_autodiff
         several = _multiprocess.several()
         if several:  # a jax.distributed job: every process must trace this signature alike
             fn_id = _process_independent_id(self.__wrapped__)
@@ -585,6 +588,8 @@ class OptimizedFunction(_CallBase):
             fn_name=getattr(self.__wrapped__, "__name__", "fn"),
             fn_location=policy.fn_location,
             under_autodiff=eager_autodiff,
+            # remat="auto" leaves measuring the original to the call's first-call check
+            extra={"remat_defer": policy.remat_auto and not ad and _fit.call_checks_next()},
         )
         if policy.remat_auto and not eager_autodiff:
             from autoopt.passes.remat import forward_plannable

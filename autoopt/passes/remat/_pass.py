@@ -53,7 +53,14 @@ likes) is never compiled here and costs one walk over its equations. Otherwise t
 a signature compiles the original and the first candidate at once, and without a budget a
 further candidate only when the estimate, corrected by the first one's compile, lets it pass
 the rule (``_may_pass``); with a budget, up to six. Each is about one extra compile of the
-training step (0.1-0.2 s for the 16-layer MLP of the benchmark, seconds for big models).
+training step (0.1-0.2 s for the 16-layer MLP of the benchmark, seconds for big models). On a
+call (not ``lower``/``inspect``), the top level's decision is left to the call's first-call
+check (``_defers``): it compiles the call's own executable of the original, whose figures
+stand for the original's measuring compile, and the plans are measured donating what that
+executable donates (``extra["remat_donate"]``: nothing where the call keeps its arguments,
+``out = step(state, x)``), so that when no plan is applied, the executable measured is the
+one that runs (``autoopt/_jit/_fit.py``, ``_checked_auto``). ``lower``/``inspect`` measure
+donating what a call rebinding its arguments would (``_donated_leaves``).
 """
 
 from __future__ import annotations
@@ -213,6 +220,10 @@ def _donated_leaves(closed: ClosedJaxpr, ctx: PassContext) -> tuple[int, ...]:
     options, arg_of_leaf = ctx.options, ctx.in_arg_of_leaf
     if ctx.extra.get("remat_top") is not closed or len(arg_of_leaf) != len(closed.in_avals):
         return ()  # a loop or branch body: the caller's donation does not reach it
+    if ctx.extra.get("remat_donate") is not None:
+        # what the call's own executable donates, known to its first-call check (remat="auto":
+        # ``autoopt/_jit/_fit.py``): the original and the plans are measured as it runs
+        return tuple(ctx.extra["remat_donate"])
     if options.explicit_donation:
         nums = options.jit_kwargs.get("donate_argnums")
         names = options.jit_kwargs.get("donate_argnames")
@@ -303,7 +314,7 @@ def _choose(
     budget: int | None,
     bisect: bool = True,
     floor_extra: list[Candidate] | None = None,
-    base: Measured | None = None,
+    base: Measured | concurrent.futures.Future | None = None,
 ) -> Decision:
     """``_choose_here``, or the same decision measured before: by another process of a
     ``jax.distributed`` job (process 0 measures, the others read its decision: compiled memory
@@ -418,7 +429,7 @@ def _choose_here(
     budget: int | None,
     bisect: bool = True,
     floor_extra: list[Candidate] | None = None,
-    known_base: Measured | None = None,
+    known_base: Measured | concurrent.futures.Future | None = None,
 ) -> Decision:
     """Apply the rule, compiling as few programs as possible.
 
@@ -430,7 +441,7 @@ def _choose_here(
     the budget, the next ones not yet compiled are tried too. The estimate ranks far-apart
     plans well but not plans a few MiB apart (the benchmark's transformer: the lowest
     estimate compiles to 75 MiB, the second lowest to 67 MiB).
-    ``known_base``: the original's figures, already measured (``_known_base``): not compiled.
+    ``known_base``: the original's figures, measured by the call (``_known_base``): not compiled.
     """
     tried: list[tuple[str, Measured | None]] = []
     cache: dict[str, Measured | None] = {}
@@ -466,7 +477,7 @@ def _choose_here(
     with concurrent.futures.ThreadPoolExecutor(max_workers=1 + len(first)) as pool:
         for c in first:
             pending[c.name] = pool.submit(attempt, c)
-        base = known_base if known_base is not None else measure(base_program)
+        base = _measured_now(known_base) if known_base is not None else measure(base_program)
         if base is None:
             for fut in pending.values():
                 fut.result()  # finish before the pool closes; the figures are not used
@@ -688,9 +699,12 @@ class _JointSetup:
         )
 
 
-def _joint_setup(closed: ClosedJaxpr, ctx: PassContext) -> _JointSetup:
+def _joint_setup(
+    closed: ClosedJaxpr, ctx: PassContext, donate: tuple[int, ...] | None = None
+) -> _JointSetup:
+    """``donate``: the flat inputs measured as donated; None: ``_donated_leaves``."""
     compiler_options = ctx.options.jit_kwargs.get("compiler_options")
-    donate = _donated_leaves(closed, ctx)
+    donate = _donated_leaves(closed, ctx) if donate is None else donate
     measure = functools.partial(
         _measure_closed,
         compiler_options=measuring_options(compiler_options, ctx.backend),
@@ -721,7 +735,18 @@ def _stored_joint(closed: ClosedJaxpr, ctx: PassContext):
         return None
     setup = _joint_setup(closed, ctx)
     parts = _joint_parts(closed, ctx, setup)
-    return setup, parts, _plan_cache.stored("remat-joint", _backend_of(), parts)
+    found = _plan_cache.stored("remat-joint", _backend_of(), parts)
+    if found is None and setup.donate and ctx.extra.get("remat_defer"):
+        # A call's executable donates what its call site proves dead; one whose statement keeps
+        # its arguments donates nothing, and its decision was measured (and kept) so. Which of
+        # the two this call is, its first-call check says: it plans again when the decision
+        # read here was measured with another donation (``measured_donating``).
+        kept = _joint_setup(closed, ctx, donate=())
+        kept_parts = _joint_parts(closed, ctx, kept)
+        found_kept = _plan_cache.stored("remat-joint", _backend_of(), kept_parts)
+        if found_kept is not None:
+            return kept, kept_parts, found_kept
+    return setup, parts, found
 
 
 def _stored_no_plan(found: Any) -> Decision | None:
@@ -776,6 +801,17 @@ def _plan_joint(
         ]
     if g.residual_bytes < MIN_RESIDUAL_BYTES and options.memory_budget is None:
         return closed, []
+    if _defers(closed, ctx, stored):
+        return closed, [
+            Finding(
+                "remat",
+                False,
+                f"not planned yet: {where} is measured on its first call, against the "
+                "executable that call compiles",
+                location=ctx.fn_location,
+                details={"deferred": True, "mechanism": mechanism},
+            )
+        ]
 
     def decide() -> Decision:
         total = _remat_plan.jaxpr_flops(closed)
@@ -806,7 +842,38 @@ def _plan_joint(
             lambda v: _joint_decision_from(v, closed, g, fence),
             **({"found": stored[2]} if stored is not None else {}),
         )
-    return _finish(closed, dec, where, ctx, mechanism=mechanism)
+    top = ctx.extra.get("remat_top") is closed
+    return _finish(closed, dec, where, ctx, mechanism, donated=donate if top else None)
+
+
+def _defers(closed: ClosedJaxpr, ctx: PassContext, stored: tuple | None) -> bool:
+    """Whether remat="auto" leaves this level's decision to the call's first-call check
+    (``ctx.extra["remat_defer"]``, set by the call path when that check follows the build):
+    the check compiles the call's own executable of the original and plans with its figures
+    (``extra["original"]``), so that where no plan is applied, the executable measured is the
+    one that runs (``autoopt/_jit/_fit.py``). Only the top level, when nothing kept on disk
+    answers it and no other process decides for this one."""
+    return (
+        bool(ctx.extra.get("remat_defer"))
+        and ctx.options.remat == "auto"
+        and ctx.extra.get("remat_top") is closed
+        and (stored is None or stored[2] is None)
+        and not _multiprocess.several()
+    )
+
+
+def deferred(findings) -> bool:
+    """Whether remat left its decision to the first call's check (``_defers``)."""
+    return any(f.kind == "remat" and f.details.get("deferred") for f in findings)
+
+
+def measured_donating(findings) -> tuple[int, ...] | None:
+    """The flat inputs the top level's decision was measured donating (``_finish``); None
+    when no top-level decision was measured."""
+    for f in findings:
+        if f.kind == "remat" and "measured_donating" in f.details:
+            return tuple(f.details["measured_donating"])
+    return None
 
 
 def _joint_decision_to(d: Decision) -> dict:
@@ -1039,8 +1106,20 @@ def _mb(n: int) -> str:
 
 
 def _finish(
-    closed: ClosedJaxpr, dec: Decision, where: str, ctx: PassContext, mechanism: str
+    closed: ClosedJaxpr,
+    dec: Decision,
+    where: str,
+    ctx: PassContext,
+    mechanism: str,
+    donated: tuple[int, ...] | None = None,
 ) -> tuple[ClosedJaxpr, list[Finding]]:
+    """``donated``: the top level's flat inputs its figures were measured donating (said in
+    the finding's ``measured_donating``: a call's check plans again when its executable
+    donates others, ``autoopt/_jit/_fit.py``)."""
+    if donated is not None and (dec.base is not None or dec.tried):
+        mechanism_details = {"mechanism": mechanism, "measured_donating": list(donated)}
+    else:  # (nothing measured: the static estimate alone decided, whatever is donated)
+        mechanism_details = {"mechanism": mechanism}
     budget = ctx.options.memory_budget
     if dec.chosen is None:
         msg = f"not applied: {dec.reason}"
@@ -1056,7 +1135,7 @@ def _finish(
                 "; memory_budget=... lets it recompute more (matmuls, loop bodies) to meet a budget"
             )
             return closed, [
-                _finding(False, msg, where, ctx, None, None, {"mechanism": mechanism}, "none", dec)
+                _finding(False, msg, where, ctx, None, None, mechanism_details, "none", dec)
             ]
         if dec.base is None and budget is None:
             return closed, []  # no memory figures from this backend: nothing to report
@@ -1065,10 +1144,9 @@ def _finish(
                 f"memory budget {_mb(budget)} cannot be met: the original peak is "
                 f"{_mb(dec.base.peak)} and no plan lowers it"
             )
-        f = _finding(False, msg, where, ctx, dec.base, None, {"mechanism": mechanism}, "none", dec)
+        f = _finding(False, msg, where, ctx, dec.base, None, mechanism_details, "none", dec)
         return closed, [f]
-    details = dec.chosen.describe() or {}
-    details["mechanism"] = mechanism
+    details = {**(dec.chosen.describe() or {}), **mechanism_details}
     if dec.reason == "rule":
         head = f"applied {dec.chosen.name}"
     elif dec.reason == "budget":
@@ -1115,7 +1193,8 @@ def _plan_level(
     if stored is not None:
         dec = _stored_no_plan(stored[2])
         if dec is not None:
-            return _finish(closed, dec, where, ctx, mechanism=stored[0].mechanism)
+            setup = stored[0]
+            return _finish(closed, dec, where, ctx, setup.mechanism, donated=setup.donate)
     g = _remat_plan.joint_graph(closed.jaxpr)
     if g is not None:
         return _plan_joint(closed, g, ctx, where, stored)
@@ -1214,7 +1293,8 @@ class Original:
 
     program: ClosedJaxpr
     donated: tuple[int, ...]
-    measured: Measured
+    # (a future while the call's check compiles it, under remat="auto": ``_known_base``)
+    measured: Measured | concurrent.futures.Future
 
 
 def measured_of(compiled, seconds: float) -> Measured | None:
@@ -1223,7 +1303,14 @@ def measured_of(compiled, seconds: float) -> Measured | None:
     return None if mem is None else Measured(mem, _flops(compiled), seconds)
 
 
-def _known_base(closed: ClosedJaxpr, ctx: PassContext, donate: tuple) -> Measured | None:
+def _measured_now(m: Measured | concurrent.futures.Future | None) -> Measured | None:
+    """The figures of an executable the call compiles meanwhile (a future), once compiled."""
+    return m.result() if isinstance(m, concurrent.futures.Future) else m
+
+
+def _known_base(
+    closed: ClosedJaxpr, ctx: PassContext, donate: tuple
+) -> Measured | concurrent.futures.Future | None:
     """The original's figures without compiling it again: those of the executable the call's
     fit check compiled, when that executable is the program measured here (the same equations,
     the top level, donating the same inputs). Its options differ only by what
@@ -1231,7 +1318,7 @@ def _known_base(closed: ClosedJaxpr, ctx: PassContext, donate: tuple) -> Measure
     (tests/test_remat_first_call.py); anything else (another donation, constants passed as
     arguments) is compiled as before."""
     fit = ctx.extra.get("fit")
-    original = getattr(fit, "original", None)
+    original = getattr(fit, "original", None) or ctx.extra.get("original")
     if original is None or ctx.extra.get("remat_top") is not closed:
         return None
     if tuple(original.donated) != tuple(donate):
