@@ -520,3 +520,62 @@ def test_bug_auto_donates_the_buffer_of_a_closed_over_key():
         out = f(jax.random.key_data(k))
         assert not k.is_deleted()
         assert np.asarray(out[1]).tobytes() == want.tobytes()
+
+
+def _after_delete(make, n: int) -> list:
+    """A closed-over jax array deleted after the first call: cached signatures run on (jax.jit
+    embedded its value), a keyword call and a new signature trace again and raise."""
+    c = jnp.arange(n, dtype=jnp.float32)
+    f = make(lambda x: x * 2 + c)
+    out: list = []
+
+    def record(call):
+        try:
+            out.append(float(call()[1]))
+        except RuntimeError as e:
+            out.append(str(e))
+
+    record(lambda: f(jnp.ones(n)))
+    c.delete()
+    record(lambda: f(jnp.ones(n)))
+    record(lambda: f(x=jnp.ones(n)))
+    record(lambda: f(jnp.ones(n, jnp.bfloat16)))
+    return out
+
+
+@pytest.mark.parametrize("options", [{}, {"placement": "off"}], ids=["safe", "placement-off"])
+def test_a_deleted_small_jax_constant_raises_where_jax_jit_raises(options):
+    want = _after_delete(jax.jit, SMALL)
+    assert want[-1].startswith("Array has been deleted")
+    assert _after_delete(lambda fn: autoopt.optimize(fn, **options), SMALL) == want
+
+
+@pytest.mark.parametrize("options", [{}, {"donate": "auto"}], ids=["safe", "auto"])
+def test_bug_a_deleted_large_jax_constant_still_runs_new_signatures(options):
+    """The placed private copy (``HoistedConst.place``) outlives the caller's array: a keyword
+    call or a new signature after ``c.delete()`` computes with the deleted array's old value,
+    where jax.jit traces again and raises 'Array has been deleted'."""
+    want = _after_delete(jax.jit, LARGE)
+    assert want[-1].startswith("Array has been deleted")
+    assert _after_delete(lambda fn: autoopt.optimize(fn, **options), LARGE) == want
+
+
+def test_a_deleted_key_raises_as_under_jax_jit():
+    def errors(make):
+        f = make(_draw)
+        out = []
+        for _ in range(3):  # the plan's path too
+            k = jax.random.key(0)
+            f(k)
+            k.delete()
+            try:
+                f(k)
+                out.append(None)
+            except RuntimeError as e:
+                out.append(str(e))
+        return out
+
+    want = errors(jax.jit)
+    assert want[0] is not None
+    assert errors(autoopt.optimize) == want
+    assert errors(lambda fn: autoopt.optimize(fn, donate="auto")) == want
