@@ -579,3 +579,21 @@ def test_a_deleted_key_raises_as_under_jax_jit():
     assert want[0] is not None
     assert errors(autoopt.optimize) == want
     assert errors(lambda fn: autoopt.optimize(fn, donate="auto")) == want
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
+def test_a_large_closed_jax_constant_committed_and_passed_back_in(options):
+    """A committed closed-over jax array (placed as a private uncommitted copy): outputs as
+    uncommitted as jax.jit's, and the array itself passed as the argument is never donated."""
+
+    def run(make):
+        c = jax.device_put(jnp.arange(LARGE, dtype=jnp.float32), jax.devices()[0])
+        f = make(lambda x: x * 2 + c)
+        out = [f(np.ones(LARGE, np.float32)), f(jnp.ones(LARGE)), f(c), f(c)]
+        held = c
+        c = f(c)
+        assert not held.is_deleted()
+        out.append(c)
+        return [(o.committed, np.asarray(o).tobytes()) for o in out]
+
+    assert run(lambda fn: autoopt.optimize(fn, fallback="raise", **options)) == run(jax.jit)
