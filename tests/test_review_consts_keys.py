@@ -597,3 +597,65 @@ def test_a_large_closed_jax_constant_committed_and_passed_back_in(options):
         return [(o.committed, np.asarray(o).tobytes()) for o in out]
 
     assert run(lambda fn: autoopt.optimize(fn, fallback="raise", **options)) == run(jax.jit)
+
+
+@pytest.mark.parametrize("kind", ["object", "masked", "str"])
+def test_closed_constants_jax_refuses_are_refused_alike(kind):
+    def make_const():
+        if kind == "object":
+            return np.array([1.0, 2.0, None], dtype=object)
+        if kind == "masked":
+            return np.ma.masked_array(np.arange(3.0, dtype=np.float32), mask=[True, False, False])
+        return np.array(["a", "b", "c"])
+
+    errors = []
+    for make in (jax.jit, autoopt.optimize):
+        c = make_const()
+        with pytest.raises((TypeError, ValueError)) as info:
+            make(lambda x, c=c: x + c)(jnp.ones(3))
+        errors.append((type(info.value), str(info.value).splitlines()[0]))
+    assert errors[0] == errors[1]
+
+
+def test_optimize_again_shares_the_first_lowering_as_jax_jit_again_does():
+    def run(make):
+        c = np.arange(16, dtype=np.float32)
+
+        def fn(x):
+            return x * 2 + c
+
+        out = [float(make(fn)(jnp.ones(16))[1])]
+        c[:] = 100
+        out.append(float(make(fn)(jnp.ones(16))[1]))
+        x = jnp.ones(16)
+        x = make(fn)(x)
+        out.append(float(x[1]))
+        out.append(float(make(fn)(x=jnp.ones(16))[1]))
+        return out
+
+    assert run(autoopt.optimize) == run(jax.jit)
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
+def test_a_rewritten_program_refilled_between_variants(options):
+    """``final`` differs from the traced program (the scatter becomes a slice update): its
+    values constant, refilled between calls of several jit variants, reads as under jax.jit."""
+
+    def run(make):
+        idx = np.array([5], np.int32)
+        vals = np.full((1,), 7.0, np.float32)
+        f = make(lambda x: x.at[idx].set(vals * 2))
+        out = [np.asarray(f(jnp.zeros(16)))]
+        vals[:] = 11
+        x = jnp.zeros(16)
+        for _ in range(2):
+            x = f(x)
+        out.append(np.asarray(x))
+        out.append(np.asarray(f(x=jnp.zeros(16))))
+        out.append(np.asarray(f(jnp.zeros(32))))
+        out.append(np.asarray(f(jnp.zeros(16))))
+        return out
+
+    got = run(lambda fn: autoopt.optimize(fn, fallback="raise", **options))
+    for g, w in zip(got, run(jax.jit), strict=True):
+        assert g.tobytes() == w.tobytes()
