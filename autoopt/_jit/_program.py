@@ -21,6 +21,7 @@ It is computed in three places, each a projection of the same tuple:
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any
 
 import jax
@@ -61,6 +62,7 @@ class Program:
         "fit",
         "lost_updates",
         "_host_bytes",
+        "__weakref__",
     )
 
     def __init__(
@@ -132,6 +134,8 @@ class Program:
                     if isinstance(c, np.ndarray) and id(c) not in skipped
                 }
                 self._host_bytes[key] = found
+                if found:
+                    _FROZEN.add(self)
         return found
 
     @property
@@ -297,6 +301,19 @@ class Site:
 
 
 _HOST_BYTES_LOCK = threading.Lock()
+# Programs holding frozen bytes: ``jax.clear_caches()`` drops them, as it drops jax.jit's
+# lowerings, so the next call's lowering reads the constants again, as jax.jit's does.
+_FROZEN: weakref.WeakSet = weakref.WeakSet()
+
+
+def _forget_frozen_bytes() -> None:
+    with _HOST_BYTES_LOCK:
+        for program in list(_FROZEN):
+            program._host_bytes.clear()
+        _FROZEN.clear()
+
+
+_compat.on_clear_caches(_forget_frozen_bytes, "autoopt: NumPy constants' bytes per program")
 
 
 def _frozen_bytes(c: np.ndarray) -> np.ndarray:

@@ -404,8 +404,11 @@ def _memory_before_after(inspection, args: tuple, kwargs: dict) -> dict[str, dic
             jax.jit(_replay_original(inspection), **jit_kwargs).lower(*args, **kwargs).compile()
         )
         # "after": as the call inspect() describes compiles (under "safe": a call site that
-        # rebinds the arguments it passes).
-        after = compiled_memory(inspection.jit.lower(*args, **kwargs).compile())
+        # rebinds the arguments it passes); a report's compile, not a call's (``reporting``).
+        from autoopt._jit._function import reporting
+
+        with reporting():
+            after = compiled_memory(inspection.jit.lower(*args, **kwargs).compile())
     except Exception as e:  # noqa: BLE001 - a report without figures beats no report
         return {"error": {"message": str(e)}}  # type: ignore[dict-item]
     if before is not None:

@@ -26,6 +26,7 @@ import numpy as np
 from jax import tree_util
 from jax.core import Tracer
 
+from autoopt import _compat
 from autoopt.passes.placement._host_arrays import is_aligned
 
 __all__ = ["HOISTED", "HoistConstants", "HoistedConst", "retrying", "with_hoisted_consts"]
@@ -218,6 +219,16 @@ _BINDINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _BINDINGS_LOCK = threading.Lock()
 # closed jaxpr -> (indices of the constants it passes as arguments, of its large splats)
 _LARGE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _forget_bindings() -> None:
+    # jax.clear_caches() drops jax.jit's lowerings: the next trace binds the constants again
+    # (from their bytes then), as jax.jit's next lowering reads them.
+    with _BINDINGS_LOCK:
+        _BINDINGS.clear()
+
+
+_compat.on_clear_caches(_forget_bindings, "autoopt: hoisted constants' bindings")
 
 
 def _bind(closed, large_idx: list, passed: dict) -> dict:
