@@ -52,6 +52,7 @@ INFRASTRUCTURE = frozenset(
         "_jit",
         "_multiprocess",
         "_plan_cache",
+        "_reporting",
     )
 )
 

@@ -42,6 +42,7 @@ from autoopt._jit._plans import MISS, flat_key, lookup_nested
 from autoopt._jit._program import Program, Site, call_signature, trace_signature
 from autoopt._jit._static_leaves import PLAIN_TYPES
 from autoopt._options import Options
+from autoopt._reporting import REPORTING
 from autoopt.passes import PassContext, make_options, option_names, run_pipeline
 from autoopt.passes.donation import callsite, host_callbacks
 
@@ -210,25 +211,6 @@ trace_state_clean = _compat.trace_state_clean
 # frame of ours on the stack when jit compiles, so ``autoopt run``'s summary reads this to count
 # the compile against the function (``patch._attribute_compile``, after matching the name).
 TRACING = threading.local()
-
-
-class _Reporting(threading.local):
-    """While ``reporting()`` is active on this thread, jit's traces of an optimized function
-    are a report's (explain's memory figures, the codemod's check), not a call's."""
-
-    active = False
-
-
-_REPORTING = _Reporting()
-
-
-@contextlib.contextmanager
-def reporting():
-    outer, _REPORTING.active = _REPORTING.active, True
-    try:
-        yield
-    finally:
-        _REPORTING.active = outer
 
 
 def _refuse_unchecked(program: Program, tls: threading.local) -> None:
@@ -671,7 +653,7 @@ class OptimizedFunction(_CallBase):
             out = with_hoisted_consts(closed, hoisted)
             passed = large_consts(closed)
         tls = self._caches.tls
-        if getattr(tls, "trace_only", False) or getattr(tls, "aot", False) or _REPORTING.active:
+        if getattr(tls, "trace_only", False) or getattr(tls, "aot", False) or REPORTING.active:
             return out  # (not a call: ``trace``/``lower`` or a report's compile)
         frozen = program.frozen_host_consts(closed, skip=passed)
         if not frozen:

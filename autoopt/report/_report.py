@@ -25,6 +25,7 @@ from jax.extend.core import ClosedJaxpr
 from autoopt._finding import Finding
 from autoopt._format import short_location as _short_loc
 from autoopt._memory import format_bytes
+from autoopt._reporting import reporting
 from autoopt.report._diff import equation_diff
 
 log = logging.getLogger("autoopt")
@@ -405,8 +406,6 @@ def _memory_before_after(inspection, args: tuple, kwargs: dict) -> dict[str, dic
         )
         # "after": as the call inspect() describes compiles (under "safe": a call site that
         # rebinds the arguments it passes); a report's compile, not a call's (``reporting``).
-        from autoopt._jit._function import reporting
-
         with reporting():
             after = compiled_memory(inspection.jit.lower(*args, **kwargs).compile())
     except Exception as e:  # noqa: BLE001 - a report without figures beats no report
