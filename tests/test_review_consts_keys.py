@@ -16,10 +16,6 @@ Tests named ``test_bug_...`` fail on the commits under review (reported to the l
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
 import threading
 from typing import Any, NamedTuple
 
@@ -29,8 +25,8 @@ import numpy as np
 import pytest
 
 import autoopt
+from tests.test_native_call_path import _run
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = 16
 LARGE = (2 << 20) // 4  # 2 MiB of float32: passed as a device argument under placement
 
@@ -501,17 +497,7 @@ print(NATIVE, *out)
 def test_the_c_call_path_and_the_python_path_agree_on_keys():
     runs = {}
     for native in ("1", "0"):
-        env = {**os.environ, "PYTHONPATH": ROOT, "AUTOOPT_NATIVE": native}
-        done = subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(_NATIVE_PROBE)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-            cwd=ROOT,
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-        flag, *values = done.stdout.split()
+        flag, *values = _run(_NATIVE_PROBE, native == "1").split()
         runs[native] = values
         if native == "0":
             assert flag == "False"

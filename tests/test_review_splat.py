@@ -9,10 +9,6 @@ the bytes of that moment.
 Tests named ``test_bug_...`` fail on the commit under review (reported to the lead; not xfailed).
 """
 
-import os
-import subprocess
-import sys
-import textwrap
 import threading
 from typing import Any
 
@@ -23,8 +19,8 @@ import numpy as np
 import pytest
 
 import autoopt
+from tests.test_native_call_path import _run
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIB = 1 << 20
 
 
@@ -41,21 +37,6 @@ def _assert_same_bits(got, want):
 def _full(nbytes: int, value, dtype) -> np.ndarray:
     dtype = np.dtype(dtype)
     return np.full(max(2, nbytes // dtype.itemsize), value, dtype)
-
-
-def _run(code: str, extra_env: dict | None = None) -> str:
-    """``code``'s stdout, run in a fresh interpreter (flags that must precede jax's start)."""
-    env = {**os.environ, "PYTHONPATH": ROOT, **(extra_env or {})}
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
 
 
 def _nan_with_payload(dtype, payload: int):
@@ -265,12 +246,12 @@ def test_closed_over_jax_array_donated_elsewhere_raises_where_jax_jit_does_not(s
 def test_sharded_constants_over_four_cpu_devices_give_jax_jits_bits():
     body = "splat + x, rand * x, (splat * rand).sum() + x, splat.sum() + x"
     code = _SHARDED.replace("{BODY}", body).replace("{SHARDINGS}", "False")
-    assert _run(code, _FOUR_CPUS).strip().endswith("ok")
+    assert _run(code, True, _FOUR_CPUS).strip().endswith("ok")
 
 
 def test_sharded_splat_constant_gives_jax_jits_output_sharding():
     code = _SHARDED.replace("{BODY}", "splat + x, splat.sum() + x").replace("{SHARDINGS}", "True")
-    assert _run(code, _FOUR_CPUS).strip().endswith("ok")
+    assert _run(code, True, _FOUR_CPUS).strip().endswith("ok")
 
 
 def test_sharded_hoisted_constant_changes_the_output_sharding():
@@ -280,7 +261,7 @@ def test_sharded_hoisted_constant_changes_the_output_sharding():
     4 devices (NamedSharding P('d') / P()). Same numbers, other devices: code that mixes the
     result with arrays committed to device 0 may meet errors jax.jit would not raise."""
     code = _SHARDED.replace("{BODY}", "rand * x, rand.sum() + x").replace("{SHARDINGS}", "True")
-    assert _run(code, _FOUR_CPUS).strip().endswith("ok")
+    assert _run(code, True, _FOUR_CPUS).strip().endswith("ok")
 
 
 _COMMITTED_ELSEWHERE = """
@@ -303,7 +284,7 @@ _COMMITTED_ELSEWHERE = """
 
 def test_splat_committed_to_another_device_gives_jax_jits_device():
     code = _COMMITTED_ELSEWHERE.replace("{MAKE}", "jnp.zeros(512 * 1024)")
-    assert _run(code, _FOUR_CPUS).strip().endswith("ok")
+    assert _run(code, True, _FOUR_CPUS).strip().endswith("ok")
 
 
 def test_hoisted_constant_committed_to_another_device_moves_the_output_there():
@@ -313,7 +294,7 @@ def test_hoisted_constant_committed_to_another_device_moves_the_output_there():
     ``ValueError: Received incompatible devices for jitted computation`` where jax.jit's
     does not."""
     code = _COMMITTED_ELSEWHERE.replace("{MAKE}", "jnp.arange(512 * 1024, dtype=jnp.float32)")
-    assert _run(code, _FOUR_CPUS).strip().endswith("ok")
+    assert _run(code, True, _FOUR_CPUS).strip().endswith("ok")
 
 
 def test_float64_splat_with_x64_gives_jax_jits_bits():
@@ -334,7 +315,8 @@ def test_float64_splat_with_x64_gives_jax_jits_bits():
             assert g.dtype == w.dtype == np.float64
             assert np.asarray(g).tobytes() == np.asarray(w).tobytes()
         print("ok")
-        """
+        """,
+        True,
     )
     assert out.strip().endswith("ok")
 
