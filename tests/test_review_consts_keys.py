@@ -272,60 +272,101 @@ def test_bug_lower_then_refill_large_constant_under_auto():
     _compare("lower,refill100,held,rebind", {"donate": "auto"}, n=LARGE)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "known, older: under donate='auto' explain's trace decides the program with the "
-        "bytes it saw"
-    ),
-)
-def test_bug_explain_then_refill_under_auto():
-    """(Older than 491fbfb.) The report compiles the "auto" variant, freezing its bytes."""
+def test_explain_then_refill_under_auto():
+    """(Older than 491fbfb.) The report compiled the "auto" variant, which the call reused.
+    A report now traces and compiles through a function of its own (``_reporter``)."""
     _compare("explain,refill100,held,rebind", {"donate": "auto"})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "known, older: jax converts a float64 constant when it traces, and inspect() "
-        "traced the program"
-    ),
-)
-def test_bug_inspect_then_refill_float64_constant():
-    """jax.jit converts a float64 constant when it traces (x64 off): the first call's trace reads
-    the bytes. autoopt's program was traced by ``inspect``, before the refill."""
-    _compare("inspect,refill100,held", {}, dtype=np.float64)
+@pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
+@pytest.mark.parametrize("ops", ["inspect,refill100,held", "explain,refill100,rebind,held"])
+def test_report_then_refill_float64_constant(ops, options):
+    """jax.jit converts a float64 constant when it traces (x64 off), and reuses the conversion
+    while an array converted from it lives: the first call's trace reads the bytes. A report's
+    program (which converted it before the refill) must be gone by then."""
+    _compare(ops, options, dtype=np.float64)
 
 
+@pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+def test_jax_clear_caches_reads_a_refilled_constant_on_every_path(options, dtype):
+    """After ``jax.clear_caches()`` every autoopt program is traced again (a float64 constant
+    converted anew, as jax.jit's trace does), on the held and the donating path."""
+    _compare("rebind,held,refill100,clear,held,rebind,refill7,held", options, dtype=dtype)
+
+
+def _scatter_at_refilled_index(make, ops: list[str], moved_to: int) -> list[np.ndarray]:
+    """``x.at[idx].set(v)`` with a closed-over NumPy ``idx`` refilled between steps: the
+    in-place pass proves the index from its value (``scatter_to_dus``)."""
+    idx = np.array([5], np.int32)
+    f = make(lambda x, v: x.at[idx].set(v))
+    v = jnp.full((1,), 7.0)
+    out = []
+    for op in ops:
+        x = jnp.zeros(16)
+        if op == "held":
+            out.append(np.asarray(f(x, v)))
+        elif op == "rebind":
+            x = f(x, v)
+            out.append(np.asarray(x))
+        elif op == "refill":
+            idx[:] = [moved_to]
+        elif op == "clear":
+            jax.clear_caches()
+        elif op in ("inspect", "explain", "trace", "lower"):
+            if hasattr(f, "inspect") or op in ("trace", "lower"):
+                getattr(f, op)(x, v)
+        else:
+            raise AssertionError(op)
+    return out
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
 @pytest.mark.parametrize("moved_to", [9, 20], ids=["in-bounds", "out-of-bounds"])
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "known, older: scatter_to_dus reads a NumPy index constant's value when the "
-        "program is traced (inspect), not when it is lowered"
-    ),
+@pytest.mark.parametrize(
+    "ops",
+    [
+        "inspect,refill,rebind,held",
+        "explain,refill,held,rebind",
+        "trace,refill,rebind,held",
+        "lower,refill,held,rebind",
+        "rebind,refill,clear,held,rebind",
+        "held,inspect,refill,held,rebind,clear,rebind",
+    ],
 )
-def test_bug_scatter_index_refilled_after_inspect_writes_at_the_new_index(moved_to):
-    """The in-place pass proves a scatter's closed-over index (``np.array([5])``) from its value
-    at the program's trace (here ``inspect``, which freezes nothing) and bakes it into the slice
-    update it writes instead (``scatter_to_dus``); the index is refilled before the first call,
-    which jax.jit lowers with the new index (9: written there; 20: dropped). autoopt writes at
-    5: wrong numbers, not stale ones. (Older than 491fbfb; a fix that reads bytes at a later
-    lowering, after ``trace`` or ``jax.clear_caches()``, must re-prove the rewrite too.)"""
+def test_scatter_index_refilled_writes_where_jax_jit_writes(ops, moved_to, options):
+    """The in-place pass proved a scatter's closed-over index (``np.array([5])``) from its value
+    when the program was traced and wrote a slice update at 5; refilled before the call that
+    lowers it (9: jax.jit writes there; 20: it drops the write), autoopt wrote at 5: wrong
+    numbers. A report's trace is now its own, ``trace()`` proves nothing from a NumPy constant's
+    value (jax.jit reads it when it lowers), and ``jax.clear_caches()`` traces every program
+    again. After ``lower``, jax.jit's call runs what lower() lowered (index 5), as autoopt's."""
+    steps = ops.split(",")
+    want = _scatter_at_refilled_index(jax.jit, steps, moved_to)
+    got = _scatter_at_refilled_index(
+        lambda fn: autoopt.optimize(fn, fallback="raise", **options), steps, moved_to
+    )
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
 
-    def run(make, report):
-        idx = np.array([5], np.int32)
-        f = make(lambda x, v: x.at[idx].set(v))
-        x, v = jnp.zeros(16), jnp.full((1,), 7.0)
-        if report:
-            f.inspect(x, v)
-        idx[:] = [moved_to]
-        x = f(x, v)
-        return np.asarray(x)
 
-    want = run(jax.jit, False)
-    got = run(lambda fn: autoopt.optimize(fn, fallback="raise"), True)
-    np.testing.assert_array_equal(got, want)
+def test_trace_proves_no_index_from_a_numpy_constants_value():
+    """A signature a call traces first proves the index from its value (the index it proves is
+    the one it lowers): a slice update at 5. ``trace()`` reads no NumPy constant's value: the
+    exact form that reads the index when it runs."""
+    idx = np.array([5], np.int32)
+    x, v = jnp.zeros(16), jnp.full((1,), 7.0)
+    called = autoopt.optimize(lambda x, v: x.at[idx].set(v))
+    called(x, v)
+    at_five = str(called.inspect(x, v).optimized)
+    assert "dynamic_update_slice" in at_five and " 5:i32[]" in at_five  # the start: 5
+    traced = autoopt.optimize(lambda x, v: x.at[idx].set(v))  # (another function: its own cache)
+    traced.trace(x, v)
+    guarded = str(traced.inspect(x, v).optimized)
+    # the exact form for an index unknown until it runs: a cond on its bounds, read at run time
+    assert "dynamic_update_slice" in guarded and "cond[" in guarded
+    assert " 5:i32[]" not in guarded
 
 
 # --- keys ---------------------------------------------------------------------------------------

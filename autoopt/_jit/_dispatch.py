@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Protocol
 
@@ -169,6 +170,8 @@ class Caches:
         "any_aliasable",
         "lookup_plain",
         "lost_updates",
+        "reporter",
+        "__weakref__",
     )
 
     def __init__(self, policy: Policy):
@@ -202,6 +205,39 @@ class Caches:
         # Some program drops an update to an nnx object of its arguments
         # (``Program.lost_updates``): the general path checks each call's arguments.
         self.lost_updates = False
+        # The function inspect() and explain() trace and compile through when no call has
+        # built the signature's program yet (``OptimizedFunction._reporter``), once made.
+        self.reporter: Any = None
+        _LIVE_CACHES.add(self)
+
+    def forget_programs(self) -> None:
+        """Drop every traced program and every plan that finds one, keeping the jit objects:
+        the next call of each signature traces the user's function again and runs the passes
+        on what it reads then (``OptimizedFunction.clear_cache``, ``jax.clear_caches()``)."""
+        with self.lock:
+            self.programs.clear()
+            self.eager_ad_programs.clear()
+            self.by_call.clear()
+            for site in list(self.sites.values()):
+                for plans in (site.plans, site.withheld().plans):
+                    if plans:
+                        plans.clear()
+            if self.auto_fast:
+                self.auto_fast.clear()
+
+
+# Every function's caches: ``jax.clear_caches()`` makes jax.jit trace every function again, which
+# reads closed-over NumPy constants anew (jax converts a float64 one when it traces, and the
+# in-place pass may read an index's value), so it drops every autoopt program too.
+_LIVE_CACHES: weakref.WeakSet = weakref.WeakSet()
+
+
+def _forget_every_program() -> None:
+    for caches in list(_LIVE_CACHES):
+        caches.forget_programs()
+
+
+_compat.on_clear_caches(_forget_every_program, "autoopt: traced programs per function")
 
 
 class CallPlan(NamedTuple):

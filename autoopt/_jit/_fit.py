@@ -163,6 +163,10 @@ def fit_check(of: OptimizedFunction, program: Program) -> FitCheck:
 
 def first_call(check: FitCheck, jit: Any, placer: Any, args: tuple, kwargs: dict):
     """The call that raised ``check``, made again with the check."""
+    # The traceback's frames hold the exception's catcher, which holds the exception: a cycle
+    # keeping the program (and the call's arguments) alive until the garbage collector runs,
+    # and jax reuses a closed-over NumPy constant's conversion while its program lives.
+    check.__traceback__ = None
     checked = check.standin(jit)
     return checked(*args, **kwargs) if placer is None else placer(checked, args, kwargs)
 

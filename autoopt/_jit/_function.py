@@ -498,7 +498,7 @@ class OptimizedFunction(_CallBase):
         programs = caches.eager_ad_programs if eager_autodiff else caches.programs
         program = programs.get(key)
         if program is not None:
-            caches.tls.last_program = program
+            caches.tls.last_program = weakref.ref(program)
             if program.lost_updates:
                 _refuse_unchecked(program, caches.tls)
             if program.fit in (None, "checking") and policy.fit and not eager_autodiff:
@@ -515,7 +515,7 @@ class OptimizedFunction(_CallBase):
                 program.key = key
                 if not program.traced.captures_tracers:
                     programs[key] = program
-        caches.tls.last_program = program
+        caches.tls.last_program = weakref.ref(program)  # (weakly: see _program_for_call)
         if program.lost_updates:
             _refuse_unchecked(program, caches.tls)
         if program.fit in (None, "checking") and policy.fit and not eager_autodiff:
@@ -590,7 +590,12 @@ class OptimizedFunction(_CallBase):
             fn_location=policy.fn_location,
             under_autodiff=eager_autodiff,
             # remat="auto" leaves measuring the original to the call's first-call check
-            extra={"remat_defer": policy.remat_auto and not ad and _fit.call_checks_next()},
+            extra={
+                "remat_defer": policy.remat_auto and not ad and _fit.call_checks_next(),
+                # trace() builds a program that a later call lowers, reading closed-over NumPy
+                # constants then (as jax.jit's does): no pass may rely on their values now
+                "numpy_values": not getattr(caches.tls, "trace_api", False),
+            },
         )
         if policy.remat_auto and not eager_autodiff:
             from autoopt.passes.remat import forward_plannable
@@ -735,6 +740,7 @@ class OptimizedFunction(_CallBase):
             # (not a wrapper: the body reads its caller's frame)
             _compat.filter_traceback(e)
             raise
+        check.__traceback__ = None  # (a cycle through this frame: see _fit.first_call)
         try:
             check.program.fit = "fits"
             return self._run(self._dispatch(site, args, kwargs), args, kwargs)
@@ -748,6 +754,7 @@ class OptimizedFunction(_CallBase):
     def _fit_escaped(self, check: FitCheck, site: Site | None, args: tuple):
         """``_call``'s handler of a ``FitCheck`` no catcher caught, for the C call path (which
         filters the traceback itself)."""
+        check.__traceback__ = None  # (see _fit.first_call)
         check.program.fit = "fits"
         return self._run(self._dispatch(site, args, {}), args, {})
 
@@ -906,7 +913,11 @@ class OptimizedFunction(_CallBase):
                     pass  # the program is built; the call's own trace checks it (_check_fit)
                 finally:
                     caches.tls.trace_only = False
-                program = caches.programs.get(key) or getattr(caches.tls, "last_program", None)
+                # (held weakly by the thread: a program jax.clear_caches() or clear_cache()
+                # dropped must die, since jax reuses a closed-over NumPy constant's conversion
+                # for as long as the converted array is alive)
+                last = getattr(caches.tls, "last_program", None)
+                program = caches.programs.get(key) or (last() if last is not None else None)
             if program is not None and not program.traced.captures_tracers:
                 caches.by_call[ckey] = program
         if program is not None and not report_only:
@@ -1009,8 +1020,13 @@ class OptimizedFunction(_CallBase):
         """As ``jax.jit(fn).trace``: the optimized program for these arguments, donating as
         ``lower`` says."""
         of, args, kwargs = self._prepare(args, kwargs)
-        with of._aot():
-            return of._aot_jit(args, kwargs).trace(*args, **kwargs)
+        tls = of._caches.tls
+        outer, tls.trace_api = getattr(tls, "trace_api", False), True
+        try:
+            with of._aot():
+                return of._aot_jit(args, kwargs).trace(*args, **kwargs)
+        finally:
+            tls.trace_api = outer
 
     @_compat.api_boundary
     def lower(self, *args, **kwargs) -> jax.stages.Lowered:
@@ -1063,15 +1079,7 @@ class OptimizedFunction(_CallBase):
                 if j is not None:
                     j.clear_cache()
             self._plain.clear_cache()  # pyright: ignore[reportAttributeAccessIssue]
-            caches.programs.clear()
-            caches.eager_ad_programs.clear()
-            caches.by_call.clear()
-            for site in list(caches.sites.values()):
-                for plans in (site.plans, site.withheld().plans):
-                    if plans:
-                        plans.clear()
-            if caches.auto_fast:
-                caches.auto_fast.clear()
+        caches.forget_programs()
 
     def _cache_size(self) -> int:
         """As ``jax.jit(fn)._cache_size()``: how many signatures have a compiled program (the
@@ -1089,10 +1097,13 @@ class OptimizedFunction(_CallBase):
         from autoopt.report import Report
 
         of, args, kwargs = self._prepare(args, kwargs)
-        inspection = self._sites_into(of._inspect_prepared(args, kwargs))
-        placement = findings_for(inspection, args, kwargs)
-        would = _fit.would_apply(inspection.program) if of._policy.fit else []
-        return Report.from_program(inspection, args, kwargs, extra_findings=[*placement, *would])
+        with of._reporting_on(args, kwargs) as on:
+            inspection = self._sites_into(on._inspect_prepared(args, kwargs))
+            placement = findings_for(inspection, args, kwargs)
+            would = _fit.would_apply(inspection.program) if of._policy.fit else []
+            return Report.from_program(
+                inspection, args, kwargs, extra_findings=[*placement, *would]
+            )
 
     @_compat.api_boundary
     def inspect(self, *args, **kwargs) -> Inspection:
@@ -1101,7 +1112,8 @@ class OptimizedFunction(_CallBase):
         Traces (never compiles) on a signature's first use. Arguments holding non-array leaves
         are described by the function made for those static leaves."""
         of, args, kwargs = self._prepare(args, kwargs)
-        return self._sites_into(of._inspect_prepared(args, kwargs))
+        with of._reporting_on(args, kwargs) as on:
+            return self._sites_into(on._inspect_prepared(args, kwargs))
 
     def _sites_into(self, inspection: Inspection) -> Inspection:
         """``inspection`` (maybe of the function for static leaves) with this function's call
@@ -1111,6 +1123,52 @@ class OptimizedFunction(_CallBase):
         if inspection.call_sites == own or not own:
             return inspection
         return dataclasses.replace(inspection, call_sites=inspection.call_sites + own)
+
+    def _reporter(self) -> OptimizedFunction:
+        """The function a report traces, optimizes and compiles through when no call has built
+        the signature's program: the same function and policy with caches, jit objects and
+        placer of its own. A report must not change what the next call computes: jax.jit has
+        no report, and its first call traces and lowers with the values of that moment (a
+        closed-over NumPy constant refilled after the report, which jax converts when it
+        traces, or whose value the in-place pass read to prove an index)."""
+        caches = self._caches
+        if caches.reporter is None:
+            with caches.lock:
+                if caches.reporter is None:
+                    caches.reporter = OptimizedFunction(
+                        self.__wrapped__, self._policy.options, self._policy
+                    )
+        return caches.reporter
+
+    def _built_by_a_call(self, args: tuple, kwargs: dict) -> bool:
+        """A call (or ``trace``/``lower``, whose traces calls reuse) built the program of these
+        arguments' signature, without tracing anything."""
+        policy, caches = self._policy, self._caches
+        try:
+            ckey = call_signature(args, kwargs, policy.static_argnums, policy.static_argnames)
+            if ckey in caches.by_call:
+                return True
+            key, _ = trace_signature(args, kwargs, policy.static_argnums, policy.static_argnames)
+        except TypeError:  # an unhashable static argument: the report's trace raises jax's error
+            return False
+        return key in caches.programs
+
+    @contextlib.contextmanager
+    def _reporting_on(self, args: tuple, kwargs: dict):
+        """The function whose program a report of these arguments describes and compiles: this
+        one where a call built the signature's program (what calls run), else the reporter
+        (``_reporter``), emptied when the report is done."""
+        if self._built_by_a_call(args, kwargs):
+            yield self
+            return
+        reporter = self._reporter()
+        try:
+            yield reporter
+        finally:
+            # Nothing of the report's trace outlives the report but what it returns: jax
+            # reuses a closed-over NumPy constant's conversion for as long as an array converted
+            # from it is alive, and the next call's trace must convert it anew.
+            reporter.clear_cache()
 
     def _inspect_prepared(self, args: tuple, kwargs: dict, shift: int = 0) -> Inspection:
         program = self._program_for_call(args, kwargs, report_only=True)
@@ -1207,7 +1265,8 @@ class _BoundOptimized:
     def inspect(self, *args, **kwargs) -> Inspection:
         """As ``OptimizedFunction.inspect``, with the instance in front."""
         of, full, kwargs = self._owner._prepare((self._instance, *args), kwargs)
-        return of._inspect_prepared(full, kwargs, shift=1)
+        with of._reporting_on(full, kwargs) as on:
+            return on._inspect_prepared(full, kwargs, shift=1)
 
     def __getattr__(self, name):
         attr = getattr(self._owner, name)

@@ -1016,7 +1016,8 @@ def scatter_to_dus(closed, ctx: PassContext) -> PassResult:
         for site in _jaxpr.iter_eqns(closed)
     ):
         return PassResult.unchanged(closed, ())
-    facts = _ranges.analyze(closed)
+    # (the key is set by autoopt's ``trace()``: see ``_ranges.analyze``)
+    facts = _ranges.analyze(closed, numpy_values=ctx.extra.get("numpy_values", True))
     consumes = _consuming_scatters(closed)
     plans: dict[Var, _Decision] = {}
     findings: dict[Var, Finding] = {}

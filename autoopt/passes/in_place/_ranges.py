@@ -482,6 +482,8 @@ class Facts:
         # Anything else, including equations the walk never reached, counts as in a loop.
         self._once: set[Var] = set()
         self.depth = 0  # how many call views deep (a view re-walks one call site's body)
+        # Whether a NumPy constant's value may be read (``analyze``).
+        self.numpy_values = True
 
     # -- queries --
 
@@ -850,6 +852,7 @@ class _CallView(Facts):
         self._parent = parent
         self._alias = alias
         self.depth = parent.depth + 1
+        self.numpy_values = parent.numpy_values
 
     def _resolve(self, atom: Atom) -> Atom:
         if isinstance(atom, Var) and atom in self._alias:
@@ -955,9 +958,14 @@ def _join_env(a: Env | None, b: Env | None) -> Env | None:
 # --- the forward walk ------------------------------------------------------------------------
 
 
-def analyze(closed: ClosedJaxpr) -> Facts:
-    """Ranges and forms for every value of ``closed`` and all its sub-jaxprs."""
+def analyze(closed: ClosedJaxpr, numpy_values: bool = True) -> Facts:
+    """Ranges and forms for every value of ``closed`` and all its sub-jaxprs.
+
+    ``numpy_values=False``: a NumPy constant (a closed-over array the caller can refill) counts
+    as unknown, for a program traced now and lowered later (``jax.jit(f).trace``): jax reads
+    its bytes when it lowers, and a rewrite proven from its value now could be wrong then."""
     facts = Facts()
+    facts.numpy_values = numpy_values
     _walk(facts, closed.jaxpr, closed.consts, [None] * len(closed.jaxpr.invars), False)
     return facts
 
@@ -966,8 +974,8 @@ def _walk(
     facts: Facts, jaxpr: Jaxpr, consts: Sequence[Any], in_ranges: Sequence, in_loop: bool
 ) -> list[Interval | None]:
     for v, c in zip(jaxpr.constvars, consts):
-        if isinstance(c, Tracer):  # closed over from an enclosing trace: unknown
-            _set(facts, v, None)
+        if isinstance(c, Tracer) or (not facts.numpy_values and isinstance(c, np.ndarray)):
+            _set(facts, v, None)  # closed over from an enclosing trace, or read later: unknown
             continue
         facts._const[v] = c
         _set(facts, v, _values_interval(c) if hasattr(c, "dtype") or np.isscalar(c) else None)
