@@ -1098,7 +1098,7 @@ class OptimizedFunction(_CallBase):
 
         of, args, kwargs = self._prepare(args, kwargs)
         with of._reporting_on(args, kwargs) as on:
-            inspection = self._sites_into(on._inspect_prepared(args, kwargs))
+            inspection = self._sites_into(on._inspect_prepared(args, kwargs, calls=of))
             placement = findings_for(inspection, args, kwargs)
             would = _fit.would_apply(inspection.program) if of._policy.fit else []
             return Report.from_program(
@@ -1113,7 +1113,7 @@ class OptimizedFunction(_CallBase):
         are described by the function made for those static leaves."""
         of, args, kwargs = self._prepare(args, kwargs)
         with of._reporting_on(args, kwargs) as on:
-            return self._sites_into(on._inspect_prepared(args, kwargs))
+            return self._sites_into(on._inspect_prepared(args, kwargs, calls=of))
 
     def _sites_into(self, inspection: Inspection) -> Inspection:
         """``inspection`` (maybe of the function for static leaves) with this function's call
@@ -1170,21 +1170,35 @@ class OptimizedFunction(_CallBase):
             # from it is alive, and the next call's trace must convert it anew.
             reporter.clear_cache()
 
-    def _inspect_prepared(self, args: tuple, kwargs: dict, shift: int = 0) -> Inspection:
+    def _inspect_prepared(
+        self, args: tuple, kwargs: dict, shift: int = 0, calls: OptimizedFunction | None = None
+    ) -> Inspection:
+        """The inspection of these arguments' program, built by this function (the caller's, or
+        its reporter); ``calls``: the function whose calls' state it shows (this one if None)."""
+        calls = calls or self
         program = self._program_for_call(args, kwargs, report_only=True)
         if program is None:
             raise ValueError(
                 "inspect() and explain() cannot run on arguments traced by an "
                 "enclosing transformation; call them with concrete arrays."
             )
-        variants = frozenset(self._caches.jits)  # before inspect() itself makes one
+        variants = frozenset(calls._caches.jits)  # before inspect() itself makes one
         jit, donated = self._aot_choice(program, args, kwargs, shift)
-        return self._inspection(program, jit, donated, variants)
+        return self._inspection(program, jit, donated, variants, calls)
 
     def _inspection(
-        self, program: Program, jit, donated: tuple, variants: frozenset | None = None
+        self,
+        program: Program,
+        jit,
+        donated: tuple,
+        variants: frozenset | None = None,
+        calls: OptimizedFunction | None = None,
     ) -> Inspection:
-        policy, caches = self._policy, self._caches
+        """What ``program`` is and what ``jit`` runs of it; the rest (programs, variants, call
+        sites, plans, placement, eager autodiff) is the state of ``calls``' calls."""
+        policy = self._policy
+        calls = calls or self
+        caches = calls._caches
         return Inspection(
             function=self.__wrapped__,
             location=policy.fn_location,
@@ -1207,7 +1221,7 @@ class OptimizedFunction(_CallBase):
                 sum(len(s.plans or {}) for s in list(caches.sites.values()) if s.donates)
                 + len(caches.auto_fast or {})
             ),
-            placement=self._placer.figures() if self._placer is not None else None,
+            placement=calls._placer.figures() if calls._placer is not None else None,
             eager_autodiff_watched=caches.watch_autodiff,
             eager_autodiff_jit=caches.eager_ad_jit,
         )
@@ -1266,7 +1280,7 @@ class _BoundOptimized:
         """As ``OptimizedFunction.inspect``, with the instance in front."""
         of, full, kwargs = self._owner._prepare((self._instance, *args), kwargs)
         with of._reporting_on(full, kwargs) as on:
-            return on._inspect_prepared(full, kwargs, shift=1)
+            return on._inspect_prepared(full, kwargs, shift=1, calls=of)
 
     def __getattr__(self, name):
         attr = getattr(self._owner, name)
