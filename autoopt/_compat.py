@@ -7,6 +7,7 @@ names what it wraps so the next reader can find it in JAX's source.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,6 +30,7 @@ __all__ = [
     "ARRAY_IMPL",
     "KEY_ARRAY",
     "key_entry",
+    "key_base_array",
     "on_clear_caches",
     "user_frame",
     "trace_closed_jaxpr",
@@ -51,6 +53,16 @@ ARRAY_IMPL: type = _array.ArrayImpl
 # The type of a typed PRNG key array (``jax.random.key``): a jax.Array with an extended dtype,
 # not an ``ArrayImpl``. Its ``aval`` is computed (equal, not identical, between two keys).
 KEY_ARRAY: type = _prng.PRNGKeyArray
+
+
+# The uint32 jax array holding a typed PRNG key array's data (``PRNGKeyArray._base_array``). It
+# is the very object ``jax.random.key_data(key)`` returns (``random_unwrap_p``'s impl returns
+# ``keys._base_array``) and the very object ``jax.random.wrap_key_data(data)`` wraps
+# (``random_wrap_p``'s impl is ``PRNGKeyArray(impl, data)``: a jax array is not copied, a NumPy
+# one is). A key and an array can thus share one buffer without being one object: whatever
+# compares arrays by identity to keep a buffer from being donated reads a key as this too. An
+# attrgetter: read on every call of an "auto" plan.
+key_base_array: Callable[[Any], Any] = operator.attrgetter("_base_array")
 
 
 def key_entry(key) -> tuple:

@@ -152,6 +152,9 @@ def const_ids(closed: ClosedJaxpr) -> frozenset[int]:
 
     A function that reads a global array while it is traced captures that very object; an
     argument that is the same object must never be donated (the cached program reads it again).
+    A typed PRNG key constant (the key object itself, in ``consts``) adds its data array
+    (``_compat.key_base_array``: what ``jax.random.key_data`` of it returns, or the array
+    ``jax.random.wrap_key_data`` wrapped), whose buffer is the key's.
     """
     closed_jaxprs = [closed] + [
         sub
@@ -159,7 +162,14 @@ def const_ids(closed: ClosedJaxpr) -> frozenset[int]:
         for _name, _i, sub in subjaxprs(site.eqn)
         if isinstance(sub, ClosedJaxpr)
     ]
-    return frozenset(id(v) for c in closed_jaxprs for v in c.consts if isinstance(v, jax.Array))
+    ids: set[int] = set()
+    for c in closed_jaxprs:
+        for v in c.consts:
+            if isinstance(v, jax.Array):
+                ids.add(id(v))
+                if type(v) is _compat.KEY_ARRAY:
+                    ids.add(id(_compat.key_base_array(v)))
+    return frozenset(ids)
 
 
 def count_primitives(jaxpr: ClosedJaxpr | Jaxpr) -> dict[str, int]:

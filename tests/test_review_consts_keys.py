@@ -545,13 +545,6 @@ def test_the_c_call_path_and_the_python_path_agree_on_keys():
     assert runs["1"] == runs["0"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "known, older: donate='auto' compares ArrayImpl identities, and key_data(k) is "
-        "the key's own buffer"
-    ),
-)
 def test_bug_auto_a_key_beside_its_own_key_data_raises():
     """``jax.random.key_data(k)`` is ``k``'s own buffer. "auto" donates the uint32 argument
     (``distinct_arrays`` reads only ArrayImpl ids), and XLA refuses a buffer donated and read
@@ -569,13 +562,6 @@ def test_bug_auto_a_key_beside_its_own_key_data_raises():
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "known, older: donate='auto' excludes the program's constants by identity, and a "
-        "closed-over key's data array is another object"
-    ),
-)
 def test_bug_auto_donates_the_buffer_of_a_closed_over_key():
     """A closed-over key's ``key_data`` passed as an argument: "auto" donates it (the program's
     constant ids hold the key, not its buffer), deleting the caller's key; the next call raises

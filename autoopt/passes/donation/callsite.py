@@ -32,7 +32,7 @@ import operator
 import signal
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import executing
@@ -46,6 +46,7 @@ from autoopt._compat import (
     is_plain_namedtuple,
     is_tracer,
     jit_accepts_leaf,
+    key_base_array,
     key_entry,
 )
 from autoopt.passes.donation import _frames
@@ -959,11 +960,24 @@ _NODE_TYPES: set[type] = set()  # types seen as pytree nodes with children (``_s
 
 
 def _add_leaf_ids(value, seen: set[int]) -> None:
-    """Record the identity of every array in ``value`` (fast paths for the common leaves)."""
+    """Record the identity of every array in ``value`` (fast paths for the common leaves), and of
+    every typed PRNG key's data array (``_key_data_ids``)."""
     if type(value) is _ARRAY_IMPL:
         seen.add(id(value))
     elif not isinstance(value, _NO_ARRAYS):
-        seen.update(map(id, jax.tree_util.tree_leaves(value)))
+        leaves = jax.tree_util.tree_leaves(value)
+        seen.update(map(id, leaves))
+        seen.update(_key_data_ids(leaves))
+
+
+def _key_data_ids(values) -> list[int]:
+    """Identities of the data arrays of the typed PRNG keys in ``values``: a key is a leaf of its
+    own (jax flattens it to its data only inside a trace) and is never donated, but the uint32
+    array holding its data is a jax array of its own, the very object ``jax.random.key_data``
+    returns and ``jax.random.wrap_key_data`` wraps (``_compat.key_base_array``). Donating that
+    array beside the key would delete a buffer the call reads (XLA refuses the call); donating
+    it where a program holds the key as a constant deletes the constant."""
+    return [id(key_base_array(a)) for a in values if type(a) is KEY_ARRAY]
 
 
 def _repeated_array_ids(args: tuple, kwargs: dict) -> set[int]:
@@ -1284,8 +1298,18 @@ def all_array_leaves(x) -> bool:
     return bool(leaves) and all(type(v) is _ARRAY_IMPL for v in leaves)
 
 
-def distinct_arrays(values, exclude: frozenset[int]) -> bool:
-    """No array occurs twice in ``values``, and none is in ``exclude`` (a program's constants)."""
+def distinct_arrays(values: Sequence, exclude: frozenset[int]) -> bool:
+    """No array occurs twice in ``values``, none is in ``exclude`` (a program's constants, with
+    its keys' data arrays: ``_jaxpr.const_ids``), and none is the data array of a typed PRNG
+    key in ``values`` (``_key_data_ids``: ``f(k, jax.random.key_data(k))``). A key passed twice
+    is no problem: it is never donated.
+
+    Identities see every sharing of a buffer that ``key_data``, ``wrap_key_data`` and
+    ``jnp.asarray`` make (each returns or wraps the very object); ``jax.device_put(x, device)``
+    aliases ``x``'s buffer under another object, which no identity shows."""
     ids = [id(a) for a in values if type(a) is _ARRAY_IMPL]
     unique = set(ids)
-    return len(unique) == len(ids) and unique.isdisjoint(exclude)
+    if len(unique) < len(ids) or not unique.isdisjoint(exclude):
+        return False
+    # (every value an array: no key to read, and no second pass over them)
+    return len(ids) == len(values) or unique.isdisjoint(_key_data_ids(values))
