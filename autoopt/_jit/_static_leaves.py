@@ -36,6 +36,7 @@ import dataclasses
 import enum
 import functools
 import struct
+import sys
 import types
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
@@ -45,6 +46,7 @@ import numpy as np
 from jax import tree_util
 
 from autoopt import _compat, _trace
+from autoopt.passes.donation import callsite
 
 # The leaves jax.jit accepts as arguments. ``ShapeDtypeStruct`` is accepted by ``trace``/``lower``.
 _ARRAY_LEAF_TYPES = (
@@ -440,3 +442,180 @@ def _signature(args: tuple, kwargs: dict, static_argnums, static_argnames):
     from autoopt._jit._program import trace_signature
 
     return trace_signature(args, kwargs, static_argnums, static_argnames)[0]
+
+
+# --- the reference check of a donated tree with static leaves ------------------------------------
+#
+# A cached plan's run-time check (``donated_unshared``), shared by the plans of a call's static
+# leaves (``StaticLeafPlan``) and of ``eqx.filter_jit``'s route (``_equinox``): the reference
+# counts of a donated argument and of every node and array inside it, with static leaves
+# skipped (constants of the program, never buffers).
+
+_ARRAY_IMPL = _compat.ARRAY_IMPL
+_HOST_ARRAYS = (np.ndarray, np.generic)
+
+_BUILTIN_NODES = (dict, list, tuple)
+_getrefcount = sys.getrefcount
+_object_getattribute = object.__getattribute__
+
+
+@dataclasses.dataclass(frozen=True)
+class _ModuleLayout:
+    """An equinox Module type's fields as its flatten reads them from ``__dict__``."""
+
+    dynamic: tuple[str, ...]  # the children, in order
+    static: tuple[str, ...]  # node data
+    nfields: int
+
+
+# per type: its _ModuleLayout, or None (not an equinox Module, or one whose flatten did not
+# match its fields: ``callsite.kid_refcounts`` reads it)
+_LAYOUTS: dict[type, _ModuleLayout | None] = {}
+# per kid type that is a pytree leaf: True if static (never donated, skipped), False if a host
+# scalar or a leaf jax.jit accepts (the general path refuses the argument)
+_STATIC_KIDS: dict[type, bool | None] = {}  # None: a pytree node
+_UNKNOWN: Any = object()
+_MODULE_KID_BASE = -1  # calibrated when the first Module's layout is read (``_layout_of``)
+
+
+def _module_kids(d: dict, names: tuple) -> tuple[list, list]:
+    """A Module's children (``None`` for a missing field, as equinox's ``MISSING``: no buffer)
+    and their reference counts."""
+    get = d.get
+    kids = [get(n) for n in names]
+    return kids, list(map(_getrefcount, kids))
+
+
+def _calibrate_module_kids() -> int:
+    """The count ``_module_kids`` reads for a child only its Module holds."""
+    import equinox as eqx
+
+    class Probe(eqx.Module):
+        held: Any
+
+    return min(
+        _module_kids(_object_getattribute(Probe(object()), "__dict__"), ("held",))[1][0]
+        for _ in range(3)
+    )
+
+
+def _layout_of(obj: Any) -> _ModuleLayout | None:
+    global _MODULE_KID_BASE
+    t = type(obj)
+    if t in _LAYOUTS:
+        return _LAYOUTS[t]
+    layout = None
+    eqx = sys.modules.get("equinox")
+    if eqx is not None and isinstance(obj, eqx.Module) and dataclasses.is_dataclass(t):
+        fields = dataclasses.fields(t)
+        dynamic = tuple(f.name for f in fields if not f.metadata.get("static", False))
+        static = tuple(f.name for f in fields if f.metadata.get("static", False))
+        layout = _ModuleLayout(dynamic, static, len(dynamic) + len(static))
+        if _MODULE_KID_BASE < 0:
+            _MODULE_KID_BASE = _calibrate_module_kids()
+        # Read as equinox's generated flatten reads them, or not at all.
+        try:
+            kids, _ = _compat.flatten_one_level(obj)
+            d = _object_getattribute(obj, "__dict__")
+            theirs = [None if type(k).__name__ == "_Missing" else k for k in kids]
+            if len(theirs) != len(dynamic) or any(
+                a is not d.get(n) for a, n in zip(theirs, dynamic)
+            ):
+                layout = None
+        except Exception:  # noqa: BLE001 - an unreadable module: the registry path reads it
+            layout = None
+    _LAYOUTS[t] = layout
+    return layout
+
+
+def static_kid(kid: Any) -> bool | None:
+    """True: a static leaf, skipped (equinox's split makes every leaf that is not an array
+    static: a function, a Python scalar, a string; it reaches the program as a constant of its
+    static argument, never as a buffer, so other references to it do not matter); False: a jax
+    array of another type than jax's own (a tracer) or a NumPy array or scalar (transferred
+    afresh by every call: ``callsite.leaf_problem`` refuses such an argument); None: a pytree
+    node, walked. Each a fact about the kid's type (jax's registry, a NamedTuple's fields)."""
+    t = type(kid)
+    known = _STATIC_KIDS.get(t, _UNKNOWN)
+    if known is not _UNKNOWN:
+        return known
+    if t in _BUILTIN_NODES or not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(kid)):
+        kind = None
+    else:
+        kind = not isinstance(kid, (jax.Array, *_HOST_ARRAYS))
+    _STATIC_KIDS[t] = kind
+    return kind
+
+
+def held_elsewhere(obj: Any, array_base: int, depth: int = 0) -> bool:
+    """Whether a part of ``obj`` (whose own count was checked) may be read after the call: a
+    node or array inside it also referenced from elsewhere, a deleted array, a leaf the general
+    path refuses (``callsite.leaf_problem``'s rules, with ``check_refs``). ``array_base``: the
+    count of an array nothing else holds, while the plan's leaf list holds one reference.
+    An equinox Module's children are read from its ``__dict__`` (its flatten reads them there
+    too, through the Module's ``__getattribute__``); other nodes through
+    ``callsite.kid_refcounts``."""
+    if depth > 64:
+        return True
+    t = type(obj)
+    if t not in _BUILTIN_NODES and callsite.keeps_itself(t):
+        return True  # its __del__ can keep it (and its arrays) after the call drops it
+    layout = _LAYOUTS[t] if t in _LAYOUTS else _layout_of(obj)
+    d = None
+    if layout is not None:
+        d = _object_getattribute(obj, "__dict__")
+        if len(d) != layout.nfields:  # wrapper fields (``functools.wraps``): the registry path
+            d = None
+        else:
+            for n in layout.static:  # a container of arrays held as node data
+                v = d.get(n)
+                if type(v) in _BUILTIN_NODES and any(
+                    isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(v)
+                ):
+                    return True
+    if d is not None:
+        assert layout is not None
+        kids, counts = _module_kids(d, layout.dynamic)
+        base = _MODULE_KID_BASE
+    else:
+        if t not in _BUILTIN_NODES and getattr(t, "_autoopt_never_donate", False):
+            return True  # an autoopt.constant: its device copy is every call's
+        try:
+            kids, counts, base = callsite.kid_refcounts(obj)
+        except ValueError:  # a leaf: not something a donated argument may hold
+            return True
+    for kid, count in zip(kids, counts):
+        if kid is None:
+            continue
+        if type(kid) is _ARRAY_IMPL:
+            if count > base + array_base or kid.is_deleted():
+                return True
+            continue
+        static = static_kid(kid)
+        if static:
+            continue
+        if static is False or count > base or held_elsewhere(kid, array_base, depth + 1):
+            return True
+    return False
+
+
+def donated_unshared(args: tuple, positions: tuple, base: int, array_base: int) -> bool:
+    """Whether each donated argument (``positions``) is held by the call alone (``base``: its
+    count when nothing else holds it), not deleted, and every node and array inside it by its
+    parent alone (``held_elsewhere``): the rules of ``callsite.donation_checks`` with
+    ``check_refs``, whose identity checks (an array passed twice, or inside another argument
+    too) the counts cover, since each holder counts one more. ``array_base``: the references
+    the caller's own lists of the leaves hold to each array (an argument that is an array
+    included)."""
+    for p in positions:
+        # Counted before binding a local name, exactly as ``callsite._measure`` does.
+        if type(args[p]) is _ARRAY_IMPL:
+            if _getrefcount(args[p]) > base + array_base or args[p].is_deleted():
+                return False
+        elif (
+            _getrefcount(args[p]) > base
+            or static_kid(args[p]) is not None
+            or held_elsewhere(args[p], array_base)
+        ):
+            return False
+    return True
