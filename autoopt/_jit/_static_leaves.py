@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import operator
 import struct
 import sys
 import types
@@ -46,6 +47,7 @@ import numpy as np
 from jax import tree_util
 
 from autoopt import _compat, _trace
+from autoopt._jit import _plans
 from autoopt.passes.donation import callsite
 
 # The leaves jax.jit accepts as arguments. ``ShapeDtypeStruct`` is accepted by ``trace``/``lower``.
@@ -291,6 +293,9 @@ def structural_key(x: Any, _depth: int = 0) -> Hashable:
             tuple(
                 structural_key(getattr(x, f.name, None), _depth + 1) for f in dataclasses.fields(x)
             ),
+            # attributes besides its fields (``immutable_leaf`` refuses such a value): never the
+            # key of a value it accepted, so a cached plan never takes one
+            _has_instance_dict_extras(x),
         )
     return ("id", id(x))
 
@@ -426,15 +431,18 @@ def outputs_put_back(
     part = fn.output_parts.get(sig)
     if part is None:
         return out
-    treedef, at = part
     mine = {p[0]: dict(p[2]) for p in split.key}
+    return _merged_output(part, out, lambda where, j: mine[where][j].value)
+
+
+def _merged_output(part: tuple, out, static_leaf: Callable):
+    """``out`` with the static leaves ``part`` (``output_parts``' entry) says it has put back,
+    each ``static_leaf(argument, leaf index)`` of the call."""
+    treedef, at = part
     arrays = iter(tree_util.tree_leaves(out))
     return tree_util.tree_unflatten(
         treedef,
-        [
-            mine[at[j][0]][at[j][1]].value if j in at else next(arrays)
-            for j in range(treedef.num_leaves)
-        ],
+        [static_leaf(*at[j]) if j in at else next(arrays) for j in range(treedef.num_leaves)],
     )
 
 
@@ -619,3 +627,184 @@ def donated_unshared(args: tuple, positions: tuple, base: int, array_base: int) 
         ):
             return False
     return True
+
+
+# --- a call site's plans for arguments with static leaves ----------------------------------------
+#
+# As ``_jit._plans`` for arrays only, and ``_equinox``'s plans for ``eqx.filter_jit``: a
+# repeating call (``model, opt_state, loss = step(model, opt_state, x, y)`` with an equinox
+# model holding its activation functions) finds the plan of its signature at its call site,
+# which re-checks what the general path's decision left to run time, rebuilds the arguments
+# with their static leaves taken out and runs the executable of the function for those leaves.
+
+# The key, in a call site's plans (``Site.plans``), of the dict of its static-leaf plans by
+# ``static_leaf_signature``: an object no signature equals, so the C call path, which looks up
+# flat and nested signatures only, never finds it.
+STATIC_LEAF_PLANS: Any = object()
+
+_KEY_ARRAY = _compat.KEY_ARRAY
+_ONLY_ARRAYS = {_ARRAY_IMPL}
+_AVAL = operator.attrgetter("aval")
+# Leaves read by type (Python scalars) or by shape and dtype (NumPy), as ``callsite``'s tree
+# signature reads them: jax.jit traces them, so they are never static.
+_SCALAR_TYPES = frozenset({int, float, bool, complex})
+
+
+def static_leaf_signature(args: tuple) -> tuple[tuple, list] | None:
+    """``(key, trees)`` of positional arguments some of which hold static leaves, or None when
+    none does (the other plans' signatures read those: ``_plans.signature_of``).
+
+    ``key``: per argument, a jax array's ``aval``, else ``(treedef, entries)``: each leaf's
+    ``aval`` (jax arrays), ``_compat.key_entry`` (typed keys), type (Python scalars),
+    ``(type, shape, dtype)`` (NumPy), else a ``Static`` of it (compared by ``structural_key``,
+    never by the leaf's own ``__eq__``). ``trees``: per argument, ``(leaves, treedef, indices of
+    its Static leaves)``, an array as ``([array], None, ())``: the lists hold one reference to
+    every array of the arguments (``donated_unshared``'s ``array_base`` 1)."""
+    key, trees = [], []
+    found = False
+    for i in range(len(args)):  # (no loop name bound to an argument: see split_if_static)
+        if type(args[i]) is _ARRAY_IMPL:
+            key.append(args[i].aval)
+            trees.append(([args[i]], None, ()))
+            continue
+        leaves, treedef = tree_util.tree_flatten(args[i])
+        if set(map(type, leaves)) <= _ONLY_ARRAYS:  # one C-level pass for a state of arrays
+            key.append((treedef, tuple(map(_AVAL, leaves))))
+            trees.append((leaves, treedef, ()))
+            continue
+        entries, static = [], []
+        for j, x in enumerate(leaves):
+            t = type(x)
+            if t is _ARRAY_IMPL:
+                entries.append(x.aval)
+            elif t in _SCALAR_TYPES:
+                entries.append(t)
+            elif t is _KEY_ARRAY:
+                entries.append(_compat.key_entry(x))
+            elif isinstance(x, _HOST_ARRAYS):
+                entries.append((t, x.shape, x.dtype))
+            else:
+                entries.append(Static(x))
+                static.append(j)
+        found = found or bool(static)
+        key.append((treedef, tuple(entries)))
+        trees.append((leaves, treedef, tuple(static)))
+    return (tuple(key), trees) if found else None
+
+
+class StaticLeafPlan:
+    """A signature's plan at one call site, for arguments holding static leaves: the static half
+    of the general path's decision (``_dispatch.plan_static_leaves``), kept.
+
+    ``plan(args, trees) -> outputs`` (``trees``: ``static_leaf_signature``'s), or ``_plans.MISS``
+    when a run-time check refuses. The checks are those of the general path for this signature:
+    each donated argument, and every node and array inside it, held by the call alone (the
+    reference counts of ``donated_unshared``, with static leaves skipped), nothing deleted, and
+    ``jax_debug_nans``/``jax_debug_infs`` off; a plan donating nothing checks nothing. The
+    signature fixed the rest (the static leaves by ``structural_key``, what each donated
+    argument holds, the executable, what the output hands back)."""
+
+    __slots__ = ("run", "positions", "base", "rebuilt", "outputs")
+
+    def __init__(self, run, positions: tuple, base: int, rebuilt: tuple, outputs):
+        self.run = run  # ``_plans.kept``: the executable, through the placer when needed
+        self.positions = positions  # the arguments donated
+        self.base = base  # the reference count of an argument nothing else holds
+        self.rebuilt = rebuilt  # the arguments holding static leaves
+        # per output part holding static leaves: (its index in the output tuple, or None for the
+        # whole output; its treedef; {leaf index: (argument, leaf index)})
+        self.outputs = outputs
+
+    def __call__(self, args: tuple, trees: list):
+        if self.positions:
+            if not donated_unshared(args, self.positions, self.base, 1):
+                return _plans.MISS
+            nans, infs = _DEBUG_STATES
+            if nans.value or infs.value:  # jax re-runs the inputs op by op on a NaN
+                return _plans.MISS
+        dynamic = list(args)
+        for i in self.rebuilt:
+            leaves, treedef, static = trees[i]
+            leaves = list(leaves)
+            for j in static:
+                leaves[j] = None
+            dynamic[i] = tree_util.tree_unflatten(treedef, leaves)
+        out = self.run(tuple(dynamic))
+        if not self.outputs:
+            return out
+
+        def static_leaf(where, j):
+            return trees[where][0][j]
+
+        parts = list(out) if self.outputs[0][0] is not None else None
+        for at, treedef, taken in self.outputs:
+            if at is None:
+                return _merged_output((treedef, taken), out, static_leaf)
+            assert parts is not None
+            parts[at] = _merged_output((treedef, taken), parts[at], static_leaf)
+        return tuple(parts) if parts is not None else out
+
+
+_DEBUG_STATES = _compat.DEBUG_NANS_STATES
+
+
+def run_static_leaf_plan(plans: dict, args: tuple):
+    """The output of the plan ``plans`` (a site's ``STATIC_LEAF_PLANS``) has for these
+    arguments' signature, or ``_plans.MISS`` (none, or its checks refused)."""
+    found = static_leaf_signature(args)
+    if found is None:
+        return _plans.MISS
+    try:
+        plan = plans.get(found[0])
+    except Exception:  # noqa: BLE001 - unhashable node data: jax.jit's own call says so
+        return _plans.MISS
+    if plan is None:
+        return _plans.MISS
+    return plan(args, found[1])
+
+
+def static_leaf_plan(
+    split: StaticSplit, fn: Callable, run: Callable, positions: tuple, trees: list, base: int
+) -> StaticLeafPlan | None:
+    """The plan for a call split as ``split`` (of the same arguments as ``trees``), running
+    ``run`` (the executable of ``fn``, the function for its static leaves) and donating
+    ``positions``; None when the signature's static leaves are not those ``split`` took out (a
+    leaf jax.jit traces that the signature does not read), or what the output hands back is not
+    known (``with_static_leaves``' record of it)."""
+    taken = {part[0]: tuple(j for j, _ in part[2]) for part in split.key}
+    if any(taken.get(i, ()) != tree[2] for i, tree in enumerate(trees)):
+        return None
+    sig = _signature(split.args, split.kwargs, (), ())
+    if sig not in fn.output_parts:
+        return None
+    part = fn.output_parts[sig]
+    outputs: tuple = ()
+    if part is not None:
+        treedef, at = part
+        outputs = ((None, treedef, at),)
+        if treedef.node_data() is not None and treedef.node_data()[0] is tuple:
+            # only the parts of an output tuple that hand back static leaves are rebuilt (the
+            # updated model, not the optimizer state next to it)
+            outputs, start = (), 0
+            for k, kid in enumerate(tree_util.treedef_children(treedef)):
+                n = kid.num_leaves
+                mine = {j - start: at[j] for j in range(start, start + n) if j in at}
+                if mine:
+                    outputs += ((k, kid, mine),)
+                start += n
+    return StaticLeafPlan(run, positions, base, tuple(sorted(taken)), outputs)
+
+
+def donatable_by_signature(tree: tuple) -> bool:
+    """An argument (``static_leaf_signature``'s tree) whose leaves are jax arrays, at least
+    one, and static leaves: a Python scalar, a NumPy leaf or a typed key inside it makes the
+    general path refuse to donate it (``callsite.leaf_problem``), whatever the call."""
+    leaves, _, static = tree
+    arrays = sum(type(x) is _ARRAY_IMPL for x in leaves)
+    return arrays > 0 and arrays + len(static) == len(leaves)
+
+
+def holds_host_leaves(trees: list) -> bool:
+    """Some argument (``static_leaf_signature``'s trees) holds a NumPy array or scalar: the
+    placer puts it on the device (``_dispatch.remember_fast`` keeps the placer for them)."""
+    return any(isinstance(x, _HOST_ARRAYS) for leaves, _, _ in trees for x in leaves)
