@@ -121,28 +121,16 @@ def test_an_equinox_model_and_its_optax_state_are_donated():
 
 
 def _mlp_step():
-    """An equinox MLP (its activation functions are static leaves) + adam, its step, and its
-    initial state: ``model, opt_state, loss = step(model, opt_state, x, y)``."""
-    eqx = pytest.importorskip("equinox")
-    optax = pytest.importorskip("optax")
-    tx = optax.adam(1e-2)
+    """``test_equinox_plans``' loop: an equinox MLP (its activation functions are static leaves)
+    + adam, ``model, opt_state, loss = step(model, opt_state, x, y)``: its step and init."""
+    pytest.importorskip("equinox")
+    pytest.importorskip("optax")
+    from tests.test_equinox_plans import _init, _step
 
-    def step(model, opt_state, x, y):
-        def loss(m):
-            return jnp.mean((jax.vmap(m)(x) - y) ** 2)
-
-        value, g = eqx.filter_value_and_grad(loss)(model)
-        updates, opt_state = tx.update(g, opt_state, eqx.filter(model, eqx.is_array))
-        return eqx.apply_updates(model, updates), opt_state, value
-
-    def init():
-        model = eqx.nn.MLP(8, 8, 16, 2, key=jax.random.key(0))
-        return model, tx.init(eqx.filter(model, eqx.is_array))
-
-    return step, init
+    return _step, _init
 
 
-_X, _Y = jnp.linspace(-1.0, 1.0, 64).reshape(8, 8), jnp.linspace(1.0, 0.0, 64).reshape(8, 8)
+_X, _Y = jnp.linspace(-1.0, 1.0, 64).reshape(16, 4), jnp.linspace(1.0, 0.0, 64).reshape(16, 4)
 
 
 def _loop(fn, init, steps: int, at=None):
@@ -299,24 +287,13 @@ def test_a_repeating_call_with_static_leaves_takes_the_site_plan_not_the_general
 
 _BOTH_PATHS_LOOP = """
     import jax, jax.numpy as jnp, numpy as np
-    import equinox as eqx, optax
+    import equinox as eqx
 
     import autoopt
-
-    tx = optax.adam(1e-2)
-
-    def step(model, opt_state, x, y):
-        def loss(m):
-            return jnp.mean((jax.vmap(m)(x) - y) ** 2)
-
-        value, g = eqx.filter_value_and_grad(loss)(model)
-        updates, opt_state = tx.update(g, opt_state, eqx.filter(model, eqx.is_array))
-        return eqx.apply_updates(model, updates), opt_state, value
+    from tests.test_equinox_plans import X, Y, _init, _step
 
     def loop(fn):
-        model = eqx.nn.MLP(8, 8, 16, 2, key=jax.random.key(0))
-        opt_state = tx.init(eqx.filter(model, eqx.is_array))
-        x, y = jnp.ones((8, 8)), jnp.zeros((8, 8))
+        model, opt_state = _init()
         held, alias, out = None, None, []
         for i in range(8):
             if i == 3:
@@ -325,7 +302,7 @@ _BOTH_PATHS_LOOP = """
                 alias = model.layers[0].weight
             if i == 5:
                 model = eqx.tree_at(lambda m: m.activation, model, jnp.tanh)
-            model, opt_state, loss = fn(model, opt_state, x, y)
+            model, opt_state, loss = fn(model, opt_state, X, Y)
             out.append(float(loss))
         alive = not any(a.is_deleted() for a in array_leaves((held, alias)))
         return out, alive, [np.asarray(a) for a in array_leaves((model, held))]
@@ -333,8 +310,8 @@ _BOTH_PATHS_LOOP = """
     def array_leaves(tree):
         return jax.tree_util.tree_leaves(eqx.filter(tree, eqx.is_array))
 
-    got, alive, arrays = loop(autoopt.optimize(step))
-    want, _, ref = loop(eqx.filter_jit(step))
+    got, alive, arrays = loop(autoopt.optimize(_step))
+    want, _, ref = loop(eqx.filter_jit(_step))
     same = got == want and all(np.array_equal(a, b) for a, b in zip(arrays, ref))
     print(alive, same)
 """
