@@ -282,7 +282,8 @@ def make_dispatch(of: Planned) -> Callable[..., CallPlan]:
         if caches.lookup_plain and not (site.donates and matches):
             if has_static_leaves(args, kwargs):
                 # 3. the signature's executable for these leaves, copies of what it donates
-                plan = plan_static_leaves(of, (), (), args, kwargs, plans=site.plans)
+                plans = None if shift else site.plans  # (a method's call takes no plan)
+                plan = plan_static_leaves(of, (), (), args, kwargs, plans=plans)
                 if plan is not None:
                     return plan
             return plan_kept(of, args, kwargs, site)  # 4. nothing donated
@@ -291,8 +292,9 @@ def make_dispatch(of: Planned) -> Callable[..., CallPlan]:
         proof = site.proof
         bases = callsite.BOUND_BASES if shift else None
         if has_static_leaves(args, kwargs):
+            plans = None if shift else site.plans
             plan = plan_static_leaves(
-                of, proof.positions, proof.names, args, kwargs, bases, site.plans, proof.unpack
+                of, proof.positions, proof.names, args, kwargs, bases, plans, proof.unpack
             )
             if plan is not None:  # 3.
                 return plan
@@ -438,6 +440,7 @@ def plan_static_leaves(
     if host_callbacks(program.final):  # "safe" never donates into callbacks
         positions = names = ()
     pos = nms = ()
+    decided = True
     try:
         d = program.decide((positions, names))
         # (the statement's targets must take the result apart: else they keep the old values)
@@ -451,9 +454,10 @@ def plan_static_leaves(
     except Exception as e:  # noqa: BLE001 - donation is an optimization; never break the call
         of._fall_back(e, "donation")
         d, pos, nms = program.decide((positions, names)), (), ()
+        decided = False
     split = split_if_static(args, kwargs, policy.static_argnums, policy.static_argnames)
     assert split is not None  # the same arguments as above
-    if plans is not None and not kwargs and len(plans) < FAST_ENTRIES:
+    if decided and plans is not None and not kwargs and len(plans) < FAST_ENTRIES:
         remember_static_leaves(sub, plans, program, d, positions, args, split, unpack)
     return plan_for(sub, program, d, pos, nms)._replace(static=split, static_fn=sub, direct=False)
 
@@ -486,7 +490,7 @@ def remember_static_leaves(
     donatable = _static_leaves.donatable_by_signature
     pos = ()
     if program.unpacks_to(unpack):
-        pos = tuple(p for p in positions if p in d[0] and donatable(trees[p]))
+        pos = tuple(p for p in positions if p in d[0] and p < len(trees) and donatable(trees[p]))
     if any(p not in pos for p in d[0]):
         return  # calls here pass copies of what the executable donates: the general path
     jit = sub._jit_for(*d) if d[0] else sub._plain

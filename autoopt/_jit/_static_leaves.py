@@ -704,13 +704,17 @@ class StaticLeafPlan:
     signature fixed the rest (the static leaves by ``structural_key``, what each donated
     argument holds, the executable, what the output hands back)."""
 
-    __slots__ = ("run", "positions", "base", "rebuilt", "outputs")
+    __slots__ = ("run", "positions", "base", "rebuilt", "recorded", "outputs")
 
-    def __init__(self, run, positions: tuple, base: int, rebuilt: tuple, outputs):
+    def __init__(self, run, positions: tuple, base: int, rebuilt: tuple, recorded, outputs):
         self.run = run  # ``_plans.kept``: the executable, through the placer when needed
         self.positions = positions  # the arguments donated
         self.base = base  # the reference count of an argument nothing else holds
         self.rebuilt = rebuilt  # the arguments holding static leaves
+        # (``output_parts`` of the function for these leaves, the signature's key there, its
+        # entry): a trace of the signature since (after ``jax.clear_caches()``) that recorded
+        # another output makes the plan miss, as the general path reads the latest
+        self.recorded = recorded
         # per output part holding static leaves: (its index in the output tuple, or None for the
         # whole output; its treedef; {leaf index: (argument, leaf index)})
         self.outputs = outputs
@@ -722,6 +726,9 @@ class StaticLeafPlan:
             nans, infs = _DEBUG_STATES
             if nans.value or infs.value:  # jax re-runs the inputs op by op on a NaN
                 return _plans.MISS
+        parts, sig, part = self.recorded
+        if parts.get(sig, _plans.MISS) is not part:
+            return _plans.MISS
         dynamic = list(args)
         for i in self.rebuilt:
             leaves, treedef, static = trees[i]
@@ -736,13 +743,13 @@ class StaticLeafPlan:
         def static_leaf(where, j):
             return trees[where][0][j]
 
-        parts = list(out) if self.outputs[0][0] is not None else None
+        kids = list(out) if self.outputs[0][0] is not None else None
         for at, treedef, taken in self.outputs:
             if at is None:
                 return _merged_output((treedef, taken), out, static_leaf)
-            assert parts is not None
-            parts[at] = _merged_output((treedef, taken), parts[at], static_leaf)
-        return tuple(parts) if parts is not None else out
+            assert kids is not None
+            kids[at] = _merged_output((treedef, taken), kids[at], static_leaf)
+        return tuple(kids) if kids is not None else out
 
 
 _DEBUG_STATES = _compat.DEBUG_NANS_STATES
@@ -792,7 +799,8 @@ def static_leaf_plan(
                 if mine:
                     outputs += ((k, kid, mine),)
                 start += n
-    return StaticLeafPlan(run, positions, base, tuple(sorted(taken)), outputs)
+    recorded = (fn.output_parts, sig, part)
+    return StaticLeafPlan(run, positions, base, tuple(sorted(taken)), recorded, outputs)
 
 
 def donatable_by_signature(tree: tuple) -> bool:
