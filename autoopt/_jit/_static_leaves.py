@@ -26,6 +26,12 @@ The leaves are inspected before jax.jit is called (``split_if_static``), so a Ty
 the user's own function is never mistaken for jax.jit refusing a leaf, and the function body
 runs once per call as under jax.jit.
 
+A repeating call at a call site under ``"safe"`` takes the plan its site keeps for the
+arguments' signature (``StaticLeafPlan``, recorded by ``_dispatch.plan_static_leaves``): the
+static leaves in that signature by ``Static`` too, so a new activation function, or a value
+changed under the same identity, misses and takes the general path. Its run-time check
+(``donated_unshared``) is also the one of ``eqx.filter_jit``'s plans (``_equinox``).
+
 NB: the analogous code in Equinox is ``equinox._jit`` (``hashable_partition`` of the arguments
 into dynamic and static parts, ``hashable_combine`` inside the traced function).
 """
