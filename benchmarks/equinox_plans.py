@@ -6,7 +6,8 @@ Two loops:
 
 - ``mlp``: an ``eqx.nn.MLP`` of width ``--width`` (16: the loop of small steps) + optax adam,
   ``model, opt_state, loss = make_step(model, opt_state, x, y)``; expert:
-  ``filter_jit(donate="all-except-first")`` with the batch first (equinox's idiom);
+  ``filter_jit(donate="all-except-first")`` with the batch first (equinox's idiom); ``direct``:
+  ``autoopt.optimize(make_step)`` called directly, without ``eqx.filter_jit``;
 - ``gru``: the public equinox GRU (benchmarks/public/equinox_train_rnn.py: its ``RNN``, data and
   dataloader, read from the vendored file; its ``make_step`` written out the same), ``loss,
   model, opt_state = make_step(model, x, y, opt_state)`` and ``loss.item()`` per step as there;
@@ -48,8 +49,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def mlp_loop(width: int):
-    """frameworks.py's equinox MLP + adam loop, patched with the defaults only."""
-    return equinox_variants(width, patches={"autoopt.patch()": {}})
+    """frameworks.py's equinox MLP + adam loop, patched with the defaults only, and ``direct``:
+    ``autoopt.optimize(make_step)`` called directly (no ``eqx.filter_jit``), the model's
+    activation functions made static by autoopt's own split (``_jit._static_leaves``)."""
+    fns, init, loop = equinox_variants(width, patches={"autoopt.patch()": {}})
+    expert = fns.pop("expert")
+    fns["direct"] = autoopt.optimize(fns["plain"].__wrapped__)
+    fns["expert"] = expert
+    return fns, init, loop
 
 
 def _public_gru() -> types.ModuleType:

@@ -318,7 +318,8 @@ def make_dispatch(of: Planned) -> Callable[..., CallPlan]:
         if caches.lookup_plain and not (site.donates and matches):
             if has_static_leaves(args, kwargs):
                 # 3. the signature's executable for these leaves, copies of what it donates
-                plan = plan_static_leaves(of, (), (), args, kwargs)
+                plans = None if shift else site.plans  # (a method's call takes no plan)
+                plan = plan_static_leaves(of, (), (), args, kwargs, plans=plans)
                 if plan is not None:
                     return plan
             return plan_kept(of, args, kwargs, site)  # 4. nothing donated
@@ -327,7 +328,10 @@ def make_dispatch(of: Planned) -> Callable[..., CallPlan]:
         proof = site.proof
         bases = callsite.BOUND_BASES if shift else None
         if has_static_leaves(args, kwargs):
-            plan = plan_static_leaves(of, proof.positions, proof.names, args, kwargs, bases)
+            plans = None if shift else site.plans
+            plan = plan_static_leaves(
+                of, proof.positions, proof.names, args, kwargs, bases, plans, proof.unpack
+            )
             if plan is not None:  # 3.
                 return plan
         return plan_donating(  # 4.
@@ -440,14 +444,18 @@ def plan_static_leaves(
     args: tuple,
     kwargs: dict,
     bases: tuple | None = None,
+    plans: dict | None = None,
+    unpack: tuple | None = None,
 ) -> CallPlan | None:
-    """The plan of a donating call site whose arguments hold non-array leaves (an equinox
-    module's activation function), or None when they hold none.
+    """The plan of a call site under ``"safe"`` whose arguments hold non-array leaves (an
+    equinox module's activation function), or None when they hold none.
 
     Donated exactly as the same call with array leaves only: the function for these static
     leaves traces its program, which decides what its one executable donates; the reference
     checks run on the caller's own arguments (static leaves skipped: they are constants of the
-    program), before the split trees exist, since those hold the arguments too.
+    program), before the split trees exist, since those hold the arguments too. With ``plans``
+    (the site's, for a call without a bound instance), the decision for this signature is kept
+    there for the next call (``remember_static_leaves``).
     """
     policy = of._policy
     split = split_if_static(args, kwargs, policy.static_argnums, policy.static_argnames)
@@ -465,24 +473,73 @@ def plan_static_leaves(
         positions = tuple(p for p in positions if p not in static)
         names = tuple(n for n in names if n not in policy.static_argnames)
     positions, names = _without_self_keeping(args, kwargs, positions, names)
+    if host_callbacks(program.final):  # "safe" never donates into callbacks
+        positions = names = ()
     pos = nms = ()
+    decided = True
     try:
-        if host_callbacks(program.final):  # "safe" never donates into callbacks
-            d = program.decide(((), ()))
-        else:
-            d = program.decide((positions, names))
+        d = program.decide((positions, names))
+        # (the statement's targets must take the result apart: else they keep the old values)
+        if program.unpacks_to(unpack):
             pos = tuple(p for p in positions if p in d[0])
             nms = tuple(n for n in names if n in d[1])
-            if pos or nms:
-                pos, nms, _reasons = callsite.donation_checks(
-                    args, kwargs, pos, nms, check_refs=True, bases=bases, exclude=program.const_ids
-                )
+        if pos or nms:
+            pos, nms, _reasons = callsite.donation_checks(
+                args, kwargs, pos, nms, check_refs=True, bases=bases, exclude=program.const_ids
+            )
     except Exception as e:  # noqa: BLE001 - donation is an optimization; never break the call
         of._fall_back(e, "donation")
         d, pos, nms = program.decide((positions, names)), (), ()
+        decided = False
     split = split_if_static(args, kwargs, policy.static_argnums, policy.static_argnames)
     assert split is not None  # the same arguments as above
+    if decided and plans is not None and not kwargs and len(plans) < FAST_ENTRIES:
+        remember_static_leaves(sub, plans, program, d, positions, args, split, unpack)
     return plan_for(sub, program, d, pos, nms)._replace(static=split, static_fn=sub, direct=False)
+
+
+def remember_static_leaves(
+    sub: Planned,
+    plans: dict,
+    program: Program,
+    d: tuple,
+    positions: tuple,
+    args: tuple,
+    split: _static_leaves.StaticSplit,
+    unpack: tuple | None,
+) -> None:
+    """Record at a site, for positional arguments holding static leaves, the plan of their
+    signature (``_static_leaves.StaticLeafPlan``): as ``remember_fast``, only the static half of
+    the decision is kept (the executable of ``sub``, the function for these leaves; what the
+    site proves and the signature allows to donate), and only where every call of the
+    signature that passes the run-time checks runs that executable as it is."""
+    policy = sub._policy
+    if policy.has_static or policy.verify or program.lost_updates or d[1]:
+        return
+    table = plans.get(_static_leaves.STATIC_LEAF_PLANS)
+    if table is None:
+        table = plans[_static_leaves.STATIC_LEAF_PLANS] = {}
+    found = _static_leaves.static_leaf_signature(args)
+    if found is None or len(table) >= FAST_ENTRIES:
+        return
+    key, trees = found
+    donatable = _static_leaves.donatable_by_signature
+    pos = ()
+    if program.unpacks_to(unpack):
+        pos = tuple(p for p in positions if p in d[0] and p < len(trees) and donatable(trees[p]))
+    if any(p not in pos for p in d[0]):
+        return  # calls here pass copies of what the executable donates: the general path
+    jit = sub._jit_for(*d) if d[0] else sub._plain
+    host = _static_leaves.holds_host_leaves(trees)
+    placer = sub._placer if host or placer_needed(sub, program) else None
+    plan = _static_leaves.static_leaf_plan(
+        split, sub.__wrapped__, _plans.kept(jit, placer), pos, trees, callsite.CALL_REFS
+    )
+    if plan is not None:
+        try:
+            table[key] = plan
+        except Exception:  # noqa: BLE001 - unhashable node data: no plan
+            pass
 
 
 def plan_kept(of: Planned, args: tuple, kwargs: dict, site: Any) -> CallPlan:

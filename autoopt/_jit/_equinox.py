@@ -30,7 +30,7 @@ of ``(args, kwargs)``, each leaf's type, and each leaf's aval or, for a static l
 itself, compared as jax.jit compares static arguments). The plan keeps the static half of the
 general path's decision (the program's aliasing, the site's proof, the arguments' layout) and
 re-checks the run-time half on every call: the reference counts of every donated argument and
-of every node and array inside it (``_held_elsewhere``: the rules of
+of every node and array inside it (``_static_leaves.donated_unshared``: the rules of
 ``callsite.donation_checks``), nothing deleted, none a constant of the program, ``jax_debug_nans``
 off. A failed check, a new signature, an unhashable static leaf: the general path.
 
@@ -41,7 +41,6 @@ NB: the analogous code in Equinox is ``equinox._jit`` (``_preprocess``, ``fun_wr
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 import inspect
 import itertools
@@ -61,6 +60,7 @@ from autoopt._jit._dispatch import Policy, placer_needed, plan_for
 from autoopt._jit._function import FRAMEWORK_ROUTES, OptimizedFunction, fn_location_of
 from autoopt._jit._plans import MISS
 from autoopt._jit._program import FAST_ENTRIES, Site
+from autoopt._jit._static_leaves import donated_unshared, held_elsewhere, static_kid
 from autoopt.passes import make_options
 from autoopt.passes.donation import callsite, host_callbacks
 
@@ -218,51 +218,9 @@ def _leaf_signature(leaves: list) -> tuple | None:
     return tuple(sig)
 
 
-# --- the plans' reference check -----------------------------------------------------------------
+# --- the plans' reference check (``_static_leaves.held_elsewhere``) ----------------------------
 
-_BUILTIN_NODES = (dict, list, tuple)
 _getrefcount = sys.getrefcount
-_object_getattribute = object.__getattribute__
-
-
-@dataclasses.dataclass(frozen=True)
-class _ModuleLayout:
-    """An equinox Module type's fields as its flatten reads them from ``__dict__``."""
-
-    dynamic: tuple[str, ...]  # the children, in order
-    static: tuple[str, ...]  # node data
-    nfields: int
-
-
-# per type: its _ModuleLayout, or None (not an equinox Module, or one whose flatten did not
-# match its fields: ``callsite.kid_refcounts`` reads it)
-_LAYOUTS: dict[type, _ModuleLayout | None] = {}
-# per kid type that is a pytree leaf: True if static (never donated, skipped), False if a host
-# scalar or a leaf jax.jit accepts (the general path refuses the argument)
-_STATIC_KIDS: dict[type, bool | None] = {}  # None: a pytree node
-_UNKNOWN: Any = object()
-_MODULE_KID_BASE = -1  # calibrated on first use (``_calibrate``)
-
-
-def _module_kids(d: dict, names: tuple) -> tuple[list, list]:
-    """A Module's children (``None`` for a missing field, as equinox's ``MISSING``: no buffer)
-    and their reference counts."""
-    get = d.get
-    kids = [get(n) for n in names]
-    return kids, list(map(_getrefcount, kids))
-
-
-def _calibrate() -> int:
-    """The count ``_module_kids`` reads for a child only its Module holds."""
-    import equinox as eqx
-
-    class Probe(eqx.Module):
-        held: Any
-
-    return min(
-        _module_kids(_object_getattribute(Probe(object()), "__dict__"), ("held",))[1][0]
-        for _ in range(3)
-    )
 
 
 class _CallProbe:
@@ -294,55 +252,10 @@ def _calibrate_call() -> tuple[int, int]:
 _CALL_BASES = _calibrate_call()
 
 
-def _layout_of(obj: Any) -> _ModuleLayout | None:
-    t = type(obj)
-    if t in _LAYOUTS:
-        return _LAYOUTS[t]
-    layout = None
-    eqx = sys.modules.get("equinox")
-    if eqx is not None and isinstance(obj, eqx.Module) and dataclasses.is_dataclass(t):
-        fields = dataclasses.fields(t)
-        dynamic = tuple(f.name for f in fields if not f.metadata.get("static", False))
-        static = tuple(f.name for f in fields if f.metadata.get("static", False))
-        layout = _ModuleLayout(dynamic, static, len(dynamic) + len(static))
-        # Read as equinox's generated flatten reads them, or not at all.
-        try:
-            kids, _ = _compat.flatten_one_level(obj)
-            d = _object_getattribute(obj, "__dict__")
-            theirs = [None if type(k).__name__ == "_Missing" else k for k in kids]
-            if len(theirs) != len(dynamic) or any(
-                a is not d.get(n) for a, n in zip(theirs, dynamic)
-            ):
-                layout = None
-        except Exception:  # noqa: BLE001 - an unreadable module: the registry path reads it
-            layout = None
-    _LAYOUTS[t] = layout
-    return layout
-
-
-def _static_kid(kid: Any) -> bool | None:
-    """True: a static leaf, skipped (equinox's split makes every leaf that is not an array
-    static: a function, a Python scalar, a string; it reaches the program as a constant of its
-    static argument, never as a buffer, so other references to it do not matter); False: a jax
-    array of another type than jax's own (a tracer) or a NumPy array or scalar (transferred
-    afresh by every call: ``callsite.leaf_problem`` refuses such an argument); None: a pytree
-    node, walked. Each a fact about the kid's type (jax's registry, a NamedTuple's fields)."""
-    t = type(kid)
-    known = _STATIC_KIDS.get(t, _UNKNOWN)
-    if known is not _UNKNOWN:
-        return known
-    if t in _BUILTIN_NODES or not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(kid)):
-        kind = None
-    else:
-        kind = not isinstance(kid, (jax.Array, *_HOST_ARRAYS))
-    _STATIC_KIDS[t] = kind
-    return kind
-
-
 def _donatable_now(args: tuple, kwargs: dict, positions: tuple) -> tuple:
     """The general path's run-time check of the proven positional arguments (``positions``),
     on the user's own objects before anything else holds their parts: each held only by the
-    call, and every node and array inside it only by its parent (``_held_elsewhere``). Under
+    call, and every node and array inside it only by its parent (``held_elsewhere``). Under
     ``"safe"`` these reference counts also rule out an array passed twice, or also passed
     inside another argument (it counts one more), which ``callsite.donation_checks`` looks for
     by identity. A keyword argument is never donated (as there)."""
@@ -357,61 +270,9 @@ def _donatable_now(args: tuple, kwargs: dict, positions: tuple) -> tuple:
         if type(args[p]) is _ARRAY_IMPL:
             if not args[p].is_deleted():
                 ok.append(p)
-        elif _static_kid(args[p]) is None and not _held_elsewhere(args[p], 0):
+        elif static_kid(args[p]) is None and not held_elsewhere(args[p], 0):
             ok.append(p)
     return tuple(ok)
-
-
-def _held_elsewhere(obj: Any, array_base: int, depth: int = 0) -> bool:
-    """Whether a part of ``obj`` (whose own count was checked) may be read after the call: a
-    node or array inside it also referenced from elsewhere, a deleted array, a leaf the general
-    path refuses (``callsite.leaf_problem``'s rules, with ``check_refs``). ``array_base``: the
-    count of an array nothing else holds, while the plan's leaf list holds one reference.
-    An equinox Module's children are read from its ``__dict__`` (its flatten reads them there
-    too, through the Module's ``__getattribute__``); other nodes through
-    ``callsite.kid_refcounts``."""
-    if depth > 64:
-        return True
-    t = type(obj)
-    if t not in _BUILTIN_NODES and callsite.keeps_itself(t):
-        return True  # its __del__ can keep it (and its arrays) after the call drops it
-    layout = _LAYOUTS[t] if t in _LAYOUTS else _layout_of(obj)
-    d = None
-    if layout is not None:
-        d = _object_getattribute(obj, "__dict__")
-        if len(d) != layout.nfields:  # wrapper fields (``functools.wraps``): the registry path
-            d = None
-        else:
-            for n in layout.static:  # a container of arrays held as node data
-                v = d.get(n)
-                if type(v) in _BUILTIN_NODES and any(
-                    isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(v)
-                ):
-                    return True
-    if d is not None:
-        assert layout is not None
-        kids, counts = _module_kids(d, layout.dynamic)
-        base = _MODULE_KID_BASE
-    else:
-        if t not in _BUILTIN_NODES and getattr(t, "_autoopt_never_donate", False):
-            return True  # an autoopt.constant: its device copy is every call's
-        try:
-            kids, counts, base = callsite.kid_refcounts(obj)
-        except ValueError:  # a leaf: not something a donated argument may hold
-            return True
-    for kid, count in zip(kids, counts):
-        if kid is None:
-            continue
-        if type(kid) is _ARRAY_IMPL:
-            if count > base + array_base or kid.is_deleted():
-                return True
-            continue
-        static = _static_kid(kid)
-        if static:
-            continue
-        if static is False or count > base or _held_elsewhere(kid, array_base, depth + 1):
-            return True
-    return False
 
 
 # --- the plans ----------------------------------------------------------------------------------
@@ -465,9 +326,6 @@ class EquinoxJit:
         import equinox as eqx
         from equinox._compile_utils import get_fn_names, hashable_partition
 
-        global _MODULE_KID_BASE
-        if _MODULE_KID_BASE < 0:
-            _MODULE_KID_BASE = _calibrate()
         self.__wrapped__ = fun
         functools.update_wrapper(self, fun, updated=())
         self._plain = plain  # equinox's own wrapper: lower(), and errors as equinox raises them
@@ -577,17 +435,9 @@ class EquinoxJit:
 
     def _planned(self, plan: _Plan, args: tuple, leaves: list, jit_id: bytes):
         """The plan's run-time checks, then its executable; ``MISS`` when a check refuses."""
-        base = plan.base
-        for p in plan.positions:
-            # Counted before binding a local name, exactly as ``callsite._measure`` does; the
-            # leaf list holds one more reference to an argument that is itself an array.
-            if _getrefcount(args[p]) > base + (type(args[p]) is _ARRAY_IMPL):
-                return MISS
-            if type(args[p]) is _ARRAY_IMPL:
-                if args[p].is_deleted():
-                    return MISS
-            elif _static_kid(args[p]) is not None or _held_elsewhere(args[p], 1):
-                return MISS
+        # (the leaf list holds one more reference to each array: ``array_base`` 1)
+        if not donated_unshared(args, plan.positions, plan.base, 1):
+            return MISS
         nans, infs = _compat.DEBUG_NANS_STATES
         if plan.positions and (nans.value or infs.value):
             return MISS

@@ -40,7 +40,7 @@ from autoopt._jit._dispatch import Caches, CallPlan, Policy, make_dispatch, with
 from autoopt._jit._inspect import Inspection
 from autoopt._jit._plans import MISS, flat_key, lookup_nested
 from autoopt._jit._program import Program, Site, call_signature, trace_signature
-from autoopt._jit._static_leaves import PLAIN_TYPES
+from autoopt._jit._static_leaves import PLAIN_TYPES, STATIC_LEAF_PLANS, run_static_leaf_plan
 from autoopt._options import Options
 from autoopt._reporting import REPORTING
 from autoopt.passes import PassContext, make_options, option_names, run_pipeline
@@ -714,6 +714,12 @@ class OptimizedFunction(_CallBase):
                 if plans is not None:
                     if plans and not kwargs:
                         plan = plans.get(flat_key(args))
+                        if plan is None and STATIC_LEAF_PLANS in plans:
+                            # (before the nested signature: with static leaves it reads
+                            # the arguments' trees only to find none)
+                            out = run_static_leaf_plan(plans[STATIC_LEAF_PLANS], args)
+                            if out is not MISS:
+                                return out
                         if plan is None:
                             plan = lookup_nested(plans, args)
                         if plan is not None:

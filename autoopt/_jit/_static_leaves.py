@@ -26,6 +26,12 @@ The leaves are inspected before jax.jit is called (``split_if_static``), so a Ty
 the user's own function is never mistaken for jax.jit refusing a leaf, and the function body
 runs once per call as under jax.jit.
 
+A repeating call at a call site under ``"safe"`` takes the plan its site keeps for the
+arguments' signature (``StaticLeafPlan``, recorded by ``_dispatch.plan_static_leaves``): the
+static leaves in that signature by ``Static`` too, so a new activation function, or a value
+changed under the same identity, misses and takes the general path. Its run-time check
+(``donated_unshared``) is also the one of ``eqx.filter_jit``'s plans (``_equinox``).
+
 NB: the analogous code in Equinox is ``equinox._jit`` (``hashable_partition`` of the arguments
 into dynamic and static parts, ``hashable_combine`` inside the traced function).
 """
@@ -35,7 +41,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import operator
 import struct
+import sys
 import types
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
@@ -45,6 +53,8 @@ import numpy as np
 from jax import tree_util
 
 from autoopt import _compat, _trace
+from autoopt._jit import _plans
+from autoopt.passes.donation import callsite
 
 # The leaves jax.jit accepts as arguments. ``ShapeDtypeStruct`` is accepted by ``trace``/``lower``.
 _ARRAY_LEAF_TYPES = (
@@ -289,6 +299,9 @@ def structural_key(x: Any, _depth: int = 0) -> Hashable:
             tuple(
                 structural_key(getattr(x, f.name, None), _depth + 1) for f in dataclasses.fields(x)
             ),
+            # attributes besides its fields (``immutable_leaf`` refuses such a value): never the
+            # key of a value it accepted, so a cached plan never takes one
+            _has_instance_dict_extras(x),
         )
     return ("id", id(x))
 
@@ -424,15 +437,18 @@ def outputs_put_back(
     part = fn.output_parts.get(sig)
     if part is None:
         return out
-    treedef, at = part
     mine = {p[0]: dict(p[2]) for p in split.key}
+    return _merged_output(part, out, lambda where, j: mine[where][j].value)
+
+
+def _merged_output(part: tuple, out, static_leaf: Callable):
+    """``out`` with the static leaves ``part`` (``output_parts``' entry) says it has put back,
+    each ``static_leaf(argument, leaf index)`` of the call."""
+    treedef, at = part
     arrays = iter(tree_util.tree_leaves(out))
     return tree_util.tree_unflatten(
         treedef,
-        [
-            mine[at[j][0]][at[j][1]].value if j in at else next(arrays)
-            for j in range(treedef.num_leaves)
-        ],
+        [static_leaf(*at[j]) if j in at else next(arrays) for j in range(treedef.num_leaves)],
     )
 
 
@@ -440,3 +456,369 @@ def _signature(args: tuple, kwargs: dict, static_argnums, static_argnames):
     from autoopt._jit._program import trace_signature
 
     return trace_signature(args, kwargs, static_argnums, static_argnames)[0]
+
+
+# --- the reference check of a donated tree with static leaves ------------------------------------
+#
+# A cached plan's run-time check (``donated_unshared``), shared by the plans of a call's static
+# leaves (``StaticLeafPlan``) and of ``eqx.filter_jit``'s route (``_equinox``): the reference
+# counts of a donated argument and of every node and array inside it, with static leaves
+# skipped (constants of the program, never buffers).
+
+_ARRAY_IMPL = _compat.ARRAY_IMPL
+_HOST_ARRAYS = (np.ndarray, np.generic)
+
+_BUILTIN_NODES = (dict, list, tuple)
+_getrefcount = sys.getrefcount
+_object_getattribute = object.__getattribute__
+
+
+@dataclasses.dataclass(frozen=True)
+class _ModuleLayout:
+    """An equinox Module type's fields as its flatten reads them from ``__dict__``."""
+
+    dynamic: tuple[str, ...]  # the children, in order
+    static: tuple[str, ...]  # node data
+    nfields: int
+
+
+# per type: its _ModuleLayout, or None (not an equinox Module, or one whose flatten did not
+# match its fields: ``callsite.kid_refcounts`` reads it)
+_LAYOUTS: dict[type, _ModuleLayout | None] = {}
+# per kid type that is a pytree leaf: True if static (never donated, skipped), False if a host
+# scalar or a leaf jax.jit accepts (the general path refuses the argument)
+_STATIC_KIDS: dict[type, bool | None] = {}  # None: a pytree node
+_UNKNOWN: Any = object()
+_MODULE_KID_BASE = -1  # calibrated when the first Module's layout is read (``_layout_of``)
+
+
+def _module_kids(d: dict, names: tuple) -> tuple[list, list]:
+    """A Module's children (``None`` for a missing field, as equinox's ``MISSING``: no buffer)
+    and their reference counts."""
+    get = d.get
+    kids = [get(n) for n in names]
+    return kids, list(map(_getrefcount, kids))
+
+
+def _calibrate_module_kids() -> int:
+    """The count ``_module_kids`` reads for a child only its Module holds."""
+    import equinox as eqx
+
+    class Probe(eqx.Module):
+        held: Any
+
+    return min(
+        _module_kids(_object_getattribute(Probe(object()), "__dict__"), ("held",))[1][0]
+        for _ in range(3)
+    )
+
+
+def _layout_of(obj: Any) -> _ModuleLayout | None:
+    global _MODULE_KID_BASE
+    t = type(obj)
+    if t in _LAYOUTS:
+        return _LAYOUTS[t]
+    layout = None
+    eqx = sys.modules.get("equinox")
+    if eqx is not None and isinstance(obj, eqx.Module) and dataclasses.is_dataclass(t):
+        fields = dataclasses.fields(t)
+        dynamic = tuple(f.name for f in fields if not f.metadata.get("static", False))
+        static = tuple(f.name for f in fields if f.metadata.get("static", False))
+        layout = _ModuleLayout(dynamic, static, len(dynamic) + len(static))
+        if _MODULE_KID_BASE < 0:
+            _MODULE_KID_BASE = _calibrate_module_kids()
+        # Read as equinox's generated flatten reads them, or not at all.
+        try:
+            kids, _ = _compat.flatten_one_level(obj)
+            d = _object_getattribute(obj, "__dict__")
+            theirs = [None if type(k).__name__ == "_Missing" else k for k in kids]
+            if len(theirs) != len(dynamic) or any(
+                a is not d.get(n) for a, n in zip(theirs, dynamic)
+            ):
+                layout = None
+        except Exception:  # noqa: BLE001 - an unreadable module: the registry path reads it
+            layout = None
+    _LAYOUTS[t] = layout
+    return layout
+
+
+def static_kid(kid: Any) -> bool | None:
+    """True: a static leaf, skipped (equinox's split makes every leaf that is not an array
+    static: a function, a Python scalar, a string; it reaches the program as a constant of its
+    static argument, never as a buffer, so other references to it do not matter); False: a jax
+    array of another type than jax's own (a tracer) or a NumPy array or scalar (transferred
+    afresh by every call: ``callsite.leaf_problem`` refuses such an argument); None: a pytree
+    node, walked. Each a fact about the kid's type (jax's registry, a NamedTuple's fields)."""
+    t = type(kid)
+    known = _STATIC_KIDS.get(t, _UNKNOWN)
+    if known is not _UNKNOWN:
+        return known
+    if t in _BUILTIN_NODES or not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(kid)):
+        kind = None
+    else:
+        kind = not isinstance(kid, (jax.Array, *_HOST_ARRAYS))
+    _STATIC_KIDS[t] = kind
+    return kind
+
+
+def held_elsewhere(obj: Any, array_base: int, depth: int = 0) -> bool:
+    """Whether a part of ``obj`` (whose own count was checked) may be read after the call: a
+    node or array inside it also referenced from elsewhere, a deleted array, a leaf the general
+    path refuses (``callsite.leaf_problem``'s rules, with ``check_refs``). ``array_base``: the
+    count of an array nothing else holds, while the plan's leaf list holds one reference.
+    An equinox Module's children are read from its ``__dict__`` (its flatten reads them there
+    too, through the Module's ``__getattribute__``); other nodes through
+    ``callsite.kid_refcounts``."""
+    if depth > 64:
+        return True
+    t = type(obj)
+    if t not in _BUILTIN_NODES and callsite.keeps_itself(t):
+        return True  # its __del__ can keep it (and its arrays) after the call drops it
+    layout = _LAYOUTS[t] if t in _LAYOUTS else _layout_of(obj)
+    d = None
+    if layout is not None:
+        d = _object_getattribute(obj, "__dict__")
+        if len(d) != layout.nfields:  # wrapper fields (``functools.wraps``): the registry path
+            d = None
+        else:
+            for n in layout.static:  # a container of arrays held as node data
+                v = d.get(n)
+                if type(v) in _BUILTIN_NODES and any(
+                    isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(v)
+                ):
+                    return True
+    if d is not None:
+        assert layout is not None
+        kids, counts = _module_kids(d, layout.dynamic)
+        base = _MODULE_KID_BASE
+    else:
+        if t not in _BUILTIN_NODES and getattr(t, "_autoopt_never_donate", False):
+            return True  # an autoopt.constant: its device copy is every call's
+        try:
+            kids, counts, base = callsite.kid_refcounts(obj)
+        except ValueError:  # a leaf: not something a donated argument may hold
+            return True
+    for kid, count in zip(kids, counts):
+        if kid is None:
+            continue
+        if type(kid) is _ARRAY_IMPL:
+            if count > base + array_base or kid.is_deleted():
+                return True
+            continue
+        static = static_kid(kid)
+        if static:
+            continue
+        if static is False or count > base or held_elsewhere(kid, array_base, depth + 1):
+            return True
+    return False
+
+
+def donated_unshared(args: tuple, positions: tuple, base: int, array_base: int) -> bool:
+    """Whether each donated argument (``positions``) is held by the call alone (``base``: its
+    count when nothing else holds it), not deleted, and every node and array inside it by its
+    parent alone (``held_elsewhere``): the rules of ``callsite.donation_checks`` with
+    ``check_refs``, whose identity checks (an array passed twice, or inside another argument
+    too) the counts cover, since each holder counts one more. ``array_base``: the references
+    the caller's own lists of the leaves hold to each array (an argument that is an array
+    included)."""
+    for p in positions:
+        # Counted before binding a local name, exactly as ``callsite._measure`` does.
+        if type(args[p]) is _ARRAY_IMPL:
+            if _getrefcount(args[p]) > base + array_base or args[p].is_deleted():
+                return False
+        elif (
+            _getrefcount(args[p]) > base
+            or static_kid(args[p]) is not None
+            or held_elsewhere(args[p], array_base)
+        ):
+            return False
+    return True
+
+
+# --- a call site's plans for arguments with static leaves ----------------------------------------
+#
+# As ``_jit._plans`` for arrays only, and ``_equinox``'s plans for ``eqx.filter_jit``: a
+# repeating call (``model, opt_state, loss = step(model, opt_state, x, y)`` with an equinox
+# model holding its activation functions) finds the plan of its signature at its call site,
+# which re-checks what the general path's decision left to run time, rebuilds the arguments
+# with their static leaves taken out and runs the executable of the function for those leaves.
+
+# The key, in a call site's plans (``Site.plans``), of the dict of its static-leaf plans by
+# ``static_leaf_signature``: an object no signature equals, so the C call path, which looks up
+# flat and nested signatures only, never finds it.
+STATIC_LEAF_PLANS: Any = object()
+
+_KEY_ARRAY = _compat.KEY_ARRAY
+_ONLY_ARRAYS = {_ARRAY_IMPL}
+_AVAL = operator.attrgetter("aval")
+# Leaves read by type (Python scalars) or by shape and dtype (NumPy), as ``callsite``'s tree
+# signature reads them: jax.jit traces them, so they are never static.
+_SCALAR_TYPES = frozenset({int, float, bool, complex})
+
+
+def static_leaf_signature(args: tuple) -> tuple[tuple, list] | None:
+    """``(key, trees)`` of positional arguments some of which hold static leaves, or None when
+    none does (the other plans' signatures read those: ``_plans.signature_of``).
+
+    ``key``: per argument, a jax array's ``aval``, else ``(treedef, entries)``: each leaf's
+    ``aval`` (jax arrays), ``_compat.key_entry`` (typed keys), type (Python scalars),
+    ``(type, shape, dtype)`` (NumPy), else a ``Static`` of it (compared by ``structural_key``,
+    never by the leaf's own ``__eq__``). ``trees``: per argument, ``(leaves, treedef, indices of
+    its Static leaves)``, an array as ``([array], None, ())``: the lists hold one reference to
+    every array of the arguments (``donated_unshared``'s ``array_base`` 1)."""
+    key, trees = [], []
+    found = False
+    for i in range(len(args)):  # (no loop name bound to an argument: see split_if_static)
+        if type(args[i]) is _ARRAY_IMPL:
+            key.append(args[i].aval)
+            trees.append(([args[i]], None, ()))
+            continue
+        leaves, treedef = tree_util.tree_flatten(args[i])
+        if set(map(type, leaves)) <= _ONLY_ARRAYS:  # one C-level pass for a state of arrays
+            key.append((treedef, tuple(map(_AVAL, leaves))))
+            trees.append((leaves, treedef, ()))
+            continue
+        entries, static = [], []
+        for j, x in enumerate(leaves):
+            t = type(x)
+            if t is _ARRAY_IMPL:
+                entries.append(x.aval)
+            elif t in _SCALAR_TYPES:
+                entries.append(t)
+            elif t is _KEY_ARRAY:
+                entries.append(_compat.key_entry(x))
+            elif isinstance(x, _HOST_ARRAYS):
+                entries.append((t, x.shape, x.dtype))
+            else:
+                entries.append(Static(x))
+                static.append(j)
+        found = found or bool(static)
+        key.append((treedef, tuple(entries)))
+        trees.append((leaves, treedef, tuple(static)))
+    return (tuple(key), trees) if found else None
+
+
+class StaticLeafPlan:
+    """A signature's plan at one call site, for arguments holding static leaves: the static half
+    of the general path's decision (``_dispatch.plan_static_leaves``), kept.
+
+    ``plan(args, trees) -> outputs`` (``trees``: ``static_leaf_signature``'s), or ``_plans.MISS``
+    when a run-time check refuses. The checks are those of the general path for this signature:
+    each donated argument, and every node and array inside it, held by the call alone (the
+    reference counts of ``donated_unshared``, with static leaves skipped), nothing deleted, and
+    ``jax_debug_nans``/``jax_debug_infs`` off; a plan donating nothing checks nothing. The
+    signature fixed the rest (the static leaves by ``structural_key``, what each donated
+    argument holds, the executable, what the output hands back)."""
+
+    __slots__ = ("run", "positions", "base", "rebuilt", "recorded", "outputs")
+
+    def __init__(self, run, positions: tuple, base: int, rebuilt: tuple, recorded, outputs):
+        self.run = run  # ``_plans.kept``: the executable, through the placer when needed
+        self.positions = positions  # the arguments donated
+        self.base = base  # the reference count of an argument nothing else holds
+        self.rebuilt = rebuilt  # the arguments holding static leaves
+        # (``output_parts`` of the function for these leaves, the signature's key there, its
+        # entry): a trace of the signature since (after ``jax.clear_caches()``) that recorded
+        # another output makes the plan miss, as the general path reads the latest
+        self.recorded = recorded
+        # per output part holding static leaves: (its index in the output tuple, or None for the
+        # whole output; its treedef; {leaf index: (argument, leaf index)})
+        self.outputs = outputs
+
+    def __call__(self, args: tuple, trees: list):
+        if self.positions:
+            if not donated_unshared(args, self.positions, self.base, 1):
+                return _plans.MISS
+            nans, infs = _DEBUG_STATES
+            if nans.value or infs.value:  # jax re-runs the inputs op by op on a NaN
+                return _plans.MISS
+        parts, sig, part = self.recorded
+        if parts.get(sig, _plans.MISS) is not part:
+            return _plans.MISS
+        dynamic = list(args)
+        for i in self.rebuilt:
+            leaves, treedef, static = trees[i]
+            leaves = list(leaves)
+            for j in static:
+                leaves[j] = None
+            dynamic[i] = tree_util.tree_unflatten(treedef, leaves)
+        out = self.run(tuple(dynamic))
+        if not self.outputs:
+            return out
+
+        def static_leaf(where, j):
+            return trees[where][0][j]
+
+        kids = list(out) if self.outputs[0][0] is not None else None
+        for at, treedef, taken in self.outputs:
+            if at is None:
+                return _merged_output((treedef, taken), out, static_leaf)
+            assert kids is not None
+            kids[at] = _merged_output((treedef, taken), kids[at], static_leaf)
+        return tuple(kids) if kids is not None else out
+
+
+_DEBUG_STATES = _compat.DEBUG_NANS_STATES
+
+
+def run_static_leaf_plan(plans: dict, args: tuple):
+    """The output of the plan ``plans`` (a site's ``STATIC_LEAF_PLANS``) has for these
+    arguments' signature, or ``_plans.MISS`` (none, or its checks refused)."""
+    found = static_leaf_signature(args)
+    if found is None:
+        return _plans.MISS
+    try:
+        plan = plans.get(found[0])
+    except Exception:  # noqa: BLE001 - unhashable node data: jax.jit's own call says so
+        return _plans.MISS
+    if plan is None:
+        return _plans.MISS
+    return plan(args, found[1])
+
+
+def static_leaf_plan(
+    split: StaticSplit, fn: Callable, run: Callable, positions: tuple, trees: list, base: int
+) -> StaticLeafPlan | None:
+    """The plan for a call split as ``split`` (of the same arguments as ``trees``), running
+    ``run`` (the executable of ``fn``, the function for its static leaves) and donating
+    ``positions``; None when the signature's static leaves are not those ``split`` took out (a
+    leaf jax.jit traces that the signature does not read), or what the output hands back is not
+    known (``with_static_leaves``' record of it)."""
+    taken = {part[0]: tuple(j for j, _ in part[2]) for part in split.key}
+    if any(taken.get(i, ()) != tree[2] for i, tree in enumerate(trees)):
+        return None
+    sig = _signature(split.args, split.kwargs, (), ())
+    if sig not in fn.output_parts:
+        return None
+    part = fn.output_parts[sig]
+    outputs: tuple = ()
+    if part is not None:
+        treedef, at = part
+        outputs = ((None, treedef, at),)
+        if treedef.node_data() is not None and treedef.node_data()[0] is tuple:
+            # only the parts of an output tuple that hand back static leaves are rebuilt (the
+            # updated model, not the optimizer state next to it)
+            outputs, start = (), 0
+            for k, kid in enumerate(tree_util.treedef_children(treedef)):
+                n = kid.num_leaves
+                mine = {j - start: at[j] for j in range(start, start + n) if j in at}
+                if mine:
+                    outputs += ((k, kid, mine),)
+                start += n
+    recorded = (fn.output_parts, sig, part)
+    return StaticLeafPlan(run, positions, base, tuple(sorted(taken)), recorded, outputs)
+
+
+def donatable_by_signature(tree: tuple) -> bool:
+    """An argument (``static_leaf_signature``'s tree) whose leaves are jax arrays, at least
+    one, and static leaves: a Python scalar, a NumPy leaf or a typed key inside it makes the
+    general path refuse to donate it (``callsite.leaf_problem``), whatever the call."""
+    leaves, _, static = tree
+    arrays = sum(type(x) is _ARRAY_IMPL for x in leaves)
+    return arrays > 0 and arrays + len(static) == len(leaves)
+
+
+def holds_host_leaves(trees: list) -> bool:
+    """Some argument (``static_leaf_signature``'s trees) holds a NumPy array or scalar: the
+    placer puts it on the device (``_dispatch.remember_fast`` keeps the placer for them)."""
+    return any(isinstance(x, _HOST_ARRAYS) for leaves, _, _ in trees for x in leaves)
