@@ -66,7 +66,9 @@ def _source_digest() -> str:
     return digest.hexdigest()
 
 
-def _versions() -> list[str]:
+@functools.cache
+def _versions() -> tuple[str, ...]:
+    """(Read once a process: asking the installed distributions costs a millisecond a key.)"""
     import importlib.metadata
 
     import jax
@@ -76,7 +78,7 @@ def _versions() -> list[str]:
         ours = importlib.metadata.version("autoopt")
     except importlib.metadata.PackageNotFoundError:  # run from a source tree
         ours = "?"
-    return [jax.__version__, getattr(jaxlib, "__version__", "?"), ours, _source_digest()]
+    return (jax.__version__, getattr(jaxlib, "__version__", "?"), ours, _source_digest())
 
 
 def _device_kind(backend: str | None) -> str:
@@ -92,7 +94,7 @@ def key(kind: str, backend: str | None, parts: list) -> str:
     """The file name of a decision: ``parts`` must be JSON-serializable (``repr`` is used for
     what is not) and say everything the measurement depends on besides the device."""
     payload = json.dumps(
-        [_FORMAT, kind, backend, _device_kind(backend), _versions(), parts],
+        [_FORMAT, kind, backend, _device_kind(backend), list(_versions()), parts],
         default=repr,
         sort_keys=True,
     )

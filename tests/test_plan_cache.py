@@ -24,7 +24,7 @@ _SCRIPT = textwrap.dedent(
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     import autoopt
 
-    names, cache = [], []
+    names, cache, traced = [], [], []
     program = sys.argv[3] if len(sys.argv) > 3 else "residual"
     rebind = len(sys.argv) > 4 and sys.argv[4] == "rebind"
 
@@ -44,6 +44,7 @@ _SCRIPT = textwrap.dedent(
         return jnp.mean(x**2)
 
     def train_step(ps, x):
+        traced.append("train_step")  # (runs when the function is traced)
         value, g = jax.value_and_grad(block_loss)(ps, x)
         return [(w1 - 0.1 * g1, w2 - 0.1 * g2) for (w1, w2), (g1, g2) in zip(ps, g)], value
 
@@ -53,6 +54,7 @@ _SCRIPT = textwrap.dedent(
         return jnp.mean(x**2)
 
     def deep_step(ws, x):  # no plan cuts its peak by 20% (tests/test_remat_first_call.py)
+        traced.append("deep_step")
         value, g = jax.value_and_grad(deep_loss)(ws, x)
         return [w - 0.1 * gw for w, gw in zip(ws, g)], value
 
@@ -96,6 +98,7 @@ _SCRIPT = textwrap.dedent(
         profile.enable()
         out = jax.block_until_ready(fast(ps, x))
     profile.disable()
+    traced_by_call = len(traced)
     jax.monitoring.unregister_event_duration_listener(on_event)
     jax.monitoring.unregister_event_listener(on_cache)
     # how many times planning's analyses ran (counted by the profiler, by function name)
@@ -116,6 +119,7 @@ _SCRIPT = textwrap.dedent(
         "calls": calls,
         "donating": [f.details.get("measured_donating") for f in remat],
         "tried": [len(f.details.get("tried", ())) for f in remat],
+        "traced": traced_by_call,
     }))
     """
 )
@@ -244,6 +248,27 @@ def test_a_first_call_compiles_each_program_once_cold_and_only_the_chosen_one_wa
     second = _process(tmp_path, str(cache), {"remat": "auto"}, program, call)
     assert second["compiles"] == [name], second["compiles"]
     assert second["cache"] == ["hits"], second["cache"]
+    assert second["messages"] == first["messages"] and second["out"] == first["out"]
+
+
+@pytest.mark.parametrize("program", ["residual", "deep"], ids=["planned", "not planned"])
+@pytest.mark.parametrize("call", ["keep", "rebind"])
+def test_a_warm_first_call_traces_the_function_once_and_compiles_one_program(
+    tmp_path, program, call
+):
+    """A second process finding the decision on disk does what jax.jit's first call does: it
+    traces the user's function once (counted by the function itself), compiles one program
+    (jax.monitoring's backend compile events; JAX's cache answers it), and prints the
+    program's text once for the decision's keys (the donation a rebinding call would measure
+    and the one a keeping call measured: one text, hashed, for both)."""
+    cache = tmp_path / "jax-cache"
+    first = _process(tmp_path, str(cache), {"remat": "auto"}, program, call)
+    assert first["applied"] == [program == "residual"], first["messages"]  # the premise
+    assert first["traced"] == 1, first  # a cold first call traces once too
+    second = _process(tmp_path, str(cache), {"remat": "auto"}, program, call)
+    assert second["traced"] == 1, second
+    assert len(second["compiles"]) == 1 and second["cache"] == ["hits"], second
+    assert second["calls"].get("pp_jaxpr") == 1, second["calls"]
     assert second["messages"] == first["messages"] and second["out"] == first["out"]
 
 

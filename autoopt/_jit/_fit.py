@@ -97,13 +97,38 @@ def needs_check(of: OptimizedFunction, program: Program) -> bool:
     """Whether a signature's first call goes through the check: always under remat="fit";
     under remat="auto" only where remat left its top-level decision to it or measured one,
     whose figures depend on what the call's executable donates (a program without a backward,
-    or below remat's gate, is called as jax.jit calls it)."""
+    or below remat's gate, is called as jax.jit calls it). A decision measured (or read from
+    disk) donating what the executable being traced donates needs no check: the check would
+    find the same and run it; the trace goes on instead of stopping to call again (a warm
+    process's first call traces the wrapper once more than jax.jit otherwise)."""
     if of._policy.options.remat != "auto":
         return True
     from autoopt.passes.remat import deferred, measured_donating
 
     findings = program.pipeline.findings if program.pipeline is not None else ()
-    return deferred(findings) or measured_donating(findings) is not None
+    if deferred(findings):
+        return True
+    donating = measured_donating(findings)
+    if donating is None:
+        return False
+    tls = of._caches.tls
+    jit = getattr(tls, "calling", None)
+    if jit is None or getattr(tls, "trace_only", False):
+        return True  # (the executable is not known here: the check asks for it)
+    return _donated_by(of, program, jit) != donating
+
+
+def calling(of: OptimizedFunction, jit: Any) -> Any:
+    """Say that this thread calls ``jit`` (of ``of``) until ``called(of, <the result>)``: a
+    signature's first trace through it knows what its executable donates (``needs_check``)."""
+    tls = of._caches.tls
+    outer = getattr(tls, "calling", None)
+    tls.calling = jit
+    return outer
+
+
+def called(of: OptimizedFunction, outer: Any) -> None:
+    of._caches.tls.calling = outer
 
 
 # The program this thread's check is compiling (``checked_call``): a build inside it (a

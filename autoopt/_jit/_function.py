@@ -833,12 +833,15 @@ class OptimizedFunction(_CallBase):
         if plan.copies:
             args, kwargs = with_copies(args, kwargs, plan.copies)
         placer = plan.placer
+        outer = _fit.calling(self, plan.jit)  # (a first trace knows what it donates)
         try:
             if placer is not None:
                 return placer(plan.jit, args, kwargs)
             return plan.jit(*args, **kwargs)
         except FitCheck as e:
             check = e  # a signature's first call under remat="fit" (``_fit``)
+        finally:
+            _fit.called(self, outer)
         return _fit.first_call(check, plan.jit, placer, args, kwargs)
 
     def _static_leaf_fn(self, key: tuple) -> OptimizedFunction:

@@ -69,9 +69,11 @@ import concurrent.futures
 import dataclasses
 import difflib
 import functools
+import hashlib
 import logging
 import math
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -331,7 +333,7 @@ def _choose(
 
     def on_disk() -> Decision:
         parts = [
-            str(base_program),
+            program_digest(base_program),
             budget,
             bisect,
             [c.name for c in auto_order],
@@ -715,7 +717,29 @@ def _joint_setup(
 
 def _joint_parts(closed: ClosedJaxpr, ctx: PassContext, setup: _JointSetup) -> list:
     """What a joint decision on disk is keyed by besides the device and versions."""
-    return [str(closed), ctx.options.memory_budget, setup.fence, _measure_key(setup.measure)]
+    return [
+        program_digest(closed),
+        ctx.options.memory_budget,
+        setup.fence,
+        _measure_key(setup.measure),
+    ]
+
+
+# The last program printed for a key on disk, weakly (a jaxpr holds its constants): a warm
+# first call asks for the same program's key several times (the donation it would measure, the
+# donation a keeping call measured, the decision itself), and printing a training step's
+# jaxpr is most of the pass's cost on a warm hit.
+_DIGESTED: list = [None, None]
+
+
+def program_digest(closed: ClosedJaxpr) -> str:
+    """The SHA-256 of ``closed``'s text (``str``), which keys its decisions on disk."""
+    ref, digest = _DIGESTED
+    if ref is not None and ref() is closed:
+        return digest
+    digest = hashlib.sha256(str(closed).encode()).hexdigest()
+    _DIGESTED[:] = [weakref.ref(closed), digest]
+    return digest
 
 
 def _stored_joint(closed: ClosedJaxpr, ctx: PassContext):
