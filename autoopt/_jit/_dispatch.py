@@ -171,6 +171,7 @@ class Caches:
         "lookup_plain",
         "lost_updates",
         "reporter",
+        "is_reporter",
         "__weakref__",
     )
 
@@ -208,6 +209,7 @@ class Caches:
         # The function inspect() and explain() trace and compile through when no call has
         # built the signature's program yet (``OptimizedFunction._reporter``), once made.
         self.reporter: Any = None
+        self.is_reporter = False  # these are a reporter's caches
         _LIVE_CACHES.add(self)
 
     def forget_programs(self) -> None:

@@ -39,7 +39,13 @@ from autoopt._jit import _fit, _mutations, _plans, _reuse, _static_leaves
 from autoopt._jit._dispatch import Caches, CallPlan, Policy, make_dispatch, with_copies
 from autoopt._jit._inspect import Inspection
 from autoopt._jit._plans import MISS, flat_key, lookup_nested
-from autoopt._jit._program import Program, Site, call_signature, trace_signature
+from autoopt._jit._program import (
+    Program,
+    Site,
+    call_signature,
+    trace_signature,
+    value_guards_of,
+)
 from autoopt._jit._static_leaves import PLAIN_TYPES, STATIC_LEAF_PLANS, run_static_leaf_plan
 from autoopt._options import Options
 from autoopt._reporting import REPORTING
@@ -498,7 +504,8 @@ class OptimizedFunction(_CallBase):
         programs = caches.eager_ad_programs if eager_autodiff else caches.programs
         program = programs.get(key)
         if program is not None:
-            caches.tls.last_program = weakref.ref(program)
+            if getattr(caches.tls, "trace_only", False):  # (read by _program_for_call)
+                caches.tls.last_program = program
             if program.lost_updates:
                 _refuse_unchecked(program, caches.tls)
             if program.fit in (None, "checking") and policy.fit and not eager_autodiff:
@@ -515,7 +522,8 @@ class OptimizedFunction(_CallBase):
                 program.key = key
                 if not program.traced.captures_tracers:
                     programs[key] = program
-        caches.tls.last_program = weakref.ref(program)  # (weakly: see _program_for_call)
+        if getattr(caches.tls, "trace_only", False):  # (read by _program_for_call)
+            caches.tls.last_program = program
         if program.lost_updates:
             _refuse_unchecked(program, caches.tls)
         if program.fit in (None, "checking") and policy.fit and not eager_autodiff:
@@ -566,7 +574,7 @@ class OptimizedFunction(_CallBase):
             caches.lost_updates = True
         if policy.donate == "safe" and not eager_autodiff:
             self._note_aliasing(program)
-        if policy.options.explain:
+        if policy.options.explain and not caches.is_reporter:
             from autoopt.report import log_report
 
             # once per signature: _build runs once per signature. No call yet: no jit chosen.
@@ -616,6 +624,7 @@ class OptimizedFunction(_CallBase):
             program.fit = "off"  # plain jax.jit of the original: nothing to plan either
         else:
             program = Program(traced, pipeline, None)
+            program.value_guards = value_guards_of(traced.closed, program.final)
         program.ctx = ctx
         if several:  # and build the same program from it (_multiprocess)
             program.fingerprint = _multiprocess.check_program(fn_id, str(program.final))
@@ -635,12 +644,30 @@ class OptimizedFunction(_CallBase):
         elif not caches.any_aliasable:
             caches.lookup_plain = False
 
+    def _guarded(self, program: Program):
+        """``program.final``, or its original where a NumPy constant the passes read holds other
+        bytes now (``Program.value_guards``): the original is exact for any bytes. Fixed by the
+        program's first evaluation into a call's jit, as its frozen bytes are."""
+        chosen = program.guarded_choice
+        if chosen is not None:
+            return chosen
+        holds = all(
+            c.shape == seen.shape and np.array_equal(c, seen) for c, seen in program.value_guards
+        )
+        chosen = program.final if holds else program.traced.closed
+        tls = self._caches.tls
+        if not (getattr(tls, "trace_only", False) or getattr(tls, "aot", False)):
+            if not REPORTING.active:
+                program.guarded_choice = chosen
+        return chosen
+
     def _evaluate(self, program: Program, leaves: list, hoisted=None) -> list:
+        final = self._guarded(program) if program.value_guards else program.final
         try:
-            return _jaxpr.eval_closed(self._embedded(program, program.final, hoisted), *leaves)
+            return _jaxpr.eval_closed(self._embedded(program, final, hoisted), *leaves)
         except Exception as e:  # noqa: BLE001
             original = program.traced.closed
-            if program.final is original:
+            if final is original:
                 raise  # the original program itself failed: the user's error
             self._fall_back(e, "evaluate")
             return _jaxpr.eval_closed(self._embedded(program, original, hoisted), *leaves)
@@ -922,11 +949,11 @@ class OptimizedFunction(_CallBase):
                     pass  # the program is built; the call's own trace checks it (_check_fit)
                 finally:
                     caches.tls.trace_only = False
-                # (held weakly by the thread: a program jax.clear_caches() or clear_cache()
-                # dropped must die, since jax reuses a closed-over NumPy constant's conversion
-                # for as long as the converted array is alive)
-                last = getattr(caches.tls, "last_program", None)
-                program = caches.programs.get(key) or (last() if last is not None else None)
+                    # (taken from the thread at once: a program jax.clear_caches() or
+                    # clear_cache() dropped must die, since jax reuses a closed-over NumPy
+                    # constant's conversion for as long as the converted array is alive)
+                    last, caches.tls.last_program = caches.tls.last_program, None
+                program = caches.programs.get(key) or last
             if program is not None and not program.traced.captures_tracers:
                 caches.by_call[ckey] = program
         if program is not None and not report_only:
@@ -1107,7 +1134,9 @@ class OptimizedFunction(_CallBase):
 
         of, args, kwargs = self._prepare(args, kwargs)
         with of._reporting_on(args, kwargs) as on:
-            inspection = self._sites_into(on._inspect_prepared(args, kwargs, calls=of))
+            inspection = self._sites_into(
+                on._inspect_prepared(args, kwargs, calls=of, compiles=True)
+            )
             placement = findings_for(inspection, args, kwargs)
             would = _fit.would_apply(inspection.program) if of._policy.fit else []
             return Report.from_program(
@@ -1144,9 +1173,11 @@ class OptimizedFunction(_CallBase):
         if caches.reporter is None:
             with caches.lock:
                 if caches.reporter is None:
-                    caches.reporter = OptimizedFunction(
+                    reporter = OptimizedFunction(
                         self.__wrapped__, self._policy.options, self._policy
                     )
+                    reporter._caches.is_reporter = True  # (explain=True logs a call's build)
+                    caches.reporter = reporter
         return caches.reporter
 
     def _built_by_a_call(self, args: tuple, kwargs: dict) -> bool:
@@ -1180,10 +1211,17 @@ class OptimizedFunction(_CallBase):
             reporter.clear_cache()
 
     def _inspect_prepared(
-        self, args: tuple, kwargs: dict, shift: int = 0, calls: OptimizedFunction | None = None
+        self,
+        args: tuple,
+        kwargs: dict,
+        shift: int = 0,
+        calls: OptimizedFunction | None = None,
+        compiles: bool = False,
     ) -> Inspection:
         """The inspection of these arguments' program, built by this function (the caller's, or
-        its reporter); ``calls``: the function whose calls' state it shows (this one if None)."""
+        its reporter); ``calls``: the function whose calls' state it shows (this one if None).
+        Its ``jit`` is the one ``calls``' call uses, unless the report ``compiles`` it (explain's
+        memory figures: through the reporter, whose compile no call reuses)."""
         calls = calls or self
         program = self._program_for_call(args, kwargs, report_only=True)
         if program is None:
@@ -1193,6 +1231,9 @@ class OptimizedFunction(_CallBase):
             )
         variants = frozenset(calls._caches.jits)  # before inspect() itself makes one
         jit, donated = self._aot_choice(program, args, kwargs, shift)
+        if calls is not self and not compiles:
+            # (the jit object a call uses: lowering it traces for the caller, as lower() does)
+            jit = calls._plain if jit is self._plain else calls._jit_for(*donated)
         return self._inspection(program, jit, donated, variants, calls)
 
     def _inspection(
