@@ -1,11 +1,12 @@
 """Typed PRNG keys (``jax.random.key``) as arguments: a signature with a key finds its cached
 plan like any other (review: every such call took the general path, 4-5x jax.jit's time a step
-in a sampler's loop), the key is never donated, and the numbers are jax.jit's.
+in a sampler's loop), and the numbers are jax.jit's. (A key is donated as an array is, with its
+data array checked as the key's buffer: ``test_key_donation.py``.)
 
 A key and a uint32 array can be two objects on one buffer: ``jax.random.key_data(k)`` is the
 array inside ``k``, and ``jax.random.wrap_key_data(d)`` wraps ``d`` itself. Donating that array
 where the call also reads the key (an argument, a pytree's leaf, a constant of the program)
-deletes the key, or makes XLA refuse the call that jax.jit runs; it is never donated."""
+deletes the key, or makes XLA refuse the call that jax.jit runs; it is never donated there."""
 
 from __future__ import annotations
 
@@ -31,6 +32,18 @@ def _walk(key, x):
 def _state_step(s):
     rng, sub = jax.random.split(s["rng"])
     return {"rng": rng, "x": s["x"] + jax.random.normal(sub, s["x"].shape)}
+
+
+def _unheld(tree):
+    """``tree`` with every leaf a new object on a new buffer (a key's too): arguments the
+    caller does not hold, which a call donates from its first call on."""
+
+    def copy(leaf):
+        if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            return jax.random.wrap_key_data(jax.random.key_data(leaf) + 0)
+        return leaf + 0
+
+    return jax.tree_util.tree_map(copy, tree)
 
 
 def _dispatch_frames(run):
@@ -62,8 +75,8 @@ def test_a_walk_with_a_typed_key_takes_its_cached_plan_and_donates_the_state():
         return key, x, reused
 
     key, x, _ = loop(walk, 2, jax.random.key(0), jnp.zeros(16))
-    # (``x + 0``: a state the caller does not hold, so the first call donates as well)
-    assert _dispatch_frames(lambda: loop(walk, 5, key, x + 0)) == []
+    # (a key and a state the caller does not hold, so the first call donates as well)
+    assert _dispatch_frames(lambda: loop(walk, 5, _unheld(key), _unheld(x))) == []
     got = loop(walk, 8, jax.random.key(3), jnp.zeros(16))
     want = loop(ref, 8, jax.random.key(3), jnp.zeros(16))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
@@ -82,8 +95,8 @@ def test_a_held_typed_key_and_state_are_never_deleted():
 
 
 def test_a_key_inside_a_dict_state_finds_its_plan():
-    """(A state holding a key is not donated: ``Program.decide`` donates arguments whose leaves
-    are all plain arrays.)"""
+    """(A state holding a key is donated, its key's data array checked too: the plan's checks
+    read it.)"""
     step = autoopt.optimize(_state_step, fallback="raise")
 
     def loop(n, s):
@@ -92,7 +105,7 @@ def test_a_key_inside_a_dict_state_finds_its_plan():
         return s
 
     s = loop(2, {"rng": jax.random.key(0), "x": jnp.zeros(8)})
-    assert _dispatch_frames(lambda: loop(4, s)) == []
+    assert _dispatch_frames(lambda: loop(4, _unheld(s))) == []
     got = loop(5, {"rng": jax.random.key(2), "x": jnp.zeros(8)})
     want = {"rng": jax.random.key(2), "x": jnp.zeros(8)}
     ref = jax.jit(_state_step)

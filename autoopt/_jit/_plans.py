@@ -46,9 +46,11 @@ from autoopt.passes.donation import callsite
 MISS: Any = object()
 
 _ARRAY_IMPL = _compat.ARRAY_IMPL
+_KEY_ARRAY = _compat.KEY_ARRAY
 # A typed PRNG key is read as ``callsite.flat_signature`` reads it (``_compat.key_entry``);
-# the C path reads only jax arrays' avals, so it never finds the plan of a key and leaves it
-# to ``_call``.
+# the C path reads only jax arrays' avals (a key's entry there is its type, never equal to
+# ``key_entry``), so it never finds the plan of a key and leaves it to ``_call``, whose checks
+# read the key's data array too (the C path's do not: keep it from finding such plans).
 _entry = callsite.non_array_entry
 _CALL_REFS = callsite.CALL_REFS
 _getrefcount = sys.getrefcount
@@ -151,11 +153,15 @@ def donating(
         # The plan of ``x = step(x, i)``: the one that repeats in a loop of small steps, written
         # out (one Python call fewer than going through ``run``).
 
+        key_data_shared = callsite.key_data_shared
+
         def plan(args):
             for p in positions:
                 # Counted before binding a local name, exactly as ``callsite._measure`` does.
                 if getrefcount(args[p]) > base or args[p].is_deleted():
                     return MISS
+                if type(args[p]) is not _ARRAY_IMPL and key_data_shared(args[p]):
+                    return MISS  # a typed key whose data array the caller also holds
             if nans.value or infs.value:
                 return MISS
             try:
@@ -181,7 +187,9 @@ def donating(
                 if type(args[p]) is _ARRAY_IMPL:
                     if args[p].is_deleted():
                         return MISS
-                elif shared_parts(args[p]):
+                elif shared_parts(args[p]):  # (a typed key: its data array's count)
+                    return MISS
+                elif type(args[p]) is _KEY_ARRAY and args[p].is_deleted():
                     return MISS
             return MISS if nans.value or infs.value else run(args)
 
@@ -198,7 +206,7 @@ def donating(
             for p in positions:
                 if args[p].is_deleted():
                     return MISS
-            if not distinct(args, const_ids) or nans.value or infs.value:
+            if not distinct(args, const_ids, True) or nans.value or infs.value:
                 return MISS
             return run(args)
 
@@ -207,7 +215,7 @@ def donating(
         tree_leaves = jax.tree_util.tree_leaves
 
         def plan(args):
-            if not distinct(tree_leaves(args), const_ids):
+            if not distinct(tree_leaves(args), const_ids, True):
                 return MISS
             seen: set[int] = set()
             for p in positions:

@@ -166,7 +166,7 @@ class Program:
         """The arguments this signature's one executable donates, fixed by its first call: of
         ``intended`` (what that call's policy or call site would donate before the run-time
         checks; None: every argument), those an output can alias and
-        whose leaves are all plain arrays (a token or a key is never donated). jax.jit
+        whose leaves are all arrays or typed PRNG keys (a token is never donated). jax.jit
         compiles one executable per signature; so does autoopt, whatever each call's donation
         outcome: a call that must not donate some of them passes device copies instead
         (``CallPlan.copies``)."""
@@ -203,14 +203,20 @@ class Program:
 
     def arguments(self) -> tuple[tuple, tuple]:
         """(positions, names) of the arguments whose leaves are all arrays of a numeric
-        dtype; none when the program drops an update to an argument (``lost_updates``): a call
-        that raises for it must find every argument as it was."""
+        dtype or typed PRNG keys; none when the program drops an update to an argument
+        (``lost_updates``): a call that raises for it must find every argument as it was."""
         if self.lost_updates:
             return (), ()
         plain: dict = {}
         for arg, aval in zip(self.traced.in_arg_of_leaf, self.final.in_avals):
             dtype = getattr(aval, "dtype", None)
-            ok = dtype is not None and not jnp.issubdtype(dtype, jax.dtypes.extended)
+            # A typed PRNG key is donated as jax.jit donates it (its data array's buffer); the
+            # run-time checks read that data array as they read an array (``callsite``'s
+            # ``_key_problem``). A token or another extended dtype is never donated.
+            ok = dtype is not None and (
+                not jnp.issubdtype(dtype, jax.dtypes.extended)
+                or jnp.issubdtype(dtype, jax.dtypes.prng_key)
+            )
             plain[arg] = plain.get(arg, True) and ok
         return (
             tuple(a for a, ok in plain.items() if ok and isinstance(a, int)),

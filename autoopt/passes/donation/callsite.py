@@ -837,6 +837,50 @@ def _array_problem(obj, seen: set[int]) -> str | None:
     return None
 
 
+def _key_data_refs(key) -> int:
+    """The reference count of a typed PRNG key's data array (``_compat.key_base_array``), read
+    as ``_calibrate_key_data`` reads it."""
+    return sys.getrefcount(key_base_array(key))
+
+
+def _calibrate_key_data() -> int:
+    """``_key_data_refs`` of a key whose data array nothing but the key holds. Measured on a
+    stand-in holding its data as a key does (one attribute), as the other baselines are measured
+    on ``object()``s: a real key would start jax's backend at import. A real key's data array
+    held by jax besides the key (a cache) counts more, and its key is never donated: the
+    tests donate real keys, so they fail if that ever happens."""
+
+    class Probe:
+        def __init__(self):
+            self._base_array = object()
+
+    return min(_key_data_refs(Probe()) for _ in range(3))
+
+
+_BASE_KEY_DATA = _calibrate_key_data()
+
+
+def _key_problem(key, seen: set[int], check_refs: bool) -> str | None:
+    """``_array_problem`` of a typed PRNG key: a key is a leaf of its own, and its data array
+    (what ``jax.random.key_data`` returns, what ``jax.random.wrap_key_data`` wraps) a jax array
+    of its own sharing its buffer. Donating the key deletes that buffer, so the data array is
+    checked as the key is: held by nothing but the key (``check_refs``), passed nowhere else,
+    no constant of the program (``seen``)."""
+    if key.is_deleted():
+        return "it was already deleted (donated earlier)"
+    data = id(key_base_array(key))
+    if id(key) in seen or data in seen:
+        return "the same array appears twice in the arguments"
+    if check_refs and _key_data_refs(key) > _BASE_KEY_DATA:
+        return (
+            "the data array of a typed PRNG key in it (jax.random.key_data of it) is also "
+            "referenced from elsewhere"
+        )
+    seen.add(id(key))
+    seen.add(data)
+    return None
+
+
 def leaf_problem(obj, seen: set[int], check_refs: bool = True) -> str | None:
     """Why the pytree ``obj`` (whose own refcount was checked) cannot be donated, or None.
 
@@ -845,6 +889,8 @@ def leaf_problem(obj, seen: set[int], check_refs: bool = True) -> str | None:
     t = type(obj)
     if t is _ARRAY_IMPL:
         return _array_problem(obj, seen)
+    if t is KEY_ARRAY:
+        return _key_problem(obj, seen, check_refs)
     if t not in _BUILTIN_NODES:
         if getattr(t, "_autoopt_never_donate", False):
             return "it holds an autoopt.constant, whose device copy every call shares"
@@ -906,6 +952,8 @@ def shared_parts(obj) -> bool:
     t = type(obj)
     if t is _ARRAY_IMPL:
         return False
+    if t is KEY_ARRAY:  # (its own count is its holder's to check; its data array's is here)
+        return _key_data_refs(obj) > _BASE_KEY_DATA
     if t not in _BUILTIN_NODES and getattr(t, "_autoopt_never_donate", False):
         return True  # an autoopt.constant: its device copy is every call's
     try:
@@ -972,8 +1020,8 @@ def _add_leaf_ids(value, seen: set[int]) -> None:
 
 def _key_data_ids(values) -> list[int]:
     """Identities of the data arrays of the typed PRNG keys in ``values``: a key is a leaf of its
-    own (jax flattens it to its data only inside a trace) and is never donated, but the uint32
-    array holding its data is a jax array of its own, the very object ``jax.random.key_data``
+    own (jax flattens it to its data only inside a trace), but the uint32 array holding its data
+    is a jax array of its own, the very object ``jax.random.key_data``
     returns and ``jax.random.wrap_key_data`` wraps (``_compat.key_base_array``). Donating that
     array beside the key would delete a buffer the call reads (XLA refuses the call); donating
     it where a program holds the key as a constant deletes the constant."""
@@ -1153,8 +1201,7 @@ def _is_value(kid) -> bool:
 
 _FLAT_SCALARS = (int, float, bool, complex)
 # Leaves a signature reads by their ``aval``: jax arrays, and typed PRNG keys (by
-# ``_compat.key_entry``; never donated: ``Program.decide`` leaves them out, so a plan never
-# checks or donates one).
+# ``_compat.key_entry``). A plan may donate either (``is_array``, ``all_array_leaves``).
 _AVAL_TYPES = frozenset({_ARRAY_IMPL, KEY_ARRAY})
 
 
@@ -1283,7 +1330,15 @@ def has_host_leaves(leaves: list) -> bool:
 
 
 def is_array(x) -> bool:
-    return type(x) is _ARRAY_IMPL
+    """A concrete jax array or typed PRNG key: what a flat signature's plan may donate."""
+    return type(x) in _AVAL_TYPES
+
+
+def key_data_shared(x) -> bool:
+    """Whether ``x`` is a typed PRNG key whose data array something besides the key holds
+    (``jax.random.key_data`` of it kept by the caller): a flat plan's check of a donated key,
+    whose own count the plan read."""
+    return type(x) is KEY_ARRAY and _key_data_refs(x) > _BASE_KEY_DATA
 
 
 def is_flat(args: tuple) -> bool:
@@ -1293,16 +1348,20 @@ def is_flat(args: tuple) -> bool:
 
 
 def all_array_leaves(x) -> bool:
-    """``x`` is a pytree with at least one leaf, and every leaf a concrete jax array."""
+    """``x`` is a pytree with at least one leaf, and every leaf a concrete jax array or typed
+    PRNG key (whose plans' checks read its data array: ``shared_parts``, ``leaf_problem``,
+    ``distinct_arrays``)."""
     leaves = jax.tree_util.tree_leaves(x)
-    return bool(leaves) and all(type(v) is _ARRAY_IMPL for v in leaves)
+    return bool(leaves) and all(type(v) in _AVAL_TYPES for v in leaves)
 
 
-def distinct_arrays(values: Sequence, exclude: frozenset[int]) -> bool:
+def distinct_arrays(values: Sequence, exclude: frozenset[int], keys: bool = False) -> bool:
     """No array occurs twice in ``values``, none is in ``exclude`` (a program's constants, with
     its keys' data arrays: ``_jaxpr.const_ids``), and none is the data array of a typed PRNG
-    key in ``values`` (``_key_data_ids``: ``f(k, jax.random.key_data(k))``). A key passed twice
-    is no problem: it is never donated.
+    key in ``values`` (``_key_data_ids``: ``f(k, jax.random.key_data(k))``). ``keys``: the
+    call may donate a typed key, so no key occurs twice either, no two keys share a data
+    array, and neither a key nor its data array is in ``exclude``; otherwise a key passed twice
+    is no problem.
 
     Identities see every sharing of a buffer that ``key_data``, ``wrap_key_data`` and
     ``jnp.asarray`` make (each returns or wraps the very object); ``jax.device_put(x, device)``
@@ -1311,5 +1370,11 @@ def distinct_arrays(values: Sequence, exclude: frozenset[int]) -> bool:
     unique = set(ids)
     if len(unique) < len(ids) or not unique.isdisjoint(exclude):
         return False
-    # (every value an array: no key to read, and no second pass over them)
-    return len(ids) == len(values) or unique.isdisjoint(_key_data_ids(values))
+    if len(ids) == len(values):
+        return True  # every value an array: no key to read, and no second pass over them
+    data = _key_data_ids(values)
+    if not keys:
+        return unique.isdisjoint(data)
+    key_ids = [id(a) for a in values if type(a) is KEY_ARRAY]
+    every = ids + key_ids + data
+    return len(set(every)) == len(every) and exclude.isdisjoint(every)
