@@ -728,3 +728,28 @@ def test_a_rewritten_program_refilled_between_variants(options):
     got = run(lambda fn: autoopt.optimize(fn, fallback="raise", **options))
     for g, w in zip(got, run(jax.jit), strict=True):
         assert g.tobytes() == w.tobytes()
+
+
+@pytest.mark.parametrize("size", [1, 300_000], ids=["small", "over-1MiB"])
+def test_an_index_read_from_a_numpy_table_built_in_another_trace_is_the_lowered_one(size):
+    """``g`` reads its scatter index from a closed-over NumPy table; its program is built inside
+    ``f``'s trace, the table refilled, then ``g`` called itself: jax.jit lowers ``g`` then,
+    reading the new index. A small table is guarded (the program runs its original where the
+    bytes changed: ``Program.value_guards``), a large one is never read by the passes."""
+
+    def run(make):
+        table = np.zeros(size, np.int32)
+        table[0] = 5
+        g = make(lambda x, v: x.at[jnp.asarray(table)[:1]].set(v))
+        f = make(lambda x, v: g(x, v) * 2)
+        x, v = jnp.zeros(16), jnp.full((1,), 7.0)
+        out = [np.asarray(f(x, v))]
+        table[0] = 9
+        out.append(np.asarray(g(x, v)))
+        y = jnp.zeros(16)
+        y = g(y, v)
+        out.append(np.asarray(y))
+        return out
+
+    for got, want in zip(run(autoopt.optimize), run(jax.jit), strict=True):
+        np.testing.assert_array_equal(got, want)

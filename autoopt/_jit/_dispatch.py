@@ -684,8 +684,9 @@ def device_copies(arrays: list) -> list:
     """Fresh device buffers holding ``arrays``' values, with their shardings and committedness
     (a deleted array raises jax's own error). The first ``COPIES_BEFORE_COMPILING`` copies of
     a set of single-device arrays go through ``jax.device_put(may_alias=False)``, later ones
-    through one compiled copy; multi-device arrays always through ``device_put``, whose result
-    keeps their sharding exactly (a compiled copy's sharding is XLA's choice)."""
+    through one compiled copy; multi-device arrays and sets holding a committed array always
+    through ``device_put``, whose result keeps their sharding and committedness exactly (a
+    compiled copy's sharding is XLA's choice)."""
     global _compiled_copy
     if not all(isinstance(x.sharding, jax.sharding.SingleDeviceSharding) for x in arrays):
         if all(x.is_fully_addressable for x in arrays):
@@ -700,6 +701,10 @@ def device_copies(arrays: list) -> list:
             )
             for x in arrays
         ]
+    if any(x.committed for x in arrays):
+        # A jit's outputs are all committed when one input is: the copies of the uncommitted
+        # ones would be a new signature for the step (a recompile), so device_put keeps each.
+        return jax.device_put(arrays, may_alias=False)
     key = tuple(x.aval for x in arrays)
     count = _copy_counts.get(key, 0)
     if count < COPIES_BEFORE_COMPILING:

@@ -652,7 +652,8 @@ class OptimizedFunction(_CallBase):
         if chosen is not None:
             return chosen
         holds = all(
-            c.shape == seen.shape and np.array_equal(c, seen) for c, seen in program.value_guards
+            c.dtype == seen.dtype and c.shape == seen.shape and c.tobytes() == seen.tobytes()
+            for c, seen in program.value_guards
         )
         chosen = program.final if holds else program.traced.closed
         tls = self._caches.tls
@@ -663,8 +664,11 @@ class OptimizedFunction(_CallBase):
 
     def _evaluate(self, program: Program, leaves: list, hoisted=None) -> list:
         final = self._guarded(program) if program.value_guards else program.final
+        # (outside the fallback: the placer's HoistConstants, raised while embedding, is its
+        # signal to pass the large constants and call again, not a failure of the passes)
+        embedded = self._embedded(program, final, hoisted)
         try:
-            return _jaxpr.eval_closed(self._embedded(program, final, hoisted), *leaves)
+            return _jaxpr.eval_closed(embedded, *leaves)
         except Exception as e:  # noqa: BLE001
             original = program.traced.closed
             if final is original:

@@ -107,8 +107,8 @@ class Program:
         # id(final or traced.closed) -> {const index: its NumPy constant's bytes at the first
         # evaluation into a jit that compiles} (``frozen_host_consts``)
         self._host_bytes: dict[int, dict[int, Any]] = {}
-        # ((NumPy constant, its bytes when the passes read it), ...) for the integer constants
-        # whose values the passes could rely on, when they changed the program
+        # ((NumPy constant, its bytes when the passes read it), ...) for the constants whose
+        # values the passes could rely on, when they changed the program
         # (``value_guards_of``); and ``final`` or ``traced.closed``, fixed by the first
         # evaluation into a call's jit (``OptimizedFunction._guarded``).
         self.value_guards: tuple = ()
@@ -349,14 +349,17 @@ _SPLAT_VIEW_MIN_BYTES = 1 << 16
 
 def value_guards_of(traced_closed, final) -> tuple:
     """The guards of a program the passes rewrote (``Program.value_guards``): each NumPy
-    constant of an integer or boolean dtype (the range analysis reads those values to prove
-    indices) with a private copy of its bytes now. jax.jit reads a closed-over NumPy array when
-    it lowers, which may be later than this build (a program built inside another function's
-    trace, then lowered by its own call): the rewrite holds only for these bytes."""
+    constant whose values the passes may read (the range analysis proves indices from them;
+    none over ``NUMPY_VALUE_MAX_BYTES``) with a private copy of its bytes now. jax.jit reads a
+    closed-over NumPy array when it lowers, which may be later than this build (a program
+    built inside another function's trace, then lowered by its own call): the rewrite holds
+    only for these bytes."""
+    from autoopt.passes.in_place import NUMPY_VALUE_MAX_BYTES  # (larger ones are never read)
+
     if final is traced_closed:
         return ()
     return tuple(
         (c, np.array(c, copy=True))
         for c in traced_closed.consts
-        if isinstance(c, np.ndarray) and (c.dtype == np.bool_ or np.issubdtype(c.dtype, np.integer))
+        if isinstance(c, np.ndarray) and c.nbytes <= NUMPY_VALUE_MAX_BYTES
     )

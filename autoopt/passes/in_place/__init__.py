@@ -5,5 +5,6 @@ The pass (``_pass``) rewrites; the range analysis (``_ranges``) proves indices i
 """
 
 from autoopt.passes.in_place._pass import PASS, scatter_to_dus
+from autoopt.passes.in_place._ranges import NUMPY_VALUE_MAX_BYTES
 
-__all__ = ["PASS", "scatter_to_dus"]
+__all__ = ["NUMPY_VALUE_MAX_BYTES", "PASS", "scatter_to_dus"]

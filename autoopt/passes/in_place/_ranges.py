@@ -958,6 +958,12 @@ def _join_env(a: Env | None, b: Env | None) -> Env | None:
 # --- the forward walk ------------------------------------------------------------------------
 
 
+# A NumPy constant's values are read up to this size: a program the passes rewrite keeps a copy
+# of each integer one it could have read (``_program.value_guards_of``), and a copy of a large
+# index table per program would cost its size again.
+NUMPY_VALUE_MAX_BYTES = 1 << 20
+
+
 def analyze(closed: ClosedJaxpr, numpy_values: bool = True) -> Facts:
     """Ranges and forms for every value of ``closed`` and all its sub-jaxprs.
 
@@ -974,7 +980,10 @@ def _walk(
     facts: Facts, jaxpr: Jaxpr, consts: Sequence[Any], in_ranges: Sequence, in_loop: bool
 ) -> list[Interval | None]:
     for v, c in zip(jaxpr.constvars, consts):
-        if isinstance(c, Tracer) or (not facts.numpy_values and isinstance(c, np.ndarray)):
+        if isinstance(c, Tracer) or (
+            isinstance(c, np.ndarray)
+            and (not facts.numpy_values or c.nbytes > NUMPY_VALUE_MAX_BYTES)
+        ):
             _set(facts, v, None)  # closed over from an enclosing trace, or read later: unknown
             continue
         facts._const[v] = c
