@@ -210,7 +210,8 @@ class Caches:
         # built the signature's program yet (``OptimizedFunction._reporter``), once made.
         self.reporter: Any = None
         self.is_reporter = False  # these are a reporter's caches
-        _LIVE_CACHES.add(self)
+        with _LIVE_LOCK:
+            _LIVE_CACHES.add(self)
 
     def forget_programs(self) -> None:
         """Drop every traced program and every plan that finds one, keeping the jit objects:
@@ -232,10 +233,13 @@ class Caches:
 # reads closed-over NumPy constants anew (jax converts a float64 one when it traces, and the
 # in-place pass may read an index's value), so it drops every autoopt program too.
 _LIVE_CACHES: weakref.WeakSet = weakref.WeakSet()
+_LIVE_LOCK = threading.Lock()  # (a WeakSet cannot be listed while another thread adds to it)
 
 
 def _forget_every_program() -> None:
-    for caches in list(_LIVE_CACHES):
+    with _LIVE_LOCK:
+        live = list(_LIVE_CACHES)
+    for caches in live:
         caches.forget_programs()
 
 

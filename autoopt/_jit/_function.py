@@ -942,22 +942,29 @@ class OptimizedFunction(_CallBase):
             if program is None:
                 # jax.jit may answer .trace from its own cache without running our wrapper, so
                 # take the program from the trace-side cache first, then from this thread's last.
-                caches.tls.last_program = None
-                caches.tls.trace_only = True  # a trace, no executable: nothing decided
-                try:
-                    if self._placer is not None:  # may stop at large constants (see _hoist)
-                        self._placer.trace_only(self._plain, args, kwargs)
-                    else:
-                        self._plain.trace(*args, **kwargs)
-                except FitCheck:
-                    pass  # the program is built; the call's own trace checks it (_check_fit)
-                finally:
-                    caches.tls.trace_only = False
-                    # (taken from the thread at once: a program jax.clear_caches() or
-                    # clear_cache() dropped must die, since jax reuses a closed-over NumPy
-                    # constant's conversion for as long as the converted array is alive)
-                    last, caches.tls.last_program = caches.tls.last_program, None
-                program = caches.programs.get(key) or last
+                for attempt in range(2):
+                    if attempt:
+                        # jax answered from a trace whose program a concurrent
+                        # jax.clear_caches() dropped from ours after it ran our wrapper
+                        self._plain.clear_cache()  # pyright: ignore[reportAttributeAccessIssue]
+                    caches.tls.last_program = None
+                    caches.tls.trace_only = True  # a trace, no executable: nothing decided
+                    try:
+                        if self._placer is not None:  # may stop at large constants (_hoist)
+                            self._placer.trace_only(self._plain, args, kwargs)
+                        else:
+                            self._plain.trace(*args, **kwargs)
+                    except FitCheck:
+                        pass  # the program is built; the call's own trace checks it
+                    finally:
+                        caches.tls.trace_only = False
+                        # (taken from the thread at once: a program jax.clear_caches() or
+                        # clear_cache() dropped must die, since jax reuses a closed-over NumPy
+                        # constant's conversion for as long as the converted array is alive)
+                        last, caches.tls.last_program = caches.tls.last_program, None
+                    program = caches.programs.get(key) or last
+                    if program is not None:
+                        break
             if program is not None and not program.traced.captures_tracers:
                 caches.by_call[ckey] = program
         if program is not None and not report_only:
