@@ -167,15 +167,7 @@ def test_a_report_racing_jax_clear_caches_raises_no_false_error():
         finally:
             done.set()
 
-    def clearing():
-        while not done.is_set():
-            jax.clear_caches()
-
-    ts = [threading.Thread(target=reporting), threading.Thread(target=clearing)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    _while_clearing_caches(reporting, done)
     assert errors == []
 
 
@@ -472,15 +464,7 @@ def test_calls_reports_and_clear_caches_in_three_threads():
         finally:
             done.set()
 
-    def clearing():
-        while not done.is_set():
-            jax.clear_caches()
-
-    ts = [threading.Thread(target=calling), threading.Thread(target=clearing)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    _while_clearing_caches(calling, done)
     assert errors == [] and result == [True]
 
 
@@ -512,3 +496,18 @@ def test_a_fit_checked_program_dies_with_clear_caches(remat):
         gc.enable()
     c += 1
     np.testing.assert_array_equal(np.asarray(f(w, x)), np.asarray(jax.jit(step)(w, x)))
+
+
+def _while_clearing_caches(work, done: threading.Event) -> None:
+    """Runs ``work`` (which sets ``done`` when it ends) beside a thread calling
+    ``jax.clear_caches()`` until then."""
+
+    def clearing():
+        while not done.is_set():
+            jax.clear_caches()
+
+    ts = [threading.Thread(target=work), threading.Thread(target=clearing)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
