@@ -937,8 +937,13 @@ class OptimizedFunction(_CallBase):
         except TypeError:  # an unhashable static argument: jax.jit's own call raises its error
             return None
         if program is None:
-            key, _ = trace_signature(args, kwargs, policy.static_argnums, policy.static_argnames)
+            key, leaves = trace_signature(
+                args, kwargs, policy.static_argnums, policy.static_argnames
+            )
             program = caches.programs.get(key)
+            # a jax.Ref or a hijax leaf: the wrapper runs the function as plain jax.jit, no
+            # program (traced once below, where jax.jit's cache keeps the trace for the call)
+            opaque = _jaxpr.opaque_input(leaves) is not None
             if program is None:
                 # jax.jit may answer .trace from its own cache without running our wrapper, so
                 # take the program from the trace-side cache first, then from this thread's last.
@@ -963,7 +968,7 @@ class OptimizedFunction(_CallBase):
                         # constant's conversion for as long as the converted array is alive)
                         last, caches.tls.last_program = caches.tls.last_program, None
                     program = caches.programs.get(key) or last
-                    if program is not None:
+                    if program is not None or opaque:
                         break
             if program is not None and not program.traced.captures_tracers:
                 caches.by_call[ckey] = program
