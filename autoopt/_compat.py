@@ -17,6 +17,8 @@ from jax._src import array as _array
 from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import distributed as _distributed
+from jax._src import dtypes as _dtypes
+from jax._src import effects as _effects
 from jax._src import linear_util as _lu
 from jax._src import source_info_util as _siu
 from jax._src import traceback_util as _tbu
@@ -34,6 +36,7 @@ __all__ = [
     "on_clear_caches",
     "user_frame",
     "trace_closed_jaxpr",
+    "stage_jaxpr",
     "jit_debug_info",
     "api_boundary",
     "filter_traceback",
@@ -135,6 +138,67 @@ def trace_closed_jaxpr(
     wrapped = _lu.wrap_init(fn, debug_info=dbg)
     jaxpr, _out_avals, consts = _pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
     return _core.ClosedJaxpr(jaxpr, consts)
+
+
+def stage_jaxpr(jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any] | None:
+    """Copy ``jaxpr``'s equations into the jit trace ``args`` belong to; None where that is not
+    the case (then the caller binds each primitive again, as ``jax.core.eval_jaxpr``).
+
+    What ``jax.jit(inline=True)`` does when it is staged (``pjit_staging_rule`` calls
+    ``partial_eval.inline_jaxpr_into_trace``): each equation is emitted as traced, with no
+    abstract evaluation or staging rule run again, so staging a traced program into jit costs a
+    small part of tracing it. Unlike that function, each equation keeps its own traceback (as
+    ``eval_jaxpr`` under ``source_info_util.user_context``), so the compiled program's
+    locations still name the user's lines."""
+    trace = _core.trace_ctx.trace
+    if type(trace) is not _pe.DynamicJaxprTrace or jaxpr.is_high:
+        return None
+    tracer_type = _pe.DynamicJaxprTracer
+    for a in args:
+        if type(a) is not tracer_type or a._trace is not trace:
+            return None
+    for c in consts:
+        if isinstance(c, Tracer) or isinstance(c, _core.Ref):
+            return None
+    src = _siu.current()
+    env: dict[Any, Any] = {
+        v: trace.to_jaxpr_tracer(_dtypes.canonicalize_value(c), src)
+        for v, c in zip(jaxpr.constvars, consts)
+    }
+    env.update(zip(jaxpr.invars, args))
+    literal = _core.Literal
+    name_stack = src.name_stack
+    for eqn in jaxpr.eqns:
+        eqn_src = eqn.source_info.replace(name_stack=name_stack + eqn.source_info.name_stack)
+        ins = [
+            tracer_type(trace, x.aval, x, eqn_src) if type(x) is literal else env[x]
+            for x in eqn.invars
+        ]
+        out_avals = [v.aval for v in eqn.outvars]
+        folded = _pe.try_constant_folding(eqn.primitive, ins, eqn.params, out_avals)
+        if folded is not None:
+            outs = [
+                trace.new_const(c, source_info=eqn_src, aval=aval)
+                for c, aval in zip(folded, out_avals)
+            ]
+        else:
+            effs = (
+                {
+                    e.replace(env[e.input].val) if isinstance(e, _effects.JaxprInputEffect) else e
+                    for e in eqn.effects
+                }
+                if eqn.effects
+                else eqn.effects
+            )
+            outs = trace.emit_eqn(ins, out_avals, eqn.primitive, eqn.params, effs, eqn_src, eqn.ctx)
+        for v, t in zip(eqn.outvars, outs):
+            env.setdefault(v, t)
+    return [
+        trace.to_jaxpr_tracer(tracer_type(trace, x.aval, x, src), src)
+        if type(x) is literal
+        else env[x]
+        for x in jaxpr.outvars
+    ]
 
 
 def jit_debug_info(

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
@@ -331,6 +333,83 @@ def rewrite(closed: ClosedJaxpr, rules: Mapping[Primitive, Rule]) -> tuple[Close
 def eval_closed(closed: ClosedJaxpr, *args: Any) -> list[Any]:
     """Evaluate ``closed`` in the current trace (used to stage the optimized program into jit)."""
     return eval_jaxpr(closed.jaxpr, closed.consts, *args)
+
+
+def stage_closed(closed: ClosedJaxpr, *args: Any) -> list[Any]:
+    """Stage ``closed`` into the jit trace its arguments belong to: its equations copied as
+    they are (``_compat.stage_jaxpr``), or bound again where the arguments are not all that
+    trace's (``eval_closed``). jit's wrapper calls this once per traced signature."""
+    outs = _compat.stage_jaxpr(closed.jaxpr, closed.consts, args)
+    return outs if outs is not None else eval_closed(closed, *args)
+
+
+def fingerprint(closed: ClosedJaxpr) -> str:
+    """A SHA-256 of ``closed``'s structure: what its text (``str``) shows, read without the
+    pretty-printer (which costs about half of tracing a training step).
+
+    Every equation's primitive, operands (numbered per program, literals by value and type),
+    result types, effects and parameters, sub-programs walked in place; parameter values as the
+    text prints them (an object's address masked, as jax's printer does). Constants count by
+    type, not value, as in the text. Stable across processes: it keys decisions kept on disk."""
+    out: list[str] = []
+    seen: dict[int, int] = {}
+    names: dict[Any, int] = {}
+
+    avals: dict[int, str] = {}  # (by id: the program keeps each alive while it is read)
+
+    def aval(v) -> str:
+        a = v.aval
+        text = avals.get(id(a))
+        if text is None:
+            text = avals[id(a)] = str(a)
+        return text
+
+    def atom(a) -> str:
+        if isinstance(a, Literal):
+            # a scalar: its Python value prints exactly and fast (NumPy's printer does not)
+            val = a.val
+            item = getattr(val, "item", None)
+            return f"{(item() if item is not None and np.ndim(val) == 0 else val)!r}:{aval(a)}"
+        n = names.get(a)
+        if n is None:
+            n = names[a] = len(names)
+        return f"%{n}"
+
+    def param(v) -> str:
+        if isinstance(v, ClosedJaxpr | Jaxpr):
+            return jaxpr(v.jaxpr if isinstance(v, ClosedJaxpr) else v)
+        if type(v) is tuple:
+            return "(" + ",".join(map(param, v)) + ")"
+        if isinstance(v, frozenset):
+            return f"frozenset({{{', '.join(repr(e) for e in sorted(v))}}})"
+        text = str(v)
+        if " at 0x" in text:
+            text = _ADDRESS.sub(" at 0x", text)
+        return text
+
+    def jaxpr(j: Jaxpr) -> str:
+        n = seen.get(id(j))
+        if n is not None:
+            return f"@{n}"
+        n = seen[id(j)] = len(seen)
+        out.append(f"{{{n} " + " ".join(f"{atom(v)}:{aval(v)}" for v in (*j.constvars, *j.invars)))
+        for eqn in j.eqns:
+            out.append(
+                f"{eqn.primitive.name} {' '.join(map(atom, eqn.invars))} -> "
+                + " ".join(f"{atom(v)}:{aval(v)}" for v in eqn.outvars)
+            )
+            if eqn.effects:
+                out.append(" ".join(sorted(map(str, eqn.effects))))
+            for k, v in eqn.params.items():
+                out.append(f" {k}={param(v)}")
+        out.append("} " + " ".join(map(atom, j.outvars)))
+        return f"@{n}"
+
+    jaxpr(closed.jaxpr)
+    return hashlib.sha256("\n".join(out).encode()).hexdigest()
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 def check(closed: ClosedJaxpr) -> None:

@@ -433,7 +433,7 @@ class OptimizedFunction(_CallBase):
             if program.untouched is not None:  # a jax.Ref, a hijax type: as plain jax.jit
                 return fn(*args, **kwargs)
             if inlined:
-                outs = _jaxpr.eval_closed(program.traced.closed, *leaves)
+                outs = _jaxpr.stage_closed(program.traced.closed, *leaves)
             else:
                 outs = self._evaluate(program, leaves, hoisted)
             return tree_util.tree_unflatten(program.traced.out_tree, outs)
@@ -668,13 +668,13 @@ class OptimizedFunction(_CallBase):
         # signal to pass the large constants and call again, not a failure of the passes)
         embedded = self._embedded(program, final, hoisted)
         try:
-            return _jaxpr.eval_closed(embedded, *leaves)
+            return _jaxpr.stage_closed(embedded, *leaves)
         except Exception as e:  # noqa: BLE001
             original = program.traced.closed
             if final is original:
                 raise  # the original program itself failed: the user's error
             self._fall_back(e, "evaluate")
-            return _jaxpr.eval_closed(self._embedded(program, original, hoisted), *leaves)
+            return _jaxpr.stage_closed(self._embedded(program, original, hoisted), *leaves)
 
     def _embedded(self, program: Program, closed, hoisted):
         """``closed`` (the program's final or original jaxpr) as this trace embeds it: large

@@ -83,6 +83,20 @@ EMPTY = Interval(1, 0)
 def dtype_interval(dtype) -> Interval | None:
     """The full range of an integer or boolean dtype (int4 included); None for anything else
     (floats, PRNG keys and other extended dtypes)."""
+    try:
+        return _DTYPE_INTERVALS[dtype]
+    except KeyError:
+        iv = _DTYPE_INTERVALS[dtype] = _dtype_interval(dtype)
+        return iv
+    except TypeError:  # an unhashable dtype-like: computed each time
+        return _dtype_interval(dtype)
+
+
+# (asked for every value of the program: numpy's issubdtype and iinfo are slow to ask)
+_DTYPE_INTERVALS: dict[Any, Interval | None] = {}
+
+
+def _dtype_interval(dtype) -> Interval | None:
     if _bool_dtype(dtype):
         return Interval(0, 1)
     if _is_plain(dtype) and jnp.issubdtype(dtype, jnp.integer):

@@ -69,7 +69,6 @@ import concurrent.futures
 import dataclasses
 import difflib
 import functools
-import hashlib
 import logging
 import math
 import time
@@ -725,19 +724,19 @@ def _joint_parts(closed: ClosedJaxpr, ctx: PassContext, setup: _JointSetup) -> l
     ]
 
 
-# The last program printed for a key on disk, weakly (a jaxpr holds its constants): a warm
-# first call asks for the same program's key several times (the donation it would measure, the
-# donation a keeping call measured, the decision itself), and printing a training step's
-# jaxpr is most of the pass's cost on a warm hit.
+# The last program fingerprinted for a key on disk, weakly (a jaxpr holds its constants): a
+# warm first call asks for the same program's key several times (the donation it would
+# measure, the donation a keeping call measured, the decision itself).
 _DIGESTED: list = [None, None]
 
 
 def program_digest(closed: ClosedJaxpr) -> str:
-    """The SHA-256 of ``closed``'s text (``str``), which keys its decisions on disk."""
+    """``closed``'s fingerprint (``_jaxpr.fingerprint``: what its text shows), which keys its
+    decisions on disk."""
     ref, digest = _DIGESTED
     if ref is not None and ref() is closed:
         return digest
-    digest = hashlib.sha256(str(closed).encode()).hexdigest()
+    digest = _jaxpr.fingerprint(closed)
     _DIGESTED[:] = [weakref.ref(closed), digest]
     return digest
 
@@ -1350,7 +1349,7 @@ def _known_base(
     if original.program is not closed and (
         original.program.in_avals != closed.in_avals
         or original.program.out_avals != closed.out_avals
-        or str(original.program) != str(closed)
+        or program_digest(original.program) != program_digest(closed)
     ):
         return None
     return original.measured
