@@ -172,6 +172,7 @@ class Caches:
         "lost_updates",
         "reporter",
         "is_reporter",
+        "placer",
         "__weakref__",
     )
 
@@ -210,6 +211,9 @@ class Caches:
         # built the signature's program yet (``OptimizedFunction._reporter``), once made.
         self.reporter: Any = None
         self.is_reporter = False  # these are a reporter's caches
+        # The function's placer (``passes.placement``), whose hoisted large constants are
+        # forgotten with the programs, or None.
+        self.placer: Any = None
         with _LIVE_LOCK:
             _LIVE_CACHES.add(self)
 
@@ -227,6 +231,8 @@ class Caches:
                         plans.clear()
             if self.auto_fast:
                 self.auto_fast.clear()
+        if self.placer is not None:
+            self.placer.forget_hoisted()
 
 
 # Every function's caches: ``jax.clear_caches()`` makes jax.jit trace every function again, which

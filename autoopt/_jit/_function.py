@@ -356,7 +356,7 @@ class OptimizedFunction(_CallBase):
 
         # Host inputs (packing, cached constants), scalar canonicalization, transfer guard; None
         # when no option asks for any of them.
-        self._placer = placer_for(fn, options, policy.platform)
+        self._placer = self._caches.placer = placer_for(fn, options, policy.platform)
         self._plain = self._jit_for((), ())
         self._plain_plan = CallPlan(
             self._plain, placer=self._placer, verify=policy.verify, direct=not policy.verify

@@ -427,6 +427,14 @@ class Placer:
         # Every call must now pass them (the same jit signature): stay off the lean path.
         self._stay = self._active = True
 
+    def forget_hoisted(self) -> None:
+        """Drop the placed copies of large constants (``clear_cache``, ``jax.clear_caches()``):
+        each holds jax's conversion of a closed-over NumPy constant, and while that lives jax
+        reuses it when it traces again, so a refilled constant would keep its old bytes. The
+        next trace stops at its large constants again and places what it reads then."""
+        self._hoist_consts = {}
+        self._hoisted = None
+
     def _fall_back(self, error: BaseException) -> None:
         if not self._warned:
             self._warned = True
