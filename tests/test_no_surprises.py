@@ -1118,3 +1118,35 @@ def test_a_new_filter_jit_per_call_given_to_optimize_traces_once():
     for _ in range(4):
         autoopt.optimize(eqx.filter_jit(f))(jnp.ones(3))
     assert len(traces) == 1
+
+
+def _exception_chain(error: BaseException | None) -> list[str]:
+    chain = []
+    while error is not None and len(chain) < 10:
+        chain.append(type(error).__name__)
+        error = error.__cause__ or error.__context__
+    return chain
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"placement": "off"}, {"donate": "auto"}, {"remat": "auto"}, {"remat": "off"}],
+    ids=["default", "placement-off", "donate-auto", "remat-auto", "remat-off"],
+)
+def test_an_error_of_a_first_call_chains_what_jax_jits_does(options):
+    """A signature's first call under remat="fit" stops jit's trace with autoopt's internal
+    ``FitCheck`` and calls again; an error of that call (here: an argument deleted) was raised
+    while the FitCheck was being handled, so the user's traceback read "During handling of the
+    above exception (autoopt._errors.FitCheck ...) another exception occurred"."""
+
+    def add(x, y):
+        return x + y
+
+    def chain_of(fn):
+        x, y = jnp.ones(3), jnp.ones(3)
+        y.delete()
+        with pytest.raises(RuntimeError, match="deleted") as info:
+            fn(x, y)
+        return _exception_chain(info.value)
+
+    assert chain_of(autoopt.optimize(add, **options)) == chain_of(jax.jit(add))

@@ -193,7 +193,25 @@ def first_call(check: FitCheck, jit: Any, placer: Any, args: tuple, kwargs: dict
     # and jax reuses a closed-over NumPy constant's conversion while its program lives.
     check.__traceback__ = None
     checked = check.standin(jit)
-    return checked(*args, **kwargs) if placer is None else placer(checked, args, kwargs)
+    try:
+        return checked(*args, **kwargs) if placer is None else placer(checked, args, kwargs)
+    except BaseException as error:
+        # Called while the caller handles ``check``: an error of the call would name it as
+        # its context ("During handling of the above exception ..."), which jax.jit's never
+        # shows, and hold the program alive through it.
+        _forget_context(error, check)
+        raise
+
+
+def _forget_context(error: BaseException, check: FitCheck) -> None:
+    seen = set()
+    link: BaseException | None = error
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if link.__context__ is check:
+            link.__context__ = None
+            return
+        link = link.__context__
 
 
 def _device_of(args: tuple, kwargs: dict, platform: str):

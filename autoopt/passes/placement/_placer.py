@@ -319,13 +319,18 @@ class Placer:
             # Both None: a timed call with the arguments as they are.
             if new_args is not None and new_kwargs is not None:
                 args, kwargs = new_args, new_kwargs
+        check = None
         try:
             out = self._invoke(jitted, args, kwargs)
         except FitCheck as e:
+            check = e
+        if check is not None:
             # a signature's first call under remat="fit": the same placed arguments, through
             # the stand-in that checks the executable against the device's memory (so a
-            # tuning trial is not spent on a call that did not run)
-            out = self._invoke(e.standin(jitted), args, kwargs)
+            # tuning trial is not spent on a call that did not run). Called outside the
+            # handler: an error of the call names no FitCheck as its context.
+            check.__traceback__ = None
+            out = self._invoke(check.standin(jitted), args, kwargs)
         if trial is not None:
             time_trial(trial, out, t0)
         return out
