@@ -34,21 +34,13 @@ LARGE = (2 << 20) // 4  # 2 MiB of float32: passed as a device argument under pl
 # --- bugs -----------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,  # (fails as the reason says, not from another error)
-    reason=(
-        "known: jax reuses a NumPy constant's conversion while an array converted "
-        "from it lives, and the kept report holds its program"
-    ),
-)
 @pytest.mark.parametrize("report", ["inspect", "explain"])
-def test_bug_a_report_the_caller_keeps_decides_the_next_calls_float64_constant(report):
+def test_a_report_the_caller_keeps_does_not_decide_the_next_calls_float64_constant(report):
     """``r = f.inspect(x)`` (or explain), kept by the caller; the float64 constant refilled; the
     first call. The Inspection (and the Report) hold the reporter's program, whose trace
-    converted the constant: jax reuses that conversion while it lives, so the call's trace
-    computes with the old bytes (2.0). jax.jit has no report: its first call converts the
-    refilled constant (102.0). Emptying the reporter does not help while the report lives."""
+    converted the constant, and jax reuses a conversion while it lives: the call's trace
+    computed with the old bytes (2.0). jax.jit has no report: its first call converts the
+    refilled constant (102.0). The report's programs now hold plain copies."""
 
     def run(make):
         c = np.zeros(16, np.float64)

@@ -43,6 +43,7 @@ from autoopt._jit._program import (
     Program,
     Site,
     call_signature,
+    detach_host_consts,
     trace_signature,
     value_guards_of,
 )
@@ -1224,6 +1225,11 @@ class OptimizedFunction(_CallBase):
             # Nothing of the report's trace outlives the report but what it returns: jax
             # reuses a closed-over NumPy constant's conversion for as long as an array converted
             # from it is alive, and the next call's trace must convert it anew.
+            caches = reporter._caches
+            with caches.lock:
+                built = [*caches.programs.values(), *caches.eager_ad_programs.values()]
+            for program in built:
+                detach_host_consts(program)
             reporter.clear_cache()
 
     def _inspect_prepared(

@@ -347,6 +347,26 @@ def _frozen_bytes(c: np.ndarray) -> np.ndarray:
 _SPLAT_VIEW_MIN_BYTES = 1 << 16
 
 
+def detach_host_consts(program: Program) -> None:
+    """Replace, in every program text ``program`` holds, each NumPy constant by a plain copy
+    of it, for a report's program that the caller may keep (``inspect``, ``explain``). jax
+    converts a closed-over NumPy constant when it traces (float64 to float32 is a copy) and
+    reuses that conversion for as long as the converted array lives: a kept report holding it
+    would make the next call's trace compute with the bytes of the report's moment, where
+    jax.jit's first call reads the array as it is then. The report's program is never run
+    again (the reporter is emptied), so a copy serves what the report shows."""
+    closeds = [program.traced.closed, program.final]
+    if program.pipeline is not None:
+        closeds += [program.pipeline.original, program.pipeline.jaxpr]
+        closeds += [result.jaxpr for _, result in program.pipeline.results]
+    for closed in {id(c): c for c in closeds}.values():
+        consts = closed.consts
+        for i, c in enumerate(consts):
+            if isinstance(c, np.ndarray) and type(c) is not np.ndarray:  # jax's converted one
+                consts[i] = np.array(c, copy=True)
+    program.value_guards = ()
+
+
 def value_guards_of(traced_closed, final) -> tuple:
     """The guards of a program the passes rewrote (``Program.value_guards``): each NumPy
     constant whose values the passes may read (the range analysis proves indices from them;
