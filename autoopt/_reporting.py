@@ -12,6 +12,13 @@ from collections.abc import Iterator
 
 class _Reporting(threading.local):
     active = False
+    # While a report's trace runs on this thread (``OptimizedFunction._reporting_on``): the
+    # other optimized functions that built a program inside it (ones the reported function
+    # calls), which keep none of them, as the reporter keeps none of its own, and forget the
+    # traces jax made of them when the report is done: a call of such a function must trace it
+    # anew, reading closed-over NumPy constants as they are then, as jax.jit's first call does.
+    # None when no report traces.
+    built_inside: list | None = None
 
 
 REPORTING = _Reporting()
@@ -24,3 +31,13 @@ def reporting() -> Iterator[None]:
         yield
     finally:
         REPORTING.active = outer
+
+
+@contextlib.contextmanager
+def report_tracing() -> Iterator[list]:
+    """Yields the list of functions that built a program inside the report's trace."""
+    outer, REPORTING.built_inside = REPORTING.built_inside, []
+    try:
+        yield REPORTING.built_inside
+    finally:
+        REPORTING.built_inside = outer

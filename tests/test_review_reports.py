@@ -55,21 +55,14 @@ def test_a_report_the_caller_keeps_does_not_decide_the_next_calls_float64_consta
     assert run(autoopt.optimize) == run(jax.jit) == 102.0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,  # (fails as the reason says, not from another error)
-    reason=(
-        "known: an outer report's trace builds the inner optimized function's own "
-        "program (its conversion of the constant)"
-    ),
-)
 @pytest.mark.parametrize("report", ["inspect", "explain"])
-def test_bug_a_report_of_an_outer_function_decides_the_inner_ones_constant(report):
+def test_a_report_of_an_outer_function_does_not_decide_the_inner_ones_constant(report):
     """``f`` calls another optimized ``g`` that closes over a float64 constant. ``f.inspect``
-    traces through f's reporter, but ``g`` is the real one: the report builds and caches g's
+    traces through f's reporter, but ``g`` is the real one: the report built and cached g's
     program, whose trace converted the constant. Refilled, then ``f(x)``: g's cached program
-    (old conversion) is what f's first trace finds: 3.0. jax.jit's first call traces g then,
-    converting the refilled constant: 103.0."""
+    (old conversion) was what f's first trace found: 3.0. jax.jit's first call traces g then,
+    converting the refilled constant: 103.0. A program built inside a report's trace is now
+    not kept, and jax's traces of g inside it are dropped when the report is done."""
 
     def run(make):
         c = np.zeros(16, np.float64)

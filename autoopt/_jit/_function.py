@@ -49,7 +49,7 @@ from autoopt._jit._program import (
 )
 from autoopt._jit._static_leaves import PLAIN_TYPES, STATIC_LEAF_PLANS, run_static_leaf_plan
 from autoopt._options import Options
-from autoopt._reporting import REPORTING
+from autoopt._reporting import REPORTING, report_tracing
 from autoopt.passes import PassContext, make_options, option_names, run_pipeline
 from autoopt.passes.donation import callsite, host_callbacks
 
@@ -521,8 +521,12 @@ class OptimizedFunction(_CallBase):
             if program is None:
                 program = self._build(args, kwargs, eager_autodiff)
                 program.key = key
-                if not program.traced.captures_tracers:
+                if program.traced.captures_tracers:
+                    pass
+                elif REPORTING.built_inside is None or caches.is_reporter:
                     programs[key] = program
+                else:
+                    REPORTING.built_inside.append(self)
         if getattr(caches.tls, "trace_only", False):  # (read by _program_for_call)
             caches.tls.last_program = program
         if program.lost_updates:
@@ -1134,6 +1138,13 @@ class OptimizedFunction(_CallBase):
             self._plain.clear_cache()  # pyright: ignore[reportAttributeAccessIssue]
         caches.forget_programs()
 
+    def _forget_nested_traces(self) -> None:
+        """Drop the traces jax keeps of calls inside other traces (a report's: see
+        ``_reporting.report_tracing``)."""
+        nested = self._caches.nested
+        if nested is not None:
+            nested.clear_cache()
+
     def _cache_size(self) -> int:
         """As ``jax.jit(fn)._cache_size()``: how many signatures have a compiled program (the
         count libraries' tests read to check that a function compiles once)."""
@@ -1219,9 +1230,13 @@ class OptimizedFunction(_CallBase):
             yield self
             return
         reporter = self._reporter()
+        built_inside: list = []
         try:
-            yield reporter
+            with report_tracing() as built_inside:
+                yield reporter
         finally:
+            for fn in {id(f): f for f in built_inside}.values():
+                fn._forget_nested_traces()
             # Nothing of the report's trace outlives the report but what it returns: jax
             # reuses a closed-over NumPy constant's conversion for as long as an array converted
             # from it is alive, and the next call's trace must convert it anew.
