@@ -672,12 +672,15 @@ class OptimizedFunction(_CallBase):
         # (outside the fallback: the placer's HoistConstants, raised while embedding, is its
         # signal to pass the large constants and call again, not a failure of the passes)
         embedded = self._embedded(program, final, hoisted)
-        try:
+        original = program.traced.closed
+        if final is original:  # jax's own trace: its equations are copied as they are
             return _jaxpr.stage_closed(embedded, *leaves)
+        try:
+            # A rewritten program is bound again equation by equation, which recomputes each
+            # result's type: a rewrite that left one stale fails here and falls back, where
+            # copying its equations would hand the mistake to the compiler.
+            return _jaxpr.eval_closed(embedded, *leaves)
         except Exception as e:  # noqa: BLE001
-            original = program.traced.closed
-            if final is original:
-                raise  # the original program itself failed: the user's error
             self._fall_back(e, "evaluate")
             return _jaxpr.stage_closed(self._embedded(program, original, hoisted), *leaves)
 
@@ -1261,6 +1264,12 @@ class OptimizedFunction(_CallBase):
         memory figures: through the reporter, whose compile no call reuses)."""
         calls = calls or self
         program = self._program_for_call(args, kwargs, report_only=True)
+        if program is None and _jaxpr.opaque_input(tree_util.tree_leaves((args, kwargs))):
+            raise ValueError(
+                "inspect() and explain() describe the programs autoopt builds, and a call with "
+                "a jax.Ref (or another mutable or hijax) argument has none: it runs as plain "
+                "jax.jit does. Inspect a call with arrays in its place."
+            )
         if program is None:
             raise ValueError(
                 "inspect() and explain() cannot run on arguments traced by an "
