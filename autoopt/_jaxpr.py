@@ -392,7 +392,10 @@ def fingerprint(closed: ClosedJaxpr) -> str:
         if n is not None:
             return f"@{n}"
         n = seen[id(j)] = len(seen)
-        out.append(f"{{{n} " + " ".join(f"{atom(v)}:{aval(v)}" for v in (*j.constvars, *j.invars)))
+        # (constvars apart from invars, as the text's "lambda consts; args.": a closed-over
+        # constant is not an argument)
+        binders = (" ".join(f"{atom(v)}:{aval(v)}" for v in vs) for vs in (j.constvars, j.invars))
+        out.append(f"{{{n} " + "; ".join(binders))
         for eqn in j.eqns:
             out.append(
                 f"{eqn.primitive.name} {' '.join(map(atom, eqn.invars))} -> "
