@@ -109,23 +109,43 @@ def test_the_fingerprint_tells_a_constant_from_an_argument():
     assert _jaxpr.fingerprint(closing) != _jaxpr.fingerprint(passing)
 
 
-def test_the_fingerprint_of_a_program_with_a_ref_is_the_same_in_another_process():
-    """The fingerprint keys decisions kept on disk, so it must be the same in every process.
-    Effects are written as ``str(effect)``: a ref's ``ReadEffect(Var(id=...))`` and
-    ``InternalMutableArrayEffect object at 0x...`` carry addresses (the printed jaxpr shows
-    no effects, so the key it replaced was stable): a program using ``jax.new_ref`` never
-    finds its decision again."""
-    code = """
-        import jax, jax.numpy as jnp
-        from autoopt import _jaxpr
-
+_REF_PROGRAMS = {
+    "new_ref": """
         def f(x):
             r = jax.new_ref(x)
             r[...] = r[...] * 2
             return r[...] + 1
+        """,
+    "pallas_call": """
+        from jax.experimental import pallas as pl
 
-        print(_jaxpr.fingerprint(jax.make_jaxpr(f)(jnp.ones(3))))
-        """
+        def kernel(x_ref, o_ref):
+            o_ref[...] = x_ref[...] * 2 + 1
+
+        def f(x):
+            block = pl.BlockSpec((4,), lambda i: (i,))
+            out = jax.ShapeDtypeStruct(x.shape, x.dtype)
+            call = pl.pallas_call(
+                kernel, out_shape=out, grid=(2,), in_specs=[block], out_specs=block,
+                interpret=True,
+            )
+            return call(x)
+        """,
+}
+
+
+@pytest.mark.parametrize("program", list(_REF_PROGRAMS))
+def test_the_fingerprint_of_a_program_with_refs_is_the_same_in_another_process(program):
+    """The fingerprint keys decisions kept on disk, so it must be the same in every process.
+    Effects are written as ``str(effect)``: a ref's ``ReadEffect(Var(id=...))`` and
+    ``InternalMutableArrayEffect object at 0x...`` carry addresses (the printed jaxpr shows
+    no effects, so the key it replaced was stable): a program using ``jax.new_ref``, or any
+    Pallas kernel (its body reads and writes refs), never finds its decision again."""
+    code = (
+        "import jax, jax.numpy as jnp\nfrom autoopt import _jaxpr\n"
+        + textwrap.dedent(_REF_PROGRAMS[program])
+        + "\nprint(_jaxpr.fingerprint(jax.make_jaxpr(f)(jnp.arange(8.0))))\n"
+    )
     assert _run_python(code) == _run_python(code)
 
 
@@ -383,6 +403,18 @@ def test_the_fingerprint_tells_apart_sub_programs_and_callbacks_of_other_structu
 
     assert _apart(branches(jnp.sin, jnp.cos), branches(jnp.cos, jnp.sin), x)
     assert _fp(branches(jnp.sin, jnp.cos), x) == _fp(branches(jnp.sin, jnp.cos), x)
+    # (ordered or not: a parameter of the callback, whatever the effects it makes)
+    spec = jax.ShapeDtypeStruct((3,), jnp.float32)
+    assert _apart(
+        lambda a: io_callback(np.asarray, spec, a, ordered=True),
+        lambda a: io_callback(np.asarray, spec, a, ordered=False),
+        x,
+    )
+    assert _apart(
+        lambda a: (jax.debug.callback(np.asarray, a, ordered=True), a)[1],
+        lambda a: (jax.debug.callback(np.asarray, a, ordered=False), a)[1],
+        x,
+    )
     nothing = jax.checkpoint_policies.nothing_saveable
     dots = jax.checkpoint_policies.dots_saveable
     assert _apart(
