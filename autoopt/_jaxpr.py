@@ -348,9 +348,11 @@ def fingerprint(closed: ClosedJaxpr) -> str:
     pretty-printer (which costs about half of tracing a training step).
 
     Every equation's primitive, operands (numbered per program, literals by value and type),
-    result types, effects and parameters, sub-programs walked in place; parameter values as the
-    text prints them (an object's address masked, as jax's printer does). Constants count by
-    type, not value, as in the text. Stable across processes: it keys decisions kept on disk."""
+    result types and parameters, sub-programs walked in place; parameter values as the text
+    prints them (an object's address masked, as jax's printer does). Not effects, which the
+    text does not show either: the primitive, its parameters and its operands make them, and a
+    ref's effect names its variable by address. Constants count by type, not value, as in the
+    text. Stable across processes: it keys decisions kept on disk."""
     out: list[str] = []
     seen: dict[int, int] = {}
     names: dict[Any, int] = {}
@@ -401,8 +403,6 @@ def fingerprint(closed: ClosedJaxpr) -> str:
                 f"{eqn.primitive.name} {' '.join(map(atom, eqn.invars))} -> "
                 + " ".join(f"{atom(v)}:{aval(v)}" for v in eqn.outvars)
             )
-            if eqn.effects:
-                out.append(" ".join(sorted(map(str, eqn.effects))))
             for k, v in eqn.params.items():
                 out.append(f" {k}={param(v)}")
         out.append("} " + " ".join(map(atom, j.outvars)))
