@@ -422,8 +422,9 @@ class OptimizedFunction(_CallBase):
                 from autoopt.passes.placement import unpack
 
                 args, kwargs = unpack(args, kwargs)
-            if _compat.jit_disabled():
-                # jax.jit calls us eagerly under disable_jit: run the original, as jit would.
+            if _compat.jit_disabled() or trace_state_clean():
+                # jax.jit calls us eagerly under disable_jit, and again outside any trace to
+                # find where a NaN came from (jax_debug_nans): run the original, as jit would.
                 return fn(*args, **kwargs)
             if _jaxpr.opaque_input(tree_util.tree_leaves((args, kwargs))) is not None:
                 return fn(*args, **kwargs)  # a hijax Variable or a jax.Ref: as plain jax.jit
