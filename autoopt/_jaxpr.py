@@ -380,8 +380,8 @@ def fingerprint(closed: ClosedJaxpr) -> str:
     def param(v) -> str:
         if isinstance(v, ClosedJaxpr | Jaxpr):
             return jaxpr(v.jaxpr if isinstance(v, ClosedJaxpr) else v)
-        if type(v) is tuple:
-            return "(" + ",".join(map(param, v)) + ")"
+        if type(v) is tuple and all(isinstance(e, ClosedJaxpr | Jaxpr) for e in v):
+            return "(" + ",".join(map(param, v)) + ")"  # (any other tuple: as the text)
         if isinstance(v, frozenset):
             return f"frozenset({{{', '.join(repr(e) for e in sorted(v))}}})"
         text = str(v)

@@ -452,3 +452,19 @@ def test_a_call_with_a_ref_traces_once_as_jax_jit_does():
     assert outs == [[2.0] * 3, [4.0] * 3, [6.0] * 3]
     assert np.asarray(r[...]).tolist() == [3.0] * 3
     assert len(traced) == 1
+
+
+def test_the_fingerprint_tells_tuple_parameters_apart_as_the_text_does():
+    """A tuple parameter's elements were written with ``str``, where the printed jaxpr writes
+    the tuple (its elements' ``repr``): ``('a,b',)`` and ``('a', 'b')`` shared a fingerprint."""
+    from jax.extend.core import Primitive
+
+    prim = Primitive("review_tuple_param")
+    prim.def_abstract_eval(lambda x, *, names: x)
+
+    def closed(names):
+        return jax.make_jaxpr(lambda x: prim.bind(x, names=names))(jnp.ones(3))
+
+    one, two = closed(("a,b",)), closed(("a", "b"))
+    assert str(one) != str(two)  # the premise: the text tells them apart
+    assert _jaxpr.fingerprint(one) != _jaxpr.fingerprint(two)
