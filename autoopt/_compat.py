@@ -394,8 +394,14 @@ def in_transpose(source_info) -> bool:
     Reads ``source_info.name_stack.stack`` (``jax._src.source_info_util.NameStack``), whose
     ``Transform`` entries are what print as ``transpose(jvp(f))`` in HLO op names.
     """
-    stack = getattr(getattr(source_info, "name_stack", None), "stack", ())
-    return any(type(e).__name__ == "Transform" and e.name == "transpose" for e in stack)
+    for e in getattr(getattr(source_info, "name_stack", None), "stack", ()):
+        if type(e) is _TRANSFORM and e.name == "transpose":
+            return True
+    return False
+
+
+# (compared by identity: remat's gate asks it of every equation)
+_TRANSFORM = _siu.Transform
 
 
 def reset_dispatch_cache(jitted: Any) -> None:

@@ -61,16 +61,22 @@ def shaped(atom: Any) -> ShapedArray:
     return cast(ShapedArray, atom.aval)
 
 
+# (a tuple, not ``ClosedJaxpr | Jaxpr``: every pass asks of every equation's parameters, and
+# the union would be built again at each ask)
+JAXPR_TYPES = (ClosedJaxpr, Jaxpr)
+
+
 def subjaxprs(eqn: JaxprEqn) -> list[tuple[str, int | None, ClosedJaxpr | Jaxpr]]:
     """The sub-jaxprs held in ``eqn.params``: ``(param, index or None, jaxpr)``."""
     out = []
     for name, value in eqn.params.items():
-        if isinstance(value, ClosedJaxpr | Jaxpr):
+        if isinstance(value, JAXPR_TYPES):
             out.append((name, None, value))
         elif (
             isinstance(value, tuple)
             and value
-            and all(isinstance(v, ClosedJaxpr | Jaxpr) for v in value)
+            and isinstance(value[0], JAXPR_TYPES)  # (most tuples are shapes: no generator)
+            and all(isinstance(v, JAXPR_TYPES) for v in value)
         ):
             out.extend((name, i, v) for i, v in enumerate(value))
     return out
@@ -357,7 +363,9 @@ def fingerprint(closed: ClosedJaxpr) -> str:
     seen: dict[int, int] = {}
     names: dict[Any, int] = {}
 
-    avals: dict[int, str] = {}  # (by id: the program keeps each alive while it is read)
+    # (by id: the program keeps each alive while it is read; a dtype or a sharding recurs)
+    avals: dict[int, str] = {}
+    texts: dict[int, str] = {}
 
     def aval(v) -> str:
         a = v.aval
@@ -378,15 +386,20 @@ def fingerprint(closed: ClosedJaxpr) -> str:
         return f"%{n}"
 
     def param(v) -> str:
-        if isinstance(v, ClosedJaxpr | Jaxpr):
+        if isinstance(v, JAXPR_TYPES):
             return jaxpr(v.jaxpr if isinstance(v, ClosedJaxpr) else v)
-        if type(v) is tuple and all(isinstance(e, ClosedJaxpr | Jaxpr) for e in v):
+        if type(v) is tuple and all(isinstance(e, JAXPR_TYPES) for e in v):
             return "(" + ",".join(map(param, v)) + ")"  # (any other tuple: as the text)
+        text = texts.get(id(v))
+        if text is not None:
+            return text
         if isinstance(v, frozenset):
-            return f"frozenset({{{', '.join(repr(e) for e in sorted(v))}}})"
-        text = str(v)
-        if " at 0x" in text:
-            text = _ADDRESS.sub(" at 0x", text)
+            text = f"frozenset({{{', '.join(repr(e) for e in sorted(v))}}})"
+        else:
+            text = str(v)
+            if " at 0x" in text:
+                text = _ADDRESS.sub(" at 0x", text)
+        texts[id(v)] = text
         return text
 
     def jaxpr(j: Jaxpr) -> str:

@@ -522,12 +522,11 @@ class OptimizedFunction(_CallBase):
             if program is None:
                 program = self._build(args, kwargs, eager_autodiff)
                 program.key = key
-                if program.traced.captures_tracers:
-                    pass
-                elif REPORTING.built_inside is None or caches.is_reporter:
-                    programs[key] = program
-                else:
-                    REPORTING.built_inside.append(self)
+                if not program.traced.captures_tracers:  # (else it belongs to that trace only)
+                    if REPORTING.built_inside is None or caches.is_reporter:
+                        programs[key] = program
+                    else:  # built by a report's trace of another function: not kept
+                        REPORTING.built_inside.append(self)
         if getattr(caches.tls, "trace_only", False):  # (read by _program_for_call)
             caches.tls.last_program = program
         if program.lost_updates:

@@ -32,9 +32,9 @@ _ADDRESS = re.compile(r" at 0x[0-9a-f]+")
 
 
 def _param_text(v) -> str:
-    if isinstance(v, ClosedJaxpr | Jaxpr):
+    if isinstance(v, _jaxpr.JAXPR_TYPES):
         return "{...}"
-    if isinstance(v, tuple) and v and all(isinstance(x, ClosedJaxpr | Jaxpr) for x in v):
+    if isinstance(v, tuple) and v and all(isinstance(x, _jaxpr.JAXPR_TYPES) for x in v):
         return "(" + ", ".join("{...}" for _ in v) + ")"
     if isinstance(v, np.dtype):
         return v.name  # as jax prints it: new_dtype=int32
@@ -119,8 +119,8 @@ def _eqn_text(eqn: JaxprEqn, names: _Names, side: str) -> str:
 
 
 def _jaxpr_valued(v) -> bool:
-    return isinstance(v, ClosedJaxpr | Jaxpr) or (
-        isinstance(v, tuple) and bool(v) and all(isinstance(x, ClosedJaxpr | Jaxpr) for x in v)
+    return isinstance(v, _jaxpr.JAXPR_TYPES) or (
+        isinstance(v, tuple) and bool(v) and all(isinstance(x, _jaxpr.JAXPR_TYPES) for x in v)
     )
 
 

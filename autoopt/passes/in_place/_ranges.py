@@ -35,6 +35,7 @@ from jax.core import Tracer
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 from jax.extend.core import primitives as P
 
+from autoopt import _jaxpr
 from autoopt._jaxpr import shaped as _shaped
 from autoopt._jaxpr import subjaxprs as _subjaxprs
 
@@ -902,7 +903,7 @@ def _call_body(eqn: JaxprEqn) -> tuple[Jaxpr, Sequence[Any]] | None:
     if eqn.primitive.name in ("shard_map", "pallas_call", "custom_partitioning"):
         return None
     for s in eqn.params.values():
-        if not isinstance(s, ClosedJaxpr | Jaxpr):
+        if not isinstance(s, _jaxpr.JAXPR_TYPES):
             continue
         j = s.jaxpr if isinstance(s, ClosedJaxpr) else s
         if (
@@ -1010,12 +1011,20 @@ def _walk(
                 facts._def[v] = eqn
                 if not in_loop:
                     facts._once.add(v)
+        if not any(_is_int(v) for v in eqn.outvars) and (
+            eqn.primitive in _FIRST_ORDER or not _subjaxprs(eqn)
+        ):
+            continue  # no integer result to record (``_set``), no body to walk
         ins = [facts.range(v) for v in eqn.invars]
         outs = _eqn_ranges(facts, eqn, ins, in_loop)
         for v, iv in zip(eqn.outvars, outs):
             if isinstance(v, Var):
                 _set(facts, v, iv)
     return [facts.range(v) for v in jaxpr.outvars]
+
+
+# Primitives whose rule here reads only the equation and its operands' ranges.
+_FIRST_ORDER = frozenset(_TRANSFER) | {P.select_n_p}
 
 
 def _is_int(v) -> bool:

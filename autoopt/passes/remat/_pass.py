@@ -741,11 +741,12 @@ def program_digest(closed: ClosedJaxpr) -> str:
     return digest
 
 
-def _stored_joint(closed: ClosedJaxpr, ctx: PassContext):
+def _stored_joint(closed: ClosedJaxpr, ctx: PassContext, residual: int | None):
     """``(setup, parts, stored value)`` of the top level's joint decision when it is kept on
     disk (read before the level's graph is built: a stored "no plan" needs none), else None.
     Not asked for a level the residual gate of ``_plan_joint`` would leave alone (nothing is
-    stored for it, and its key would cost more than the gate)."""
+    stored for it, and its key would cost more than the gate). ``residual``: the level's
+    ``_remat_plan.residual_bytes``."""
     if (
         ctx.options.remat != "auto"
         or ctx.extra.get("remat_top") is not closed
@@ -753,7 +754,6 @@ def _stored_joint(closed: ClosedJaxpr, ctx: PassContext):
         or _plan_cache.directory() is None
     ):
         return None
-    residual = _remat_plan.residual_bytes(closed.jaxpr)
     if residual is None or (residual < MIN_RESIDUAL_BYTES and ctx.options.memory_budget is None):
         return None
     setup = _joint_setup(closed, ctx)
@@ -1208,11 +1208,12 @@ def _plan_level(
     """Plan this level if it holds a backward, else the sub-jaxprs (loop and branch bodies,
     inner jits) that do. A decision kept on disk for the top level is read first: when it
     applies no plan, the level's graph is not built (a warm process's first call)."""
-    if ctx.options.remat == "auto" and ctx.options.memory_budget is None:
-        residual = _remat_plan.residual_bytes(closed.jaxpr)
+    auto = ctx.options.remat == "auto"
+    residual = _remat_plan.residual_bytes(closed.jaxpr) if auto else None
+    if auto and ctx.options.memory_budget is None:
         if residual is not None and residual < MIN_RESIDUAL_BYTES:
             return closed, []  # (``_plan_joint``'s gate, without building the graph)
-    stored = _stored_joint(closed, ctx)
+    stored = _stored_joint(closed, ctx, residual)
     if stored is not None:
         dec = _stored_no_plan(stored[2])
         if dec is not None:
