@@ -874,14 +874,43 @@ class OptimizedFunction(_CallBase):
         placer = plan.placer
         outer = _fit.calling(self, plan.jit)  # (a first trace knows what it donates)
         try:
-            if placer is not None:
-                return placer(plan.jit, args, kwargs)
-            return plan.jit(*args, **kwargs)
+            check = self._first_check(args, kwargs)
+            if check is None:
+                if placer is not None:
+                    return placer(plan.jit, args, kwargs)
+                return plan.jit(*args, **kwargs)
         except FitCheck as e:
             check = e  # a signature's first call under remat="fit" (``_fit``)
         finally:
             _fit.called(self, outer)
         return _fit.first_call(check, plan.jit, placer, args, kwargs)
+
+    def _first_check(self, args: tuple, kwargs: dict) -> FitCheck | None:
+        """The check ``_program_for_call`` stopped at while building this call's program, if
+        the call's own trace would stop at it too (``_check_fit``, with the jit object the call
+        runs: ``_fit.calling``); taken from the thread either way."""
+        tls = self._caches.tls
+        check = getattr(tls, "first_check", None)
+        if check is None:
+            return None
+        tls.first_check = None
+        program = check.program
+        if (
+            program.fit is not None
+            or getattr(tls, "fit_checking", None) is not None
+            or not trace_state_clean()
+        ):
+            return None
+        policy = self._policy
+        try:
+            found = self._caches.by_call.get(
+                call_signature(args, kwargs, policy.static_argnums, policy.static_argnames)
+            )
+        except TypeError:  # an unhashable static argument
+            return None
+        if found is not program or not _fit.needs_check(self, program):
+            return None
+        return check
 
     def _static_leaf_fn(self, key: tuple) -> OptimizedFunction:
         """The optimized function for arguments with these static leaves (one per set)."""
@@ -967,8 +996,12 @@ class OptimizedFunction(_CallBase):
                             self._placer.trace_only(self._plain, args, kwargs)
                         else:
                             self._plain.trace(*args, **kwargs)
-                    except FitCheck:
-                        pass  # the program is built; the call's own trace checks it
+                    except FitCheck as check:
+                        # The program is built. A call checks it next (``_first_check``)
+                        # instead of tracing again only to stop at the same check.
+                        if not report_only:
+                            check.__traceback__ = None  # (its frames hold the arguments)
+                            caches.tls.first_check = check
                     finally:
                         caches.tls.trace_only = False
                         # (taken from the thread at once: a program jax.clear_caches() or
