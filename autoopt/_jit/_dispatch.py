@@ -166,7 +166,7 @@ class Caches:
         "any_plannable",
         "eager_ad_jit",
         "nested",
-        "shape_jit",
+        "original_jit",
         "any_aliasable",
         "lookup_plain",
         "lost_updates",
@@ -197,7 +197,7 @@ class Caches:
         self.any_plannable = False
         self.eager_ad_jit: Any = None  # the jax.jit object for eager autodiff, once made
         self.nested: Any = None  # the jax.jit object for calls inside another trace, once made
-        self.shape_jit: Any = None  # jax.jit of the original function, for eval_shape
+        self.original_jit: Any = None  # jax.jit of the original: eval_shape, verify=True
         # Some program has an argument an output can alias: its executable may donate.
         self.any_aliasable = False
         # Under "safe", a call that donates nothing still looks up its signature's executable

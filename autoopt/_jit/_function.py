@@ -890,13 +890,14 @@ class OptimizedFunction(_CallBase):
         the call's own trace would stop at it too (``_check_fit``, with the jit object the call
         runs: ``_fit.calling``); taken from the thread either way."""
         tls = self._caches.tls
-        check = getattr(tls, "first_check", None)
-        if check is None:
+        ref = getattr(tls, "first_check", None)
+        if ref is None:
             return None
         tls.first_check = None
-        program = check.program
+        program = ref()
         if (
-            program.fit is not None
+            program is None
+            or program.fit is not None
             or getattr(tls, "fit_checking", None) is not None
             or not trace_state_clean()
         ):
@@ -910,7 +911,7 @@ class OptimizedFunction(_CallBase):
             return None
         if found is not program or not _fit.needs_check(self, program):
             return None
-        return check
+        return _fit.fit_check(self, program)
 
     def _static_leaf_fn(self, key: tuple) -> OptimizedFunction:
         """The optimized function for arguments with these static leaves (one per set)."""
@@ -998,10 +999,11 @@ class OptimizedFunction(_CallBase):
                             self._plain.trace(*args, **kwargs)
                     except FitCheck as check:
                         # The program is built. A call checks it next (``_first_check``)
-                        # instead of tracing again only to stop at the same check.
+                        # instead of tracing again only to stop at the same check. Weakly: a
+                        # call that fails before it gets there must leave nothing alive (jax
+                        # reuses a NumPy constant's conversion while its program lives).
                         if not report_only:
-                            check.__traceback__ = None  # (its frames hold the arguments)
-                            caches.tls.first_check = check
+                            caches.tls.first_check = weakref.ref(check.program)
                     finally:
                         caches.tls.trace_only = False
                         # (taken from the thread at once: a program jax.clear_caches() or
@@ -1023,12 +1025,9 @@ class OptimizedFunction(_CallBase):
         program = self._program_for_call(args, kwargs)
         if program is None or program.verified:
             return
-        policy = self._policy
-        expected = jax.jit(
-            self.__wrapped__,
-            static_argnums=policy.static_argnums or None,
-            static_argnames=policy.static_argnames or None,
-        )(*args, **kwargs)
+        # (one jit object a function, which ``clear_cache()`` clears: a new one each call would
+        # leave jax's trace of the function, and a NumPy constant's conversion, alive)
+        expected = self._original_jit()(*args, **kwargs)
         try:
             got = self._plain(*args, **kwargs)
         except FitCheck as e:
@@ -1146,19 +1145,19 @@ class OptimizedFunction(_CallBase):
             args, kwargs, policy.static_argnums, policy.static_argnames
         )
         if split is None:
-            return self._shape_jit().eval_shape(*args, **kwargs)
+            return self._original_jit().eval_shape(*args, **kwargs)
         sub = self._static_leaf_fn(split.key)
-        out = sub._shape_jit().eval_shape(*split.args, **split.kwargs)
+        out = sub._original_jit().eval_shape(*split.args, **split.kwargs)
         return _static_leaves.outputs_put_back(
             sub.__wrapped__, split, out, policy.static_argnums, policy.static_argnames
         )
 
-    def _shape_jit(self):
+    def _original_jit(self):
         caches = self._caches
-        if caches.shape_jit is None:
+        if caches.original_jit is None:
             kw = self._policy.nested_kwargs
-            caches.shape_jit = jax.jit(self.__wrapped__, **kw)
-        return caches.shape_jit
+            caches.original_jit = jax.jit(self.__wrapped__, **kw)
+        return caches.original_jit
 
     def clear_cache(self) -> None:
         """As ``jax.jit(fn).clear_cache()``: drop every compiled program and trace, so the next
@@ -1167,7 +1166,7 @@ class OptimizedFunction(_CallBase):
         with caches.lock:
             for sub in list(caches.static_leaf_fns.values()):
                 sub.clear_cache()
-            jits = [*caches.jits.values(), caches.eager_ad_jit, caches.nested, caches.shape_jit]
+            jits = [*caches.jits.values(), caches.eager_ad_jit, caches.nested, caches.original_jit]
             for j in jits:
                 if j is not None:
                     j.clear_cache()
