@@ -39,7 +39,17 @@ class PassError(RuntimeError):
         )
 
 
-class FitCheck(Exception):
+class ControlSignal(BaseException):
+    """A signal raised out of jax's trace of the wrapper to a catcher of autoopt's own, never to
+    the user (``FitCheck``, the placer's ``HoistConstants``). Not an ``Exception``, as
+    KeyboardInterrupt is not: jax's API boundaries filter the traceback of every ``Exception``
+    that crosses them, comparing each frame's file with each of jax's own modules (``os.stat``
+    calls), which costs a first call milliseconds per boundary where jax is installed on a slow
+    filesystem; and no ``except Exception`` on the way, of jax's or autoopt's, takes a signal
+    for an error."""
+
+
+class FitCheck(ControlSignal):
     """Raised out of jit's trace of an optimized function on a signature's first top-level call
     under remat="fit" (``autoopt/_jit/_fit.py``), before anything is lowered: whoever called the
     jit object calls ``standin(jit)`` instead, with the same arguments, which compiles, checks

@@ -27,6 +27,7 @@ from jax import tree_util
 from jax.core import Tracer
 
 from autoopt import _compat
+from autoopt._errors import ControlSignal
 from autoopt.passes.placement._host_arrays import is_aligned
 
 __all__ = ["HOISTED", "HoistConstants", "HoistedConst", "retrying", "with_hoisted_consts"]
@@ -53,7 +54,7 @@ def retrying():
         _TLS.retry = outer
 
 
-class HoistConstants(Exception):
+class HoistConstants(ControlSignal):
     """Raised out of jit's trace of the wrapper when the program has large constants the call
     did not pass as arguments; the placer places them and calls again. Never reaches the user."""
 
