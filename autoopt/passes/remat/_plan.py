@@ -336,8 +336,17 @@ class Schedule:
 
 def schedule(g: JointGraph, recompute: Iterable[int]) -> Schedule:
     """Place each recomputation just before its first backward use, and drop forward equations
-    that only fed the backward."""
+    that only fed the backward. Kept per graph and recompute set: a plan search asks again
+    for sets it scheduled (each family's first step, the estimates of the plans it returns)."""
     rec = frozenset(i for i in recompute if i in g.eligible)
+    known = g.__dict__.setdefault("_schedules", {})
+    got = known.get(rec)
+    if got is None:
+        got = known[rec] = _schedule(g, rec)
+    return got
+
+
+def _schedule(g: JointGraph, rec: frozenset[int]) -> Schedule:
     producer, ins = g.producer, g.ins
     done: set[int] = set()
     blocks: dict[int, Block] = {}
@@ -399,7 +408,16 @@ def simulated_peak(g: JointGraph, s: Schedule) -> tuple[int, int]:
     counted. A static stand-in for XLA's allocator, good for ranking plans of one program.
 
     Values are numbered once per graph (``_numbered``): a value ``i`` recomputed in the backward
-    is ``i + n``. Called for every step of every plan family's search (``partial_plans``)."""
+    is ``i + n``. Called for every step of every plan family's search (``partial_plans``);
+    kept per graph and recompute set, as ``schedule`` is (a schedule depends on nothing else)."""
+    known = g.__dict__.setdefault("_peaks", {})
+    got = known.get(s.recompute)
+    if got is None:
+        got = known[s.recompute] = _simulated_peak(g, s)
+    return got
+
+
+def _simulated_peak(g: JointGraph, s: Schedule) -> tuple[int, int]:
     num = _numbered(g)
     n, prod, nb, ins, outs, backward = num.n, num.prod, num.nb, num.ins, num.outs, num.backward
     rec, dead, blocks = s.recompute, s.dead, s.blocks
