@@ -824,17 +824,6 @@ def _plan_joint(
         ]
     if g.residual_bytes < MIN_RESIDUAL_BYTES and options.memory_budget is None:
         return closed, []
-    if _defers(closed, ctx, stored):
-        return closed, [
-            Finding(
-                "remat",
-                False,
-                f"not planned yet: {where} is measured on its first call, against the "
-                "executable that call compiles",
-                location=ctx.fn_location,
-                details={"deferred": True, "mechanism": mechanism},
-            )
-        ]
 
     def decide() -> Decision:
         total = _remat_plan.jaxpr_flops(closed)
@@ -882,6 +871,17 @@ def _defers(closed: ClosedJaxpr, ctx: PassContext, stored: tuple | None) -> bool
         and ctx.extra.get("remat_top") is closed
         and (stored is None or stored[2] is None)
         and not _multiprocess.several()
+    )
+
+
+def _deferred(where: str, ctx: PassContext, mechanism: str) -> Finding:
+    return Finding(
+        "remat",
+        False,
+        f"not planned yet: {where} is measured on its first call, against the "
+        "executable that call compiles",
+        location=ctx.fn_location,
+        details={"deferred": True, "mechanism": mechanism},
     )
 
 
@@ -1219,6 +1219,11 @@ def _plan_level(
         if dec is not None:
             setup = stored[0]
             return _finish(closed, dec, where, ctx, setup.mechanism, donated=setup.donate)
+    if residual is not None and _defers(closed, ctx, stored):
+        # (past the gate above: a level with a backward, its residuals above the gate or a
+        # budget set; the graph is built once, by the check's planning)
+        setup = stored[0] if stored is not None else _joint_setup(closed, ctx)
+        return closed, [_deferred(where, ctx, setup.mechanism)]
     g = _remat_plan.joint_graph(closed.jaxpr)
     if g is not None:
         return _plan_joint(closed, g, ctx, where, stored)
