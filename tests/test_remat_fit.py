@@ -266,3 +266,19 @@ def test_planning_for_a_short_memory_at_a_call_keeping_its_arguments_compiles_th
     assert finding.details["before"]["peak_bytes"] == original
     assert finding.details["measured_donating"] == []
     assert_trees_equivalent(expected, out)
+
+
+def test_a_lower_before_the_first_call_does_not_skip_the_budget_check():
+    """``lower()`` builds the signature's program without the check (ahead of time), and the
+    call that follows may be answered from jax's trace of that ``lower()``, which never runs
+    the wrapper: the call checks the program itself (it ignored the budget before)."""
+    ws, x = _args()
+    budget = int(0.75 * _peak(jax.jit(train_step), ws, x))
+    fast = autoopt.optimize(train_step, memory_budget=budget, fallback="raise")
+    fast.lower(ws, x).compile()  # ahead of time, as benchmarks/remat.py and AOT users do
+    got = fast(ws, x)
+    assert_trees_equivalent(jax.jit(train_step)(ws, x), got)
+    found = _remat(fast, ws, x)
+    assert len(found) == 1 and found[0].applied, found
+    assert "memory_budget" in found[0].message, found[0].message
+    assert _peak(fast, ws, x) <= budget

@@ -982,6 +982,17 @@ class OptimizedFunction(_CallBase):
             # a jax.Ref or a hijax leaf: the wrapper runs the function as plain jax.jit, no
             # program (traced once below, where jax.jit's cache keeps the trace for the call)
             opaque = _jaxpr.opaque_input(leaves) is not None
+            if (
+                program is not None
+                and program.fit is None
+                and policy.options.remat == "fit"
+                and not report_only
+            ):
+                # Built without the check (``trace``/``lower``, or inside another trace): jax
+                # may answer the call from the trace ``lower`` left, without running our
+                # wrapper, so the call checks it here (``_first_check``). Under "fit" only:
+                # "auto" planned at that build, with its budget.
+                caches.tls.first_check = weakref.ref(program)
             if program is None:
                 # jax.jit may answer .trace from its own cache without running our wrapper, so
                 # take the program from the trace-side cache first, then from this thread's last.
