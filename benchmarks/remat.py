@@ -4,9 +4,11 @@ backward recomputes.
 Configurations: plain ``jax.jit``; ``jax.checkpoint`` on every layer (naive); the best of JAX's
 built-in policies (each applied per layer, the lowest compiled peak wins); the expert version
 (``scan`` over checkpointed segments of sqrt(L) layers, stacked parameters); ``autoopt.optimize``
-with its defaults; and ``autoopt.optimize`` under a sweep of memory budgets (fractions of the
-plain program's peak). Workloads: a 16-layer tanh MLP and a stack of transformer blocks
-(attention + MLP, residual connections), both as ``value_and_grad`` training steps.
+with ``remat="auto"`` (the planner, opt-in since the default became ``"fit"``, which plans only
+at a call that does not fit, and this benchmark compiles ahead of time); and the same under a
+sweep of memory budgets (fractions of the plain program's peak). Workloads: a 16-layer tanh MLP
+and a stack of transformer blocks (attention + MLP, residual connections), both as
+``value_and_grad`` training steps.
 
 Each configuration runs in its own fresh process (``--one``), which reports the compiled
 figures (``memory_analysis()``: temp bytes and argument+output+temp-alias peak; FLOPs from
@@ -159,14 +161,19 @@ def _build(workload: dict, config: str):
             f"scan over {layers // seg} checkpointed segments of {seg}",
         )
     if config == "autoopt":
-        return autoopt.optimize(step_of(loss_unrolled)), (ps, x), ""
+        return autoopt.optimize(step_of(loss_unrolled), remat="auto"), (ps, x), ""
     if config == "autoopt+flag":  # the user opts in to the XLA:CPU flag remat plans need
         from autoopt.passes.remat import CPU_FLAGS
 
-        return autoopt.optimize(step_of(loss_unrolled), compiler_options=CPU_FLAGS), (ps, x), ""
-    if config.startswith("budget:"):
         return (
-            autoopt.optimize(step_of(loss_unrolled), memory_budget=int(config.split(":")[1])),
+            autoopt.optimize(step_of(loss_unrolled), remat="auto", compiler_options=CPU_FLAGS),
+            (ps, x),
+            "",
+        )
+    if config.startswith("budget:"):
+        budget = int(config.split(":")[1])
+        return (
+            autoopt.optimize(step_of(loss_unrolled), remat="auto", memory_budget=budget),
             (ps, x),
             "",
         )
@@ -196,7 +203,9 @@ def run_one(workload: str, config: str, quick: bool, steps: int) -> dict:
         import autoopt
         from autoopt.passes.remat import CPU_FLAGS
 
-        opts = {"memory_budget": int(config.split(":")[1])} if config.startswith("budget:") else {}
+        opts: dict = {"remat": "auto"}
+        if config.startswith("budget:"):
+            opts["memory_budget"] = int(config.split(":")[1])
         if config == "autoopt+flag":
             opts["compiler_options"] = CPU_FLAGS
         fs = autoopt.explain(step.__wrapped__, *args, **opts).by_kind("remat")
