@@ -241,7 +241,7 @@ def test_a_first_call_compiles_each_program_once_cold_and_only_the_chosen_one_wa
     assert (donating == []) == (call == "keep"), donating  # the state's leaves when rebinding
     name = "jit(train_step)" if planned else "jit(deep_step)"
     own = first["compiles"].count(name)
-    measuring = [n for n in first["compiles"] if n == "jit(jaxpr_as_fun)"]
+    measuring = [n for n in first["compiles"] if n == "jit(remat_measured)"]
     assert own == (2 if planned else 1), first["compiles"]  # (the original; the plan)
     assert len(measuring) + own == len(first["compiles"]), first["compiles"]
     assert len(measuring) == first["tried"][0] >= 1, first  # each candidate once
@@ -286,7 +286,7 @@ def test_a_decision_kept_for_another_donation_is_made_again_for_the_call_s_own(t
     cold = _process(tmp_path, "-", {"remat": "auto"}, "residual", "keep")
     assert keeping["donating"] == [[]] == cold["donating"]
     assert keeping["messages"] == cold["messages"] and keeping["out"] == cold["out"]
-    assert [n for n in keeping["compiles"] if n == "jit(jaxpr_as_fun)"], keeping  # measured
+    assert [n for n in keeping["compiles"] if n == "jit(remat_measured)"], keeping  # measured
     again = _process(tmp_path, str(cache), {"remat": "auto"}, "residual", "keep")
     assert again["compiles"] == ["jit(train_step)"], again["compiles"]
     assert again["messages"] == cold["messages"]

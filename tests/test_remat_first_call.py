@@ -139,7 +139,7 @@ def test_after_a_failed_candidate_only_those_the_calibrated_estimate_lets_pass_a
     compiles = _compiles_of_first_call(fast, ws, x)
     (finding,) = [f for f in fast.inspect(ws, x).findings if f.kind == "remat"]
     assert not finding.applied and len(finding.details["tried"]) == 1, finding
-    assert sorted(compiles) == ["jit(jaxpr_as_fun)", "jit(train_step)"], compiles
+    assert sorted(compiles) == ["jit(remat_measured)", "jit(train_step)"], compiles
     assert_trees_equivalent(jax.jit(train_step)(ws, x), fast(ws, x), exact=True)
 
 
@@ -202,7 +202,7 @@ def test_a_rebinding_first_call_that_keeps_the_original_runs_the_executable_it_m
     ws = _fresh(ws)
     with _Compiles() as c:
         ws, value = fast(ws, x)  # rebinds: the call donates ws, as remat's measurements assume
-    assert sorted(c.names) == ["jit(jaxpr_as_fun)", "jit(train_step)"], c.names  # (at once)
+    assert sorted(c.names) == ["jit(remat_measured)", "jit(train_step)"], c.names  # (at once)
     assert_trees_equivalent(expected, (ws, value), exact=True)
     assert _decision(_remat_finding(fast, ws, x)) == reported
     assert not reported[0]
@@ -231,7 +231,9 @@ def test_a_plan_applied_on_a_rebinding_first_call_is_the_one_remat_chooses_alone
     with _Compiles() as c:
         ws, value = fast(ws, x)
     assert c.names[-1] == "jit(train_step)", c.names  # the plan, last
-    assert sorted(c.names[:-1]) == ["jit(jaxpr_as_fun)"] * len(reported[5]) + ["jit(train_step)"], (
+    assert sorted(c.names[:-1]) == ["jit(remat_measured)"] * len(reported[5]) + [
+        "jit(train_step)"
+    ], (
         c.names,
         reported,
     )
@@ -270,7 +272,7 @@ def test_a_first_call_keeping_its_arguments_measures_what_its_executable_donates
     jax.clear_caches()
     with _Compiles() as c:
         out = fast(ws, x)
-    assert sorted(c.names) == ["jit(jaxpr_as_fun)", "jit(train_step)"], c.names  # (at once)
+    assert sorted(c.names) == ["jit(remat_measured)", "jit(train_step)"], c.names  # (at once)
     assert_trees_equivalent(expected, out, exact=True)
     finding = _remat_finding(fast, ws, x)
     assert _decision(finding) == reported
@@ -296,7 +298,9 @@ def test_a_plan_applied_on_a_first_call_keeping_its_arguments_is_measured_withou
     with _Compiles() as c:
         out = fast(ws, x)
     assert c.names[-1] == "jit(train_step)", c.names  # the plan, last
-    assert sorted(c.names[:-1]) == ["jit(jaxpr_as_fun)"] * len(reported[5]) + ["jit(train_step)"], (
+    assert sorted(c.names[:-1]) == ["jit(remat_measured)"] * len(reported[5]) + [
+        "jit(train_step)"
+    ], (
         c.names,
         reported,
     )

@@ -77,7 +77,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.extend.core import ClosedJaxpr, Jaxpr, jaxpr_as_fun
+from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from autoopt import _compat, _jaxpr, _multiprocess, _plan_cache
 from autoopt._finding import Finding
@@ -209,7 +209,14 @@ def _flops(compiled) -> float:
 
 
 def _measure_closed(closed: ClosedJaxpr, compiler_options, donate: tuple = ()) -> Measured | None:
-    return _compile(jaxpr_as_fun(closed), closed.in_avals, compiler_options, donate)
+    # Staged by copying its equations, as the call's wrapper stages the program that runs (the
+    # same StableHLO as binding each primitive again, which took a tenth of a GPT first call's
+    # critical path: benchmarks/RESULTS.md).
+    # Named for jax's compile logs and monitoring events: ``jit(remat_measured)``.
+    def remat_measured(*args):
+        return _jaxpr.stage_closed(closed, *args)
+
+    return _compile(remat_measured, closed.in_avals, compiler_options, donate)
 
 
 def _donated_leaves(closed: ClosedJaxpr, ctx: PassContext) -> tuple[int, ...]:
