@@ -247,7 +247,9 @@ def unpacks_tree(tree, pattern: tuple | None) -> bool:
     if pattern is None:
         return True
     data = tree.node_data()  # None for a single leaf
-    if data is None or not issubclass(data[0], tuple | list):
+    # Unpacking runs the class's own __iter__: user code after the call, which may raise
+    # with the arguments already donated. Only the builtin iteration is known not to.
+    if data is None or getattr(data[0], "__iter__", None) not in (tuple.__iter__, list.__iter__):
         return False
     kids = tree_util.treedef_children(tree)
     return len(kids) == len(pattern) and all(unpacks_tree(k, p) for k, p in zip(kids, pattern))

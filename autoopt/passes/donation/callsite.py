@@ -687,21 +687,24 @@ def keeps_itself(t: type) -> bool:
     return getattr(t, "__del__", None) is not None
 
 
-def _registry_counts(obj) -> tuple[list, list[int], int, bool]:
-    """``(children, their counts, the count of the children's container, container is obj)``."""
+def _registry_counts(obj) -> tuple[list, list[int], int, bool, bool]:
+    """``(children, their counts, the count of the children's container, container is obj,
+    container is one of obj's attributes)``."""
     kids, _ = flatten_one_level(obj)
-    return list(kids), [sys.getrefcount(c) for c in kids], sys.getrefcount(kids), kids is obj
+    count = sys.getrefcount(kids)
+    own = any(v is kids for v in _attribute_values(obj))
+    return list(kids), [sys.getrefcount(c) for c in kids], count, kids is obj, own
 
 
 def _registry_kid_refcounts(obj) -> tuple[list, list[int], int]:
-    kids, counts, container, same = _registry_counts(obj)
+    kids, counts, container, same, own = _registry_counts(obj)
     if same:  # a list node: jax returns the node itself as its children
         return kids, counts, _BASE_KID_SAME
     if container == _FRESH_CONTAINER:  # a new container: built from what the node holds
         if _inner_container_shared(obj, kids):
             return kids, counts, -1
         return kids, counts, _BASE_KID_NEW
-    if container == _FRESH_CONTAINER + 1:  # the node's own stored container (``b.parts``)
+    if container == _FRESH_CONTAINER + 1 and own:  # the node's own stored container
         return kids, counts, _BASE_KID_STORED
     # The container the node flattens to is reachable from elsewhere, and the leaves with it.
     return kids, counts, -1
@@ -746,11 +749,54 @@ def _inner_container_shared(obj, kids: list) -> bool:
     values = _attribute_values(obj)
     counts = [sys.getrefcount(v) for v in values]
     for value, count in zip(values, counts):
-        if type(value) not in _BUILTIN_NODES or id(value) in kid_ids or not _holds_array(value):
+        if id(value) in kid_ids or type(value) is _ARRAY_IMPL:
+            continue
+        if type(value) not in _BUILTIN_NODES:
+            # Another kind of holder (an object of the user's, a deque, an OrderedDict): who
+            # else holds it, or what it holds, is not read here. One that can reach an array
+            # may hold the children (``pool = state.pool``), so the node is not donated.
+            if _reaches_array(value):
+                return True
+            continue
+        if not _holds_array(value):
             continue
         if count > _BASE_ATTRIBUTE or _container_shared(value):
             return True
     return False
+
+
+_NO_ARRAYS_INSIDE = (
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    bool,
+    type(None),
+    type,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+    types.ModuleType,
+)
+
+
+def _reaches_array(x, depth: int = 0) -> bool:
+    """Whether a jax array may be reached from ``x`` through containers and object attributes,
+    read without running its code; true where the walk gives up (too deep)."""
+    if type(x) is _ARRAY_IMPL:
+        return True
+    if isinstance(x, _NO_ARRAYS_INSIDE) or isinstance(x, np.ndarray | np.generic | np.dtype):
+        return False
+    if depth > 8:
+        return True
+    if isinstance(x, dict):
+        kids = list(x.values())
+    elif isinstance(x, list | tuple | set | frozenset | collections.deque):
+        kids = list(x)
+    else:
+        kids = _attribute_values(x)
+    return any(_reaches_array(k, depth + 1) for k in kids)
 
 
 def _container_shared(container, depth: int = 0) -> bool:
@@ -799,11 +845,11 @@ def _calibrate_kids() -> tuple[int, int, int, int, int]:
     jax.tree_util.register_pytree_node(
         Stored, lambda n: (n.parts, None), lambda _, kids: Stored(*kids)
     )
-    _, same_counts, _, same = _registry_counts([object()])
+    _, same_counts, _, same, _ = _registry_counts([object()])
     assert same  # flatten_one_level returns a list node itself as its children
-    _, new_counts, fresh, _ = _registry_counts(Fresh(object()))
-    _, stored_counts, stored, _ = _registry_counts(Stored(object()))
-    assert stored == fresh + 1
+    _, new_counts, fresh, _, _ = _registry_counts(Fresh(object()))
+    _, stored_counts, stored, _, own = _registry_counts(Stored(object()))
+    assert stored == fresh + 1 and own  # jax hands back the stored list itself
     builtin = kid_refcounts({"a": object()})[1][0]
     named = collections.namedtuple("named", "a")(object())
     assert kid_refcounts(named)[1][0] == builtin == kid_refcounts((object(),))[1][0]
