@@ -659,6 +659,44 @@ def test_rewritten_jit_donation_runs_where_the_callers_rebind(tmp_path):
     np.testing.assert_allclose(mod.train([jnp.ones(4)] * 3), jnp.full(4, 0.7), rtol=1e-6)
 
 
+def test_donate_argnums_is_not_promised_for_a_function_another_module_imports(tmp_path):
+    # The file's own caller rebinds `w`, but user.py imports `step` and keeps each old `w` in a
+    # list: donate_argnums would delete them. Packages count too: the search starts above the
+    # outermost package, so a sibling package's module is seen.
+    code = textwrap.dedent("""\
+        import jax
+
+        @jax.jit
+        def step(w, x):
+            return w - 0.1 * x
+
+        if __name__ == "__main__":
+            w = jax.numpy.ones(4)
+            for _ in range(3):
+                w = step(w, 1.0)
+        """)
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    lib = pkg / "lib.py"
+    lib.write_text(code)
+    alone = rewrite_code(code, [donate(0, 4)], function="step", path=str(lib))
+    assert "donate_argnums=(0,)" in alone.code, alone.outcomes  # (the test can fail)
+    user = tmp_path / "app" / "train.py"
+    user.parent.mkdir()
+    user.write_text(
+        "from pkg.lib import (\n    step,\n)\nhistory = []\n"
+        "for _ in range(3):\n    history.append(w)\n    w = step(w, 1.0)\n"
+    )
+    shared = rewrite_code(code, [donate(0, 4)], function="step", path=str(lib))
+    assert shared.code == code
+    assert f"{user}:1 imports this module and names `step`" in shared.outcomes[0]
+    assert "@autoopt.optimize" in shared.outcomes[0]  # what to do instead
+    # style="autoopt" proves donation per call site at run time: still offered.
+    safe = rewrite_code(code, [donate(0, 4)], function="step", path=str(lib), style="autoopt")
+    assert "autoopt.optimize" in safe.code
+
+
 def test_lambda_has_no_def_to_decorate():
     cmd = assert_unchanged(
         DonateCommand, "import jax\nf = jax.jit(lambda x: x)\n", [donate(0)], function="<lambda>"
@@ -999,7 +1037,13 @@ def _example_findings(mod, fn):
 def test_rewritten_example_imports_runs_and_gives_the_same_numbers(name, provable, tmp_path):
     from autoopt.examples import EXAMPLES
 
-    mod = importlib.import_module(f"autoopt.examples.{name}")
+    # A copy in a folder of its own: in the installed package, other modules (the demo, these
+    # tests) import the example, and donate_argnums is never promised for a function that
+    # another module imports (its callers there are not in the file).
+    shipped = importlib.import_module(f"autoopt.examples.{name}")
+    (tmp_path / "src").mkdir()
+    with open(shipped.__file__) as fh:
+        mod = _load(fh.read(), name, tmp_path / "src")
     fn = getattr(mod, EXAMPLES[name])
     findings = _example_findings(mod, fn)
     # jax style: donate_argnums only where the file shows the loop owns a fresh array; the

@@ -26,6 +26,8 @@ which proves donation per call site instead of promising it for every caller.
 
 from __future__ import annotations
 
+import os
+import re
 from typing import cast
 
 import libcst as cst
@@ -79,6 +81,9 @@ class DonateCommand(FindingCommand):
         self._unproven = {}
         if self.style == "jax" and self.function and self.function != "<lambda>":
             self._unproven = _unproven_callers(node, self.function, self._args, self)
+            outside = _imported_elsewhere(self.context.filename, self.function)
+            if outside is not None:
+                self._unproven = dict.fromkeys(self._args, outside)
         if not self.function or self.function == "<lambda>":
             what = "a lambda" if self.function else "not a plain function"
             self._done(f"the function is {what}: there is no def to decorate; {self.HINT}")
@@ -263,6 +268,70 @@ class _Uses(cst.CSTVisitor):
 
     def visit_Name(self, node: cst.Name) -> None:
         self.refs.append(node)
+
+
+# Folders never searched for importers: tools' and environments' own files.
+_NOT_SEARCHED = {".git", ".hg", "__pycache__", "node_modules", "site-packages", ".tox", ".nox"}
+_MAX_SEARCHED = 5000  # Python files; past this the search gives up and the edit is refused
+_IMPORT_LINE = re.compile(r"^\s*(?:from\s+\S+\s+import\b|import\s)", re.MULTILINE)
+
+
+def _import_root(path: str) -> str:
+    """The folder ``path``'s module is imported from: above its outermost package."""
+    root = os.path.dirname(os.path.realpath(path))
+    while os.path.isfile(os.path.join(root, "__init__.py")):
+        root = os.path.dirname(root)
+    return root
+
+
+def _imported_elsewhere(path: str | None, fn: str) -> str | None:
+    """Why ``donate_argnums`` on ``fn`` cannot be promised from this file alone, or None: another
+    Python file under the module's import root imports the module and names ``fn`` (a call
+    there is a caller this file does not show). Conservative, by text: an import line naming
+    the module and the function's name anywhere in that file are enough. Imports by string
+    (``importlib``) and code outside the root are not seen."""
+    if path is None or not os.path.isfile(path):
+        return None
+    mine = os.path.realpath(path)
+    stem = os.path.splitext(os.path.basename(mine))[0]
+    if stem == "__init__":
+        stem = os.path.basename(os.path.dirname(mine))
+    module = re.compile(rf"\b{re.escape(stem)}\b")
+    name = re.compile(rf"\b{re.escape(fn)}\b")
+    root = _import_root(mine)
+    searched = 0
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(
+            d
+            for d in dirs
+            if d not in _NOT_SEARCHED and not os.path.isfile(os.path.join(folder, d, "pyvenv.cfg"))
+        )
+        for f in sorted(files):
+            other = os.path.join(folder, f)
+            if not f.endswith(".py") or os.path.realpath(other) == mine:
+                continue
+            searched += 1
+            if searched > _MAX_SEARCHED:
+                return (
+                    f"more than {_MAX_SEARCHED} Python files under {root}: the modules that "
+                    f"may import `{fn}` and call it could not all be checked"
+                )
+            try:
+                with open(other, encoding="utf-8", errors="replace") as fh:
+                    text = fh.read()
+            except OSError:
+                continue
+            if not name.search(text):
+                continue
+            for m in _IMPORT_LINE.finditer(text):
+                line_end = text.find("\n", m.start())
+                if module.search(text, m.start(), line_end if line_end >= 0 else len(text)):
+                    line = text.count("\n", 0, m.start()) + 1
+                    return (
+                        f"{other}:{line} imports this module and names `{fn}`: its calls are "
+                        "callers this file does not show"
+                    )
+    return None
 
 
 def _unproven_callers(module: cst.Module, fn: str, args, cmd) -> dict:
