@@ -15,6 +15,7 @@ from autoopt.report import Finding, Report
 if TYPE_CHECKING:  # for type checkers: at run time __getattr__ below imports them when asked
     from autoopt import testing
     from autoopt.passes.in_place.window import update_window
+    from autoopt.passes.placement import constant, prefetch
 
 __all__ = [
     "optimize",
@@ -27,7 +28,11 @@ __all__ = [
     "ProcessMismatchError",
     "testing",
     "update_window",
+    "prefetch",
+    "constant",
 ]
+
+_LAZY = ("testing", "update_window", "prefetch", "constant")
 
 __version__ = "0.1.0"
 
@@ -48,3 +53,7 @@ def __getattr__(name):
 
         return getattr(importlib.import_module("autoopt.passes.placement"), name)
     raise AttributeError(f"module 'autoopt' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted({*globals(), *_LAZY})

@@ -9,6 +9,9 @@ Tests named ``test_bug_...`` fail today (reported; not xfailed): they time a loo
 interleaved with the oracle, with a wide margin over what a fixed call path would need.
 """
 
+import subprocess
+import sys
+import textwrap
 import warnings
 
 import equinox as eqx
@@ -256,3 +259,29 @@ def test_equinox_dropout_flag_is_traced_by_optimize_as_by_jax_jit():
         autoopt.optimize(f)(*args)
     got = autoopt.optimize(eqx.filter_jit(f))(*args)  # pyright: ignore[reportCallIssue]
     assert _bits(got) == _bits(eqx.filter_jit(f)(*args))
+
+
+def test_the_public_api_imports_without_the_test_extra():
+    """A plain `pip install autoopt` has no hypothesis: `from autoopt import *` and
+    `autoopt.testing.simulated_device_memory` (which the README tells users to call in their
+    tests) must work; only the strategies need it, and say what to install."""
+    code = textwrap.dedent("""\
+        import sys
+        sys.modules["hypothesis"] = None  # as if not installed
+        from autoopt import *
+        import autoopt
+        assert {"prefetch", "constant", "testing"} <= set(dir(autoopt))
+        with autoopt.testing.simulated_device_memory(1 << 30):
+            pass
+        try:
+            autoopt.testing.caller_programs()
+        except ImportError as e:
+            assert "pip install 'autoopt[test]'" in str(e), e
+        else:
+            raise AssertionError("no ImportError without hypothesis")
+        print("ok")
+        """)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

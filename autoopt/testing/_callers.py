@@ -71,7 +71,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from hypothesis import strategies as st
 
 __all__ = [
     "GROUPS",
@@ -730,15 +729,25 @@ def build_program(
     return render(statements, mode)
 
 
-@st.composite
 def caller_programs(
-    draw,
     max_statements: int = 8,
     mode: str | None = None,
     templates: Iterable[str] | None = None,
-) -> str:
-    """A caller module's source (see the module docstring and ``build_program``)."""
-    return build_program(lambda seq: draw(st.sampled_from(seq)), max_statements, mode, templates)
+):
+    """A hypothesis strategy of caller modules' sources (see the module docstring and
+    ``build_program``). hypothesis is imported here, when a strategy is asked for: the rest of
+    ``autoopt.testing`` works without it."""
+    from autoopt.testing._fuzz import hypothesis_modules
+
+    st, _ = hypothesis_modules()
+
+    @st.composite
+    def sources(draw) -> str:
+        return build_program(
+            lambda seq: draw(st.sampled_from(seq)), max_statements, mode, templates
+        )
+
+    return sources()
 
 
 # --- running and checking ------------------------------------------------------------------------
