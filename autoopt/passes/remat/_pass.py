@@ -209,10 +209,10 @@ def _flops(compiled) -> float:
 
 
 def _measure_closed(closed: ClosedJaxpr, compiler_options, donate: tuple = ()) -> Measured | None:
-    # Staged by copying its equations, as the call's wrapper stages the program that runs (the
-    # same StableHLO as binding each primitive again, which took a tenth of a GPT first call's
-    # critical path: benchmarks/RESULTS.md).
-    # Named for jax's compile logs and monitoring events: ``jit(remat_measured)``.
+    # Staged by copying its equations, as the call's wrapper stages the program that runs: the
+    # same StableHLO as binding each primitive again, in a fraction of the time, on the cold
+    # first call's critical path (benchmarks/RESULTS.md). Named for jax's compile logs and
+    # monitoring events: ``jit(remat_measured)``.
     def remat_measured(*args):
         return _jaxpr.stage_closed(closed, *args)
 
