@@ -675,6 +675,7 @@ def test_donate_argnums_is_not_promised_for_a_function_another_module_imports(tm
             for _ in range(3):
                 w = step(w, 1.0)
         """)
+    (tmp_path / "setup.cfg").write_text("")  # the project: only this test's files are searched
     pkg = tmp_path / "pkg"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
@@ -690,11 +691,41 @@ def test_donate_argnums_is_not_promised_for_a_function_another_module_imports(tm
     )
     shared = rewrite_code(code, [donate(0, 4)], function="step", path=str(lib))
     assert shared.code == code
-    assert f"{user}:1 imports this module and names `step`" in shared.outcomes[0]
+    assert f"{user}:2 names `step` and its module" in shared.outcomes[0]
     assert "@autoopt.optimize" in shared.outcomes[0]  # what to do instead
     # style="autoopt" proves donation per call site at run time: still offered.
     safe = rewrite_code(code, [donate(0, 4)], function="step", path=str(lib), style="autoopt")
     assert "autoopt.optimize" in safe.code
+
+
+@pytest.mark.parametrize(
+    "where, text",
+    [
+        # a src layout: the project (pyproject.toml) holds the scripts beside src/
+        ("train.py", "from pkg.lib import step\n"),
+        ("tests/test_step.py", "import pkg.lib as L\nL.step(w, 1.0)\n"),
+        # a re-export: the caller names the package, not the module
+        ("train.py", "from pkg import step\n"),
+        (
+            "notebook.ipynb",
+            '{"cells": [{"source": ["from pkg import lib\\n", "lib.step(w, 1.0)"]}]}',
+        ),
+    ],
+)
+def test_donate_argnums_sees_callers_across_the_project(tmp_path, where, text):
+    code = "import jax\n\n@jax.jit\ndef step(w, x):\n    return w - x\n"
+    (tmp_path / "pyproject.toml").write_text("[project]\nname = 'p'\n")
+    pkg = tmp_path / "src" / "pkg"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from .lib import *\n")
+    lib = pkg / "lib.py"
+    lib.write_text(code)
+    caller = tmp_path / where
+    caller.parent.mkdir(parents=True, exist_ok=True)
+    caller.write_text(text)
+    got = rewrite_code(code, [donate(0, 4)], function="step", path=str(lib))
+    assert got.code == code, got.outcomes
+    assert str(caller) in got.outcomes[0]
 
 
 def test_lambda_has_no_def_to_decorate():
@@ -1041,6 +1072,7 @@ def test_rewritten_example_imports_runs_and_gives_the_same_numbers(name, provabl
     # tests) import the example, and donate_argnums is never promised for a function that
     # another module imports (its callers there are not in the file).
     shipped = importlib.import_module(f"autoopt.examples.{name}")
+    (tmp_path / "setup.cfg").write_text("")  # the project: only this test's files are searched
     (tmp_path / "src").mkdir()
     with open(shipped.__file__) as fh:
         mod = _load(fh.read(), name, tmp_path / "src")

@@ -687,44 +687,58 @@ def keeps_itself(t: type) -> bool:
     return getattr(t, "__del__", None) is not None
 
 
-def _registry_counts(obj) -> tuple[list, list[int], int, bool, bool]:
+def _registry_counts(obj) -> tuple[list, list[int], int, bool, Any]:
     """``(children, their counts, the count of the children's container, container is obj,
-    container is one of obj's attributes)``."""
+    the container)``."""
     kids, _ = flatten_one_level(obj)
     count = sys.getrefcount(kids)
-    own = any(v is kids for v in _attribute_values(obj))
-    return list(kids), [sys.getrefcount(c) for c in kids], count, kids is obj, own
+    return list(kids), [sys.getrefcount(c) for c in kids], count, kids is obj, kids
 
 
 def _registry_kid_refcounts(obj) -> tuple[list, list[int], int]:
-    kids, counts, container, same, own = _registry_counts(obj)
+    kids, counts, container, same, stored = _registry_counts(obj)
     if same:  # a list node: jax returns the node itself as its children
         return kids, counts, _BASE_KID_SAME
     if container == _FRESH_CONTAINER:  # a new container: built from what the node holds
         if _inner_container_shared(obj, kids):
             return kids, counts, -1
         return kids, counts, _BASE_KID_NEW
-    if container == _FRESH_CONTAINER + 1 and own:  # the node's own stored container
-        return kids, counts, _BASE_KID_STORED
+    if container == _FRESH_CONTAINER + 1 and any(v is stored for v in _attribute_values(obj)):
+        return kids, counts, _BASE_KID_STORED  # the node's own stored container
     # The container the node flattens to is reachable from elsewhere, and the leaves with it.
     return kids, counts, -1
 
 
 def _attribute_values(obj) -> list:
-    """The values of ``obj``'s attributes (its ``__dict__``, else its slots), read without
+    """The values of ``obj``'s attributes (its ``__dict__`` and its slots), read without
     running its code (no ``__getattr__``, no property)."""
     try:
-        return list(object.__getattribute__(obj, "__dict__").values())
+        values = list(object.__getattribute__(obj, "__dict__").values())
     except (AttributeError, TypeError):
-        pass
-    values = []
-    for klass in type(obj).__mro__:
-        for name in getattr(klass, "__slots__", ()):
-            try:
-                values.append(object.__getattribute__(obj, name))
-            except (AttributeError, TypeError):
-                continue
+        values = []
+    for name in _slot_names(type(obj)):
+        try:
+            values.append(object.__getattribute__(obj, name))
+        except (AttributeError, TypeError):
+            continue
     return values
+
+
+_SLOT_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _slot_names(t: type) -> tuple[str, ...]:
+    """The value slots ``t`` and its bases declare (a class's slots are fixed once made)."""
+    got = _SLOT_NAMES.get(t)
+    if got is None:
+        names = []
+        for klass in t.__mro__:
+            slots = klass.__dict__.get("__slots__", ())
+            for name in (slots,) if isinstance(slots, str) else slots:
+                if name not in ("__dict__", "__weakref__"):
+                    names.append(name)
+        got = _SLOT_NAMES[t] = tuple(names)
+    return got
 
 
 def _holds_array(container, depth: int = 0) -> bool:
@@ -739,64 +753,56 @@ def _holds_array(container, depth: int = 0) -> bool:
 
 
 def _inner_container_shared(obj, kids: list) -> bool:
-    """Whether the node ``obj``, whose flatten built a fresh container of its children, holds
-    them through a plain container of its own that something else also holds: a node storing
-    ``self.layers = [...]`` and flattening to ``tuple(self.layers)``, or to
-    ``list(self.d.values())``, with the caller holding ``layers = model.layers``. The children's
-    own counts cannot show it (the node's container holds each once, as the node itself would);
-    each such container's count can. Containers holding no array (a shape tuple) are left out."""
-    kid_ids = set(map(id, kids))
-    values = _attribute_values(obj)
+    """Whether the node ``obj``, whose flatten built a fresh container of its children, may
+    hold them where something else can reach them. Refused unless every child that can hold an
+    array is found among ``obj``'s own attributes, directly or inside plain dicts, lists and
+    tuples of its own that nothing else holds: a node storing ``self.layers = [...]`` and
+    flattening to ``tuple(self.layers)`` is donated unless the caller holds
+    ``layers = model.layers`` (that container's count shows it; the children's own counts
+    cannot, the container holds each once as the node itself would). A child reached through
+    any other holder (an object of the user's, a deque, an OrderedDict, a closure, a bound
+    method) is not followed: who else holds that holder is not read here
+    (``pool = state.pool``)."""
+    wanted = {id(k) for k in kids if type(k) not in _SCALAR_TYPES}
+    values = _attribute_values(obj) + _items_of(obj)
     counts = [sys.getrefcount(v) for v in values]
+    missing = wanted.difference(map(id, values))
     for value, count in zip(values, counts):
-        if id(value) in kid_ids or type(value) is _ARRAY_IMPL:
+        if type(value) not in _BUILTIN_NODES or id(value) in wanted:
             continue
-        if type(value) not in _BUILTIN_NODES:
-            # Another kind of holder (an object of the user's, a deque, an OrderedDict): who
-            # else holds it, or what it holds, is not read here. One that can reach an array
-            # may hold the children (``pool = state.pool``), so the node is not donated.
-            if _reaches_array(value):
+        inside = _plain_contents(value) & missing if missing else missing
+        if _holds_array(value):
+            if count > _BASE_ATTRIBUTE or _container_shared(value):
                 return True
-            continue
-        if not _holds_array(value):
-            continue
-        if count > _BASE_ATTRIBUTE or _container_shared(value):
-            return True
-    return False
+        # (A container holding only other nodes is not counted, as before: an nnx State's
+        # mapping has one reference more than its object's, from nnx itself.)
+        missing -= inside
+    return bool(missing)
 
 
-_NO_ARRAYS_INSIDE = (
-    int,
-    float,
-    complex,
-    str,
-    bytes,
-    bool,
-    type(None),
-    type,
-    types.FunctionType,
-    types.BuiltinFunctionType,
-    types.MethodType,
-    types.ModuleType,
-)
+def _items_of(obj) -> list:
+    """What a node that is a tuple, list or dict (a NamedTuple with its own registration) holds
+    as one, read without running its code."""
+    if isinstance(obj, tuple):
+        return list(tuple.__iter__(obj))
+    if isinstance(obj, list):
+        return list(list.__iter__(obj))
+    if isinstance(obj, dict):
+        return list(dict.values(obj))
+    return []
 
 
-def _reaches_array(x, depth: int = 0) -> bool:
-    """Whether a jax array may be reached from ``x`` through containers and object attributes,
-    read without running its code; true where the walk gives up (too deep)."""
-    if type(x) is _ARRAY_IMPL:
-        return True
-    if isinstance(x, _NO_ARRAYS_INSIDE) or isinstance(x, np.ndarray | np.generic | np.dtype):
-        return False
+def _plain_contents(container, depth: int = 0) -> set[int]:
+    """The ids of what ``container`` holds, and what the plain dicts, lists and tuples inside
+    it hold, down to the depth any state is written at."""
+    out: set[int] = set()
     if depth > 8:
-        return True
-    if isinstance(x, dict):
-        kids = list(x.values())
-    elif isinstance(x, list | tuple | set | frozenset | collections.deque):
-        kids = list(x)
-    else:
-        kids = _attribute_values(x)
-    return any(_reaches_array(k, depth + 1) for k in kids)
+        return out
+    for k in container.values() if type(container) is dict else container:
+        out.add(id(k))
+        if type(k) in _BUILTIN_NODES:
+            out |= _plain_contents(k, depth + 1)
+    return out
 
 
 def _container_shared(container, depth: int = 0) -> bool:
@@ -848,8 +854,9 @@ def _calibrate_kids() -> tuple[int, int, int, int, int]:
     _, same_counts, _, same, _ = _registry_counts([object()])
     assert same  # flatten_one_level returns a list node itself as its children
     _, new_counts, fresh, _, _ = _registry_counts(Fresh(object()))
-    _, stored_counts, stored, _, own = _registry_counts(Stored(object()))
-    assert stored == fresh + 1 and own  # jax hands back the stored list itself
+    node = Stored(object())
+    _, stored_counts, stored, _, container = _registry_counts(node)
+    assert stored == fresh + 1 and container is node.parts  # jax hands back the stored list
     builtin = kid_refcounts({"a": object()})[1][0]
     named = collections.namedtuple("named", "a")(object())
     assert kid_refcounts(named)[1][0] == builtin == kid_refcounts((object(),))[1][0]
@@ -867,6 +874,7 @@ _BASE_ATTRIBUTE = _calibrate_attribute()
 _ARRAY_IMPL = ARRAY_IMPL
 _HOST_SCALARS = (np.ndarray, np.generic, int, float, complex, bool)
 _NO_ARRAYS = (int, float, complex, bool, str, type(None))
+_SCALAR_TYPES = frozenset(_NO_ARRAYS)
 
 
 _ONLY_ARRAYS = {_ARRAY_IMPL}

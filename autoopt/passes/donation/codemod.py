@@ -271,66 +271,96 @@ class _Uses(cst.CSTVisitor):
 
 
 # Folders never searched for importers: tools' and environments' own files.
-_NOT_SEARCHED = {".git", ".hg", "__pycache__", "node_modules", "site-packages", ".tox", ".nox"}
-_MAX_SEARCHED = 5000  # Python files; past this the search gives up and the edit is refused
-_IMPORT_LINE = re.compile(r"^\s*(?:from\s+\S+\s+import\b|import\s)", re.MULTILINE)
+_NOT_SEARCHED = {
+    ".git",
+    ".hg",
+    "__pycache__",
+    "node_modules",
+    "site-packages",
+    "dist-packages",
+    ".tox",
+    ".nox",
+    ".mypy_cache",
+    ".pytest_cache",
+}
+_PROJECT_MARKERS = (".git", ".hg", "pyproject.toml", "setup.py", "setup.cfg")
+_MAX_SEARCHED = 5000  # Python files and notebooks; past this the search gives up and refuses
 
 
-def _import_root(path: str) -> str:
-    """The folder ``path``'s module is imported from: above its outermost package."""
-    root = os.path.dirname(os.path.realpath(path))
-    while os.path.isfile(os.path.join(root, "__init__.py")):
-        root = os.path.dirname(root)
-    return root
+def _search_root(path: str) -> str:
+    """Where the callers of ``path``'s functions may be: the project it belongs to (the nearest
+    folder above it with a ``.git``, ``pyproject.toml``, ``setup.py`` or ``setup.cfg``: a ``src``
+    layout's scripts and tests sit beside ``src``), else the folder above the one its outermost
+    package sits in (a script beside ``src/``, or beside a namespace package's folder)."""
+    folder = os.path.dirname(path)
+    probe = folder
+    while True:
+        if any(os.path.exists(os.path.join(probe, m)) for m in _PROJECT_MARKERS):
+            return probe
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    while os.path.isfile(os.path.join(folder, "__init__.py")):
+        folder = os.path.dirname(folder)
+    return os.path.dirname(folder)
+
+
+def _names_of_module(path: str) -> list[str]:
+    """The names another file reaches ``path``'s functions by: the module's own name and each
+    package above it (an ``__init__.py`` may re-export the function: ``from pkg import step``)."""
+    folder, base = os.path.split(path)
+    names = [] if base == "__init__.py" else [os.path.splitext(base)[0]]
+    while os.path.isfile(os.path.join(folder, "__init__.py")):
+        names.append(os.path.basename(folder))
+        folder = os.path.dirname(folder)
+    return names
 
 
 def _imported_elsewhere(path: str | None, fn: str) -> str | None:
     """Why ``donate_argnums`` on ``fn`` cannot be promised from this file alone, or None: another
-    Python file under the module's import root imports the module and names ``fn`` (a call
-    there is a caller this file does not show). Conservative, by text: an import line naming
-    the module and the function's name anywhere in that file are enough. Imports by string
-    (``importlib``) and code outside the root are not seen."""
+    Python file or notebook of the project names ``fn`` and the module (or a package above it),
+    so it may call ``fn``, and its calls are callers this file does not show. Conservative, by
+    text: both names anywhere in the file are enough. Imports by string (``importlib``) and
+    code outside the project are not seen."""
     if path is None or not os.path.isfile(path):
         return None
     mine = os.path.realpath(path)
-    stem = os.path.splitext(os.path.basename(mine))[0]
-    if stem == "__init__":
-        stem = os.path.basename(os.path.dirname(mine))
-    module = re.compile(rf"\b{re.escape(stem)}\b")
+    module = re.compile(r"\b(?:" + "|".join(map(re.escape, _names_of_module(mine))) + r")\b")
     name = re.compile(rf"\b{re.escape(fn)}\b")
-    root = _import_root(mine)
+    root = _search_root(mine)
     searched = 0
     for folder, dirs, files in os.walk(root):
         dirs[:] = sorted(
             d
             for d in dirs
-            if d not in _NOT_SEARCHED and not os.path.isfile(os.path.join(folder, d, "pyvenv.cfg"))
+            if d not in _NOT_SEARCHED
+            and not os.path.isfile(os.path.join(folder, d, "pyvenv.cfg"))
+            and not os.path.isdir(os.path.join(folder, d, "conda-meta"))
         )
         for f in sorted(files):
             other = os.path.join(folder, f)
-            if not f.endswith(".py") or os.path.realpath(other) == mine:
+            if not f.endswith((".py", ".ipynb")) or os.path.realpath(other) == mine:
                 continue
             searched += 1
             if searched > _MAX_SEARCHED:
                 return (
-                    f"more than {_MAX_SEARCHED} Python files under {root}: the modules that "
-                    f"may import `{fn}` and call it could not all be checked"
+                    f"more than {_MAX_SEARCHED} Python files under {root}: the files that may "
+                    f"import `{fn}` and call it could not all be checked"
                 )
             try:
                 with open(other, encoding="utf-8", errors="replace") as fh:
                     text = fh.read()
             except OSError:
                 continue
-            if not name.search(text):
+            found = name.search(text)
+            if found is None or module.search(text) is None:
                 continue
-            for m in _IMPORT_LINE.finditer(text):
-                line_end = text.find("\n", m.start())
-                if module.search(text, m.start(), line_end if line_end >= 0 else len(text)):
-                    line = text.count("\n", 0, m.start()) + 1
-                    return (
-                        f"{other}:{line} imports this module and names `{fn}`: its calls are "
-                        "callers this file does not show"
-                    )
+            line = text.count("\n", 0, found.start()) + 1
+            return (
+                f"{other}:{line} names `{fn}` and its module: its calls are callers this file "
+                "does not show"
+            )
     return None
 
 
