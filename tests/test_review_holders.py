@@ -13,6 +13,7 @@ Each failed before the fix, with the caller's arrays deleted; jax.jit keeps them
 from __future__ import annotations
 
 import collections
+import functools
 import types
 from typing import NamedTuple
 
@@ -25,6 +26,16 @@ import autoopt
 
 
 class Pool:  # a plain holder, not a pytree
+    def __init__(self, arrays):
+        self.arrays = arrays
+
+    def get(self):
+        return self.arrays
+
+
+class Slotted:  # a slot and a __dict__: both are attributes
+    __slots__ = ("arrays", "__dict__")
+
     def __init__(self, arrays):
         self.arrays = arrays
 
@@ -43,6 +54,18 @@ HOLDERS = {
     "SimpleNamespace": (lambda arrs: types.SimpleNamespace(items=list(arrs)), lambda h: h.items),
     # the flatten hands back the holder's own list: stored, but not by the node
     "object, its list": (lambda arrs: Pool(list(arrs)), lambda h: h.arrays),
+    # holders the first fix missed (the second review)
+    "slots and a dict": (lambda arrs: Slotted(list(arrs)), lambda h: list(h.arrays)),
+    "closure": (lambda arrs: lambda kept=list(arrs): kept, lambda h: list(h())),
+    "bound method": (lambda arrs: Pool(list(arrs)).get, lambda h: list(h())),
+    "functools.partial": (
+        lambda arrs: functools.partial(lambda kept: kept, list(arrs)),
+        lambda h: list(h()),
+    ),
+    "mapping proxy": (
+        lambda arrs: types.MappingProxyType({str(i): a for i, a in enumerate(arrs)}),
+        lambda h: list(h.values()),
+    ),
 }
 
 
