@@ -57,7 +57,12 @@ import numpy as np
 from autoopt import _compat
 from autoopt._jit import _plans, _reuse
 from autoopt._jit._dispatch import Policy, placer_needed, plan_for
-from autoopt._jit._function import FRAMEWORK_ROUTES, OptimizedFunction, fn_location_of
+from autoopt._jit._function import (
+    FRAMEWORK_ROUTES,
+    OptimizedFunction,
+    call_holding_signals,
+    fn_location_of,
+)
 from autoopt._jit._plans import MISS
 from autoopt._jit._program import FAST_ENTRIES, Site
 from autoopt._jit._static_leaves import donated_unshared, held_elsewhere, static_kid
@@ -373,6 +378,7 @@ class EquinoxJit:
             positions: tuple = ()
             proof = None
             plans = None
+            bind = None
             if self._donate != "off" and _compat.trace_state_clean():
                 try:
                     frame = sys._getframe(1) if self._donate == "safe" else None
@@ -388,6 +394,7 @@ class EquinoxJit:
                     if site.donates and proof.matches(args, kwargs):
                         if proof.check(frame, self, args, kwargs):
                             positions = self._bound_positions(proof, args, kwargs)
+                            bind = frame  # (its statement's names: ``call_holding_signals``)
                         else:  # another callee, or a thread could read a name: no donation
                             plans = entry.withheld
                     del frame
@@ -397,21 +404,30 @@ class EquinoxJit:
                 plans = self._sites.get(None)
                 if plans is None:
                     plans = self._sites[None] = {}
-            # The cached plan of this signature, checked on the user's own objects.
-            key = None
-            if plans is not None and not _compat.jit_disabled():
-                key, out = self._lookup(plans, args, kwargs, __equinox_jit_id__)
-                if out is not MISS:
-                    return out
-            if positions and self._donate == "safe":
-                # On the user's own objects, before anything holds their leaves.
-                positions = _donatable_now(args, kwargs, positions)
-            parts = self._parts(args, kwargs)
-            out, decided = self._run(parts, positions, proof, __equinox_jit_id__)
-            if key is not None and plans is not None and len(plans) < FAST_ENTRIES:
-                if decided is not None:
-                    self._remember(plans, key, decided, parts, args, kwargs, proof)
-            return out
+
+            def body():
+                # The cached plan of this signature, checked on the user's own objects.
+                key = None
+                if plans is not None and not _compat.jit_disabled():
+                    key, out = self._lookup(plans, args, kwargs, __equinox_jit_id__)
+                    if out is not MISS:
+                        return out
+                donated = positions
+                if donated and self._donate == "safe":
+                    # On the user's own objects, before anything holds their leaves.
+                    donated = _donatable_now(args, kwargs, donated)
+                parts = self._parts(args, kwargs)
+                out, decided = self._run(parts, donated, proof, __equinox_jit_id__)
+                if key is not None and plans is not None and len(plans) < FAST_ENTRIES:
+                    if decided is not None:
+                        self._remember(plans, key, decided, parts, args, kwargs, proof)
+                return out
+
+            if bind is not None:
+                # the statement's names bound to the output, its Python-rebuilt parts included,
+                # before a signal's exception propagates
+                return call_holding_signals(body, bind, proof)
+            return body()
         except Exception as e:
             _compat.filter_traceback(e)
             raise

@@ -327,6 +327,7 @@ def _configured(_native: Any) -> Any:
     if min(lone(plan_probe) for _ in range(3)) != callsite.CALL_REFS:
         return None
     _fit.NATIVE_CATCHING = _native.catching
+    os.register_at_fork(after_in_child=_native.after_fork)
     return _native
 
 
@@ -334,6 +335,19 @@ _NATIVE = _native_call_path()
 # Whether calls take the C call path (``_native.c``); else ``OptimizedFunction._call`` is
 # ``__call__`` itself.
 NATIVE = _NATIVE is not None
+
+
+def call_holding_signals(body: Callable[[], Any], frame: Any = None, proof: Any = None) -> Any:
+    """``body()`` for a call path written in Python (``_BoundOptimized``, equinox's, nnx's), as
+    the C call path runs every call under "safe" (``_native.c``): a signal handler's exception
+    raised between the executable and the end of ``body`` (nnx's updates of its Variables
+    included) waits until the names the statement running in ``frame`` assigns are bound to
+    the result (``proof.binding``, for a call whose check passed; else ``frame`` None)."""
+    if _NATIVE is None:
+        return body()
+    return _NATIVE.held_call(body, frame, None if proof is None else proof.binding)
+
+
 if TYPE_CHECKING:  # (the checker reads the Python path)
     _CallBase = object
 else:
@@ -416,6 +430,16 @@ class OptimizedFunction(_CallBase):
         fn = self.__wrapped__
 
         def wrapper(*args, **kwargs):
+            # (a first call's trace of the user's function: signal handlers run as under
+            # jax.jit, so Ctrl-C interrupts it at once, see ``_native.suspend_deep``)
+            suspended = _NATIVE is not None and _NATIVE.suspend_deep()
+            try:
+                return traced(*args, **kwargs)
+            finally:
+                if suspended:
+                    _NATIVE.resume_deep(suspended)  # pyright: ignore[reportOptionalMemberAccess]
+
+        def traced(*args, **kwargs):
             # large constants the placer passes as device arguments (see _hoist)
             hoisted = kwargs.pop("_autoopt_hoisted", None) if kwargs else None
             if "_autoopt_packed" in kwargs:  # host leaves the placer packed: slice them back
@@ -461,6 +485,11 @@ class OptimizedFunction(_CallBase):
                 kw["donate_argnums"] = positions
                 kw["donate_argnames"] = names
             j = jax.jit(self._wrapper, **kw)
+            if _NATIVE is not None and self._policy.donate == "safe" and (positions or names):
+                # From its call until the call site's names are bound to the result, signal
+                # handlers wait (``_native.c``): one raising there would keep the statement
+                # rebinding a donated name from running, leaving it bound to deleted arrays.
+                j = _NATIVE.HoldsSignals(j)
             caches.jits[key] = j
         return j
 
@@ -1351,7 +1380,8 @@ class OptimizedFunction(_CallBase):
             else (),
             findings=tuple(program.pipeline.findings) if program.pipeline is not None else (),
             fallback=program.fallback_reason,
-            jit=jit,
+            # (jax's own jit object: what the caller calls or lowers is a plain jax.jit's)
+            jit=jit if _NATIVE is None else _NATIVE.unwrap_held(jit),
             donated=donated,
             programs=types.MappingProxyType(dict(caches.programs)),
             donation_variants=frozenset(caches.jits) if variants is None else variants,
@@ -1403,6 +1433,13 @@ class _BoundOptimized:
                     site = owner._prove(frame, shift=1, key=key)
                 if site.donates and not site.proof.check(frame, owner, args, kwargs):
                     site = site.withheld()
+                if site.donates:  # (the statement's names bound before a signal's exception)
+                    plan = owner._dispatch(site, full, kwargs, 1)
+                    return call_holding_signals(
+                        lambda: owner._run(plan, full, kwargs, callsite.BOUND_BASES),
+                        frame,
+                        site.proof,
+                    )
                 del frame
             else:
                 site = None

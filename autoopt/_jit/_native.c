@@ -42,6 +42,8 @@
 #define AUTOOPT_FAST 1
 #define Py_BUILD_CORE 1
 #include "internal/pycore_frame.h"
+#include "internal/pycore_pystate.h"
+#include "internal/pycore_pyerrors.h"
 #undef Py_BUILD_CORE
 #else
 #define AUTOOPT_FAST 0
@@ -66,7 +68,8 @@ static Py_ssize_t refs_base = -1; /* a lone local argument's reference count in 
  * types, the Python scalar types. NULL: nested signatures are left to the Python path. */
 static PyObject *namedtuple_types, *host_leaf_types, *scalar_types;
 #define NESTED_DEPTH 48 /* callsite._NESTED_DEPTH */
-static PyObject *s_value, *s_donates, *s_plans, *s_proof, *s_slot_spec, *s_lookup_plain,
+static PyObject *s_value, *s_donates, *s_plans, *s_proof, *s_slot_spec, *s_binding, *s_same_call,
+    *s_lookup_plain,
     *s_native, *s_is_deleted, *s_call, *s_fit_escaped, *s_aval, *s_shape, *s_dtype, *empty_dict;
 
 /* Threads inside a plan's executable run from here: ``_fit.caught_here`` asks (``catching``)
@@ -90,6 +93,7 @@ typedef struct {
     PyObject *last_site;
     PyObject *last_spec;   /* the proof's slot spec, or None; NULL when the site donates nothing */
     PyObject *last_plans;  /* the site's plans, or None */
+    PyObject *last_binding; /* the proof's binding (``CallSiteProof.binding``), or None */
     /* The last signature's plan: valid for a call whose flat key holds the same objects while
      * the plans dict it was found in is unchanged (same dict, same version). */
     PyObject *key_plans;
@@ -109,6 +113,7 @@ cp_clear(CallPath *self)
     Py_CLEAR(self->last_site);
     Py_CLEAR(self->last_spec);
     Py_CLEAR(self->last_plans);
+    Py_CLEAR(self->last_binding);
     Py_CLEAR(self->key_plans);
     Py_CLEAR(self->key);
     Py_CLEAR(self->key_plan);
@@ -127,6 +132,7 @@ cp_traverse(CallPath *self, visitproc visit, void *arg)
     Py_VISIT(self->last_site);
     Py_VISIT(self->last_spec);
     Py_VISIT(self->last_plans);
+    Py_VISIT(self->last_binding);
     Py_VISIT(self->key_plans);
     Py_VISIT(self->key);
     Py_VISIT(self->key_plan);
@@ -204,14 +210,19 @@ caller_frame(void)
  * cell, key), ...), ((key, global name), ...))``, a key being None for the callee, else the
  * argument's position (a keyword never reaches here). 1: passed, 0: refused, -1: error. */
 static int
-run_spec(PyObject *spec, _PyInterpreterFrame *f, PyObject *callee, PyObject *args)
+run_spec(PyObject *spec, _PyInterpreterFrame *f, PyObject *callee, PyObject *args,
+         int identities_only)
 {
     if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) != 4)
         return 0;
     PyObject *root = PyTuple_GET_ITEM(spec, 0), *shared = PyTuple_GET_ITEM(spec, 1);
     PyObject *slots = PyTuple_GET_ITEM(spec, 2), *globals = PyTuple_GET_ITEM(spec, 3);
     Py_ssize_t nargs = PyTuple_GET_SIZE(args);
-    if (shared == Py_True) {
+    if (!(f->f_code->co_flags & CO_OPTIMIZED) && f->f_locals != f->f_globals)
+        return 0; /* module-level code run with separate locals: the names bind elsewhere */
+    if (!identities_only && !PyDict_CheckExact(f->f_globals))
+        return 0; /* (``exec`` with a dict subclass: the names could not be bound early) */
+    if (shared == Py_True && !identities_only) {
         PyObject *r = PyObject_CallNoArgs(other_code_may_run);
         if (r == NULL)
             return -1;
@@ -789,14 +800,15 @@ find_site(CallPath *self, _PyInterpreterFrame *f, PyObject **site, PyObject **sp
         PyObject *donates_o = PyObject_GetAttr(found, s_donates);
         int donates = donates_o ? PyObject_IsTrue(donates_o) : -1;
         Py_XDECREF(donates_o);
-        PyObject *found_spec = NULL, *found_plans = NULL;
+        PyObject *found_spec = NULL, *found_plans = NULL, *found_binding = NULL;
         if (donates > 0) {
             PyObject *proof = PyObject_GetAttr(found, s_proof);
             if (proof != NULL) {
                 found_spec = PyObject_GetAttr(proof, s_slot_spec);
+                found_binding = found_spec ? PyObject_GetAttr(proof, s_binding) : NULL;
                 Py_DECREF(proof);
             }
-            if (found_spec == NULL)
+            if (found_binding == NULL)
                 donates = -1;
         }
         if (donates >= 0) {
@@ -807,11 +819,13 @@ find_site(CallPath *self, _PyInterpreterFrame *f, PyObject **site, PyObject **sp
         if (donates < 0) {
             Py_DECREF(found);
             Py_XDECREF(found_spec);
+            Py_XDECREF(found_binding);
             return fall_back_error(), 0;
         }
         Py_XSETREF(self->last_site, found);
         Py_XSETREF(self->last_spec, found_spec);
         Py_XSETREF(self->last_plans, found_plans);
+        Py_XSETREF(self->last_binding, found_binding);
         Py_XSETREF(self->last_code, (PyCodeObject *)Py_NewRef(f->f_code));
         self->last_lasti = lasti;
         self->last_version = version;
@@ -826,13 +840,16 @@ find_site(CallPath *self, _PyInterpreterFrame *f, PyObject **site, PyObject **sp
 
 /* 1: handled (``*out`` the result, or NULL with an exception set), 0: the Python path. Every
  * reference taken here is dropped before it returns 0. */
+static int hold_signals(void);
+static void unhold_signals(int held);
+
 static int
-fast_call(CallPath *self, PyObject *args, PyObject **out)
+fast_call(CallPath *self, PyObject *args, PyObject **out, PyObject **binding, int *held)
 {
     int clean = trace_clean();
     if (clean <= 0)
         return clean < 0 ? (fall_back_error(), 0) : 0;
-    PyObject *site = NULL, *spec = NULL, *plans = NULL; /* strong references */
+    PyObject *site = NULL, *spec = NULL, *plans = NULL, *bind = NULL; /* strong references */
     int r = 0;
     if (self->sites != NULL) {
         _PyInterpreterFrame *f = caller_frame();
@@ -841,7 +858,8 @@ fast_call(CallPath *self, PyObject *args, PyObject **out)
         if (spec != NULL) { /* the site donates: its proof's check, on every call */
             if (spec == Py_None)
                 goto done; /* a check without a spec: the Python path runs it */
-            int ok = run_spec(spec, f, (PyObject *)self, args);
+            bind = Py_XNewRef(self->last_binding);
+            int ok = run_spec(spec, f, (PyObject *)self, args, 0);
             if (ok <= 0) {
                 if (ok < 0)
                     fall_back_error();
@@ -867,8 +885,14 @@ fast_call(CallPath *self, PyObject *args, PyObject **out)
         PyObject *plan = find_plan(self, plans, args);
         if (plan == NULL)
             goto done; /* not flat, or a new signature */
+        /* (a call that may donate holds signals: see "the statement's names" below) */
+        *held = bind != NULL ? hold_signals() : 0;
         r = run_plan(self, site, plan, args, out);
         Py_DECREF(plan);
+        if (r != 1) {
+            unhold_signals(*held); /* (nothing ran: nothing was held for it) */
+            *held = 0;
+        }
     } else if (self->plain_run != NULL) {
         Py_ssize_t n = PyTuple_GET_SIZE(args);
         for (Py_ssize_t i = 0; i < n; i++) {
@@ -887,11 +911,482 @@ fast_call(CallPath *self, PyObject *args, PyObject **out)
         fall_back_error();
         r = 0;
     }
+    if (r == 1 && bind != NULL) { /* checked: the statement stores what this call returns */
+        *binding = bind;
+        bind = NULL;
+    }
 done:
     Py_XDECREF(site);
     Py_XDECREF(spec);
     Py_XDECREF(plans);
+    Py_XDECREF(bind);
     return r;
+}
+
+/* --- the statement's names, bound before the call returns ------------------------------
+ *
+ * ``state = step(state)`` under "safe" donates ``state``'s arrays. Between the call's return
+ * and the statement's store, CPython runs pending signal handlers (the end of every CALL
+ * checks): Ctrl-C there raises ``KeyboardInterrupt`` with ``state`` still bound to the
+ * deleted arrays, and an ``except KeyboardInterrupt: save(state)`` finds them gone, where
+ * jax.jit, which donates nothing, lost nothing. So before a call whose proof's check passed
+ * returns, the names the statement assigns are bound to what it returns, in the order the
+ * statement's own stores run (``CallSiteProof.binding``): the statement then stores the same
+ * objects again, and an exception at its end finds the names as if the statement had completed
+ * (one of the orders jax.jit's call allows).
+ *
+ * Python code runs between the executable and that binding: jax's unflatten of the outputs (a
+ * NamedTuple's ``__new__``, a registered node's), jax's own code around a first call's
+ * execution, and autoopt's (the Python path's plans, a placer, equinox's rebuilt outputs,
+ * nnx's updates of its Variables). A handler run there would raise with the result dropped.
+ * So a call that may donate holds signals (``hold_signals``, main thread only: handlers run
+ * there alone), and from the moment its executable is called (``HoldsSignals``, the donating
+ * jit object of "safe") until the call's names are bound (``release_signals``), the thread
+ * cannot run handlers: ``_PyRuntime.main_thread`` is cleared, which is what CPython asks
+ * (``_Py_ThreadCanHandleSignals``) before it runs them, and what a signal's C handler asks
+ * before it interrupts the evaluation. Then the pending handlers (and pending calls) run, and
+ * an exception one raises propagates from the call, its names bound. The user's function and
+ * the passes, which jax traces inside a first call, run with handlers as under jax.jit
+ * (``suspend_deep``, called by the traced wrapper), so Ctrl-C interrupts a long trace at once. */
+
+static int held_depth;              /* the calls of the main thread holding signals */
+static PyThreadState *held_tstate;  /* the main thread's, while ``held_depth > 0`` */
+static PyObject *held_type, *held_value, *held_tb;
+static int held_at; /* the depth of the holder that was innermost when it was held */
+
+static int deep_on;             /* handlers cannot run: ``main_thread`` cleared */
+static int deep_at;             /* the depth of the holder that cleared it */
+static unsigned long deep_main; /* the main thread's ident, restored after it */
+
+/* Keep the exception set now for the innermost holder (a later one is dropped: the first
+ * signal's exception is the one jax.jit would have raised). */
+static void
+hold_error(void)
+{
+    if (held_type != NULL) {
+        PyErr_Clear();
+        return;
+    }
+    PyErr_Fetch(&held_type, &held_value, &held_tb);
+    held_at = held_depth;
+}
+
+/* 1: this call holds signals' exceptions until ``release_signals``; 0: not this thread. */
+static int
+hold_signals(void)
+{
+    PyThreadState *ts = PyThreadState_GET();
+    if (held_depth > 0) {
+        if (ts != held_tstate)
+            return 0;
+    } else {
+        if (!_Py_ThreadCanHandleSignals(ts->interp))
+            return 0;
+        held_tstate = ts;
+    }
+    held_depth++;
+    return 1;
+}
+
+/* Whether a call of this thread holds signals. */
+static inline int
+holding_here(void)
+{
+    return held_depth > 0 && PyThreadState_GET() == held_tstate;
+}
+
+static void
+deep_begin(void)
+{
+    deep_main = _PyRuntime.main_thread;
+    deep_at = held_depth;
+    deep_on = 1;
+    _PyRuntime.main_thread = 0;
+}
+
+/* Handlers can run again: the pending ones (signals, and calls other threads queued with
+ * ``Py_AddPendingCall``) run now. -1: one raised (its exception set). */
+static int
+deep_end(void)
+{
+    if (!deep_on)
+        return 0;
+    _PyRuntime.main_thread = deep_main;
+    deep_on = 0;
+    if (_Py_atomic_load_relaxed(&_PyRuntime.ceval.signals_pending) ||
+        _Py_atomic_load_relaxed(&held_tstate->interp->ceval.pending.calls_to_do))
+        return Py_MakePendingCalls(); /* (recomputes the eval breaker as well) */
+    return 0;
+}
+
+/* End a hold taken for a call that did not run (a plan's MISS). */
+static void
+unhold_signals(int held)
+{
+    if (held && held_depth > 0)
+        held_depth--;
+}
+
+/* ``out`` (stolen), or NULL with the held exception set when the holder it was held for ends
+ * (the innermost then: an outer call raises it as jax.jit would, from the inner call, once
+ * that one's names are bound): the signal came first, so a later error of the call is
+ * dropped, as under jax.jit it would never have happened. */
+static PyObject *
+release_signals(int held, PyObject *out)
+{
+    if (!held || held_depth <= 0) /* (<= 0: reset in a forked child, ``after_fork``) */
+        return out;
+    if (deep_on && deep_at >= held_depth) {
+        PyObject *type = NULL, *value = NULL, *tb = NULL;
+        if (out == NULL)
+            PyErr_Fetch(&type, &value, &tb);
+        if (deep_end() < 0)
+            hold_error();
+        if (out == NULL)
+            PyErr_Restore(type, value, tb);
+    }
+    int mine = held_type != NULL && held_at >= held_depth;
+    held_depth--;
+    if (!mine)
+        return out;
+    Py_XDECREF(out);
+    if (out == NULL)
+        PyErr_Clear();
+    PyErr_Restore(held_type, held_value, held_tb);
+    held_type = held_value = held_tb = NULL;
+    return NULL;
+}
+
+/* ``HoldsSignals(jit)``: a donating jit object of "safe" (``OptimizedFunction._jit_for``): a
+ * call of it inside a call holding signals clears ``main_thread`` (above) until that call
+ * releases them; anything else is the jit object's (attributes are read from it). */
+typedef struct {
+    PyObject_HEAD
+    PyObject *inner;
+    vectorcallfunc vectorcall;
+    PyObject *weakrefs; /* (jax keeps weak references to the functions it is given) */
+} HoldsSignals;
+
+static PyObject *
+hs_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    HoldsSignals *self = (HoldsSignals *)op;
+    if (!deep_on && held_type == NULL && holding_here() && _PyRuntime.main_thread != 0)
+        deep_begin(); /* (main_thread 0 already: a fork's child, or another such hack) */
+    return PyObject_Vectorcall(self->inner, args, nargsf, kwnames);
+}
+
+/* ``suspend_deep()``: called as a trace of the wrapper starts: handlers run again on this
+ * thread (those pending run now, and may raise); True when it suspended a hold, for
+ * ``resume_deep``. Only the holding thread's: another thread tracing leaves it alone. */
+static PyObject *
+suspend_deep(PyObject *module, PyObject *unused)
+{
+    if (!deep_on || PyThreadState_GET() != held_tstate)
+        Py_RETURN_FALSE;
+    int at = deep_at;
+    if (deep_end() < 0) {
+        /* (Ctrl-C during the call, before the trace: nothing ran yet; raised from here, and
+         * the hold resumed for its holder to end) */
+        deep_begin();
+        deep_at = at;
+        return NULL;
+    }
+    deep_at = at;
+    Py_RETURN_TRUE;
+}
+
+static PyObject *
+resume_deep(PyObject *module, PyObject *suspended)
+{
+    if (suspended == Py_True && !deep_on && holding_here() && _PyRuntime.main_thread != 0) {
+        int at = deep_at;
+        deep_begin();
+        deep_at = at;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+hs_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    PyObject *inner;
+    if (!PyArg_ParseTuple(args, "O:HoldsSignals", &inner))
+        return NULL;
+    HoldsSignals *self = (HoldsSignals *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->inner = Py_NewRef(inner);
+    self->vectorcall = hs_vectorcall;
+    return (PyObject *)self;
+}
+
+static int
+hs_traverse(HoldsSignals *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->inner);
+    return 0;
+}
+
+static int
+hs_clear(HoldsSignals *self)
+{
+    Py_CLEAR(self->inner);
+    return 0;
+}
+
+static void
+hs_dealloc(HoldsSignals *self)
+{
+    PyObject_GC_UnTrack(self);
+    if (self->weakrefs != NULL)
+        PyObject_ClearWeakRefs((PyObject *)self);
+    hs_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+hs_getattro(HoldsSignals *self, PyObject *name)
+{
+    return PyObject_GetAttr(self->inner, name);
+}
+
+static int
+hs_setattro(HoldsSignals *self, PyObject *name, PyObject *value)
+{
+    return PyObject_SetAttr(self->inner, name, value);
+}
+
+static PyObject *
+hs_repr(HoldsSignals *self)
+{
+    return PyObject_Repr(self->inner);
+}
+
+/* As a class attribute it binds as jax.jit's object does (a method of the instance). */
+static PyObject *
+hs_descr_get(PyObject *self, PyObject *obj, PyObject *type)
+{
+    if (obj == NULL || obj == Py_None)
+        return Py_NewRef(self);
+    return PyMethod_New(self, obj);
+}
+
+static PyTypeObject HoldsSignalsType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "autoopt._jit._native.HoldsSignals",
+    .tp_basicsize = sizeof(HoldsSignals),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(HoldsSignals, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_new = hs_new,
+    .tp_traverse = (traverseproc)hs_traverse,
+    .tp_clear = (inquiry)hs_clear,
+    .tp_dealloc = (destructor)hs_dealloc,
+    .tp_free = PyObject_GC_Del,
+    .tp_getattro = (getattrofunc)hs_getattro,
+    .tp_setattro = (setattrofunc)hs_setattro,
+    .tp_repr = (reprfunc)hs_repr,
+    .tp_descr_get = hs_descr_get,
+    .tp_weaklistoffset = offsetof(HoldsSignals, weakrefs),
+    .tp_doc = "A donating jit object whose call holds a signal's exception (see _native.c).",
+};
+
+/* The binding's targets: ``(0, slot index, is a cell)`` a function's local or cell,
+ * ``(1, name)`` a global (``STORE_GLOBAL``), ``(3, name)`` a module-level name (``STORE_NAME``,
+ * where the frame's locals are its globals), ``(2, (target, ...))`` unpacking. 1: ``value``
+ * binds as the statement's instructions will (every unpacked value an exact tuple or list of
+ * the target's length, every slot and namespace as the proof found it), 0: not. */
+static int
+binding_fits(_PyInterpreterFrame *f, PyObject *target, PyObject *value, int depth)
+{
+    if (!PyTuple_CheckExact(target) || PyTuple_GET_SIZE(target) < 2 || depth > NESTED_DEPTH)
+        return 0;
+    long tag = PyLong_AsLong(PyTuple_GET_ITEM(target, 0));
+    if (tag == 0) {
+        if (PyTuple_GET_SIZE(target) != 3)
+            return 0;
+        Py_ssize_t index = PyLong_AsSsize_t(PyTuple_GET_ITEM(target, 1));
+        if (index < 0 || index >= f->f_code->co_nlocalsplus)
+            return 0;
+        if (PyTuple_GET_ITEM(target, 2) == Py_True)
+            return f->localsplus[index] != NULL && PyCell_Check(f->localsplus[index]);
+        return 1;
+    }
+    if (tag == 1 || tag == 3) {
+        if (!PyUnicode_CheckExact(PyTuple_GET_ITEM(target, 1)) || !PyDict_CheckExact(f->f_globals))
+            return 0;
+        return tag == 1 || f->f_locals == f->f_globals;
+    }
+    if (tag != 2)
+        return 0;
+    PyObject *subs = PyTuple_GET_ITEM(target, 1);
+    /* a tuple or list, or a subclass iterating as one (a NamedTuple): what the statement's
+     * unpacking reads, with no code of the value's own */
+    int seq = (PyTuple_Check(value) && Py_TYPE(value)->tp_iter == PyTuple_Type.tp_iter) ||
+              (PyList_Check(value) && Py_TYPE(value)->tp_iter == PyList_Type.tp_iter);
+    if (!PyTuple_CheckExact(subs) || !seq ||
+        PySequence_Fast_GET_SIZE(value) != PyTuple_GET_SIZE(subs))
+        return 0;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(subs); i++)
+        if (!binding_fits(f, PyTuple_GET_ITEM(subs, i), PySequence_Fast_GET_ITEM(value, i),
+                          depth + 1))
+            return 0;
+    return 1;
+}
+
+/* The objects the names held before the binding: released once every name is bound (a
+ * release may run a finalizer). */
+#define OLDS_INLINE 16
+typedef struct {
+    PyObject *inline_items[OLDS_INLINE];
+    Py_ssize_t n;
+    PyObject *more; /* a list, past OLDS_INLINE */
+} Olds;
+
+static int
+olds_add(Olds *olds, PyObject *old) /* steals ``old`` */
+{
+    if (olds->n < OLDS_INLINE) {
+        olds->inline_items[olds->n++] = old;
+        return 0;
+    }
+    if (olds->more == NULL && (olds->more = PyList_New(0)) == NULL) {
+        Py_DECREF(old);
+        return -1;
+    }
+    int r = PyList_Append(olds->more, old);
+    Py_DECREF(old);
+    return r;
+}
+
+static void
+olds_release(Olds *olds)
+{
+    for (Py_ssize_t i = 0; i < olds->n; i++)
+        Py_DECREF(olds->inline_items[i]);
+    Py_XDECREF(olds->more);
+}
+
+/* Store ``value`` as ``target`` says (checked by ``binding_fits``); the objects the names held
+ * go to ``olds``. -1: error. */
+static int
+binding_store(_PyInterpreterFrame *f, PyObject *target, PyObject *value, Olds *olds)
+{
+    long tag = PyLong_AsLong(PyTuple_GET_ITEM(target, 0));
+    if (tag == 2) {
+        PyObject *subs = PyTuple_GET_ITEM(target, 1);
+        Py_INCREF(value); /* (an earlier store may drop the last other reference to it) */
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(subs); i++) {
+            if (binding_store(f, PyTuple_GET_ITEM(subs, i), PySequence_Fast_GET_ITEM(value, i),
+                              olds) < 0) {
+                Py_DECREF(value);
+                return -1;
+            }
+        }
+        Py_DECREF(value);
+        return 0;
+    }
+    PyObject *old;
+    if (tag == 0) {
+        Py_ssize_t index = PyLong_AsSsize_t(PyTuple_GET_ITEM(target, 1));
+        if (PyTuple_GET_ITEM(target, 2) == Py_True) {
+            PyObject *cell = f->localsplus[index];
+            old = PyCell_GET(cell);
+            PyCell_SET(cell, Py_NewRef(value));
+        } else {
+            old = f->localsplus[index];
+            f->localsplus[index] = Py_NewRef(value);
+        }
+    } else {
+        PyObject *name = PyTuple_GET_ITEM(target, 1);
+        old = Py_XNewRef(PyDict_GetItemWithError(f->f_globals, name));
+        if (old == NULL && PyErr_Occurred())
+            return -1;
+        if (PyDict_SetItem(f->f_globals, name, value) < 0) {
+            Py_XDECREF(old);
+            return -1;
+        }
+    }
+    return old == NULL ? 0 : olds_add(olds, old);
+}
+
+/* Bind the statement's names to ``out`` (``binding``: the targets in the order the statement
+ * stores them), or nothing where one target does not fit. Never raises. */
+static void
+bind_targets(_PyInterpreterFrame *f, PyObject *binding, PyObject *out)
+{
+    if (f == NULL || binding == NULL || !PyTuple_CheckExact(binding) ||
+        PyTuple_GET_SIZE(binding) == 0)
+        return;
+    PyObject *type = NULL, *value = NULL, *tb = NULL;
+    int had_error = PyErr_Occurred() != NULL;
+    if (had_error)
+        PyErr_Fetch(&type, &value, &tb);
+    int fits = 1;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(binding) && fits; i++)
+        fits = binding_fits(f, PyTuple_GET_ITEM(binding, i), out, 0);
+    if (fits) {
+        Olds olds = {.n = 0, .more = NULL};
+        Py_INCREF(out);
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(binding); i++)
+            if (binding_store(f, PyTuple_GET_ITEM(binding, i), out, &olds) < 0)
+                break;
+        Py_DECREF(out);
+        olds_release(&olds);
+    }
+    if (PyErr_Occurred())
+        PyErr_Clear();
+    if (had_error)
+        PyErr_Restore(type, value, tb);
+}
+
+/* After the Python path ran a call from frame ``f``: bind its statement's names when the
+ * call's site donates and the statement calls this function with these arguments (its check's
+ * identities, read again now: ``x = g(x)`` where ``g`` calls back into this function binds
+ * nothing). */
+static void
+bind_after_python(CallPath *self, _PyInterpreterFrame *f, PyObject *args, PyObject *kwargs,
+                  PyObject *out)
+{
+    PyObject *site = NULL, *spec = NULL, *plans = NULL;
+    if (trace_clean() <= 0 || !find_site(self, f, &site, &spec, &plans)) {
+        PyErr_Clear();
+        return;
+    }
+    PyObject *binding = Py_XNewRef(self->last_binding);
+    int ok = 0;
+    if (spec != NULL && binding != NULL && binding != Py_None) {
+        if (spec != Py_None) {
+            ok = (kwargs == NULL || PyDict_GET_SIZE(kwargs) == 0) &&
+                 run_spec(spec, f, (PyObject *)self, args, 1) == 1;
+        } else { /* in Python: ``proof.same_call(frame, callee, args, kwargs)`` */
+            PyObject *proof = PyObject_GetAttr(site, s_proof);
+            PyObject *check = proof ? PyObject_GetAttr(proof, s_same_call) : NULL;
+            PyFrameObject *frame = check ? PyEval_GetFrame() : NULL; /* (f's, borrowed) */
+            if (frame != NULL && frame->f_frame != f)
+                frame = NULL;
+            PyObject *r = frame ? PyObject_CallFunctionObjArgs(
+                                      check, (PyObject *)frame, (PyObject *)self, args,
+                                      kwargs ? kwargs : empty_dict, NULL)
+                                : NULL;
+            ok = r == Py_True;
+            Py_XDECREF(r);
+            Py_XDECREF(check);
+            Py_XDECREF(proof);
+        }
+        if (PyErr_Occurred()) { /* (``same_call`` never raises: a signal handler's exception) */
+            if (holding_here())
+                hold_error();
+            else
+                PyErr_Clear();
+        }
+        if (ok)
+            bind_targets(f, binding, out);
+    }
+    Py_XDECREF(binding);
+    Py_DECREF(site);
+    Py_XDECREF(spec);
+    Py_DECREF(plans);
 }
 
 #endif /* AUTOOPT_FAST */
@@ -932,22 +1427,36 @@ cp_call(PyObject *op, PyObject *args, PyObject *kwargs)
 {
 #if AUTOOPT_FAST
     CallPath *self = (CallPath *)op;
-    if (self->mode == 1 && (kwargs == NULL || PyDict_GET_SIZE(kwargs) == 0)) {
-        PyObject *out = NULL;
-        if (fast_call(self, args, &out)) {
-            if (out == NULL)
-                filter_error();
-            return out;
-        }
-        if (PyErr_Occurred()) /* not an Exception (``fall_back_error``): the caller's */
-            return NULL;
-    } else if (self->mode == 2) { /* ``refs_in_call``: a lone argument's reference count */
+    if (self->mode == 2) { /* ``refs_in_call``: a lone argument's reference count */
         if (PyTuple_GET_SIZE(args) < 1)
             return PyErr_Format(PyExc_TypeError, "refs_in_call needs an argument");
         return PyLong_FromSsize_t(Py_REFCNT(PyTuple_GET_ITEM(args, 0)));
     }
-#endif
+    /* Under "safe": signals held, and the statement's names bound before returning (above):
+     * on this path for a call that may donate, on the Python path for every call. */
+    _PyInterpreterFrame *f = self->sites != NULL ? caller_frame() : NULL;
+    if (self->mode == 1 && (kwargs == NULL || PyDict_GET_SIZE(kwargs) == 0)) {
+        PyObject *out = NULL, *binding = NULL;
+        int held = 0;
+        if (fast_call(self, args, &out, &binding, &held)) {
+            if (out == NULL)
+                filter_error();
+            else if (binding != NULL)
+                bind_targets(f, binding, out);
+            Py_XDECREF(binding);
+            return release_signals(held, out);
+        }
+        if (PyErr_Occurred()) /* not an Exception (``fall_back_error``): the caller's */
+            return NULL;
+    }
+    int held = self->sites != NULL ? hold_signals() : 0;
+    PyObject *out = python_call(op, args, kwargs);
+    if (out != NULL && f != NULL)
+        bind_after_python(self, f, args, kwargs, out);
+    return release_signals(held, out);
+#else
     return python_call(op, args, kwargs);
+#endif
 }
 
 static PyObject *
@@ -1066,6 +1575,49 @@ shared_walk_py(PyObject *module, PyObject *obj)
     return r < 0 ? NULL : PyLong_FromLong(r);
 }
 
+/* ``unwrap_held(j)``: the jit object a ``HoldsSignals`` wraps, else ``j``. */
+static PyObject *
+unwrap_held(PyObject *module, PyObject *j)
+{
+    if (Py_TYPE(j) == &HoldsSignalsType)
+        return Py_NewRef(((HoldsSignals *)j)->inner);
+    return Py_NewRef(j);
+}
+
+/* In a child forked while a call held signals: no call of this process holds them (the
+ * child's main thread is the one that forked; CPython resets ``main_thread`` to it). */
+static PyObject *
+after_fork(PyObject *module, PyObject *unused)
+{
+    held_depth = 0;
+    held_tstate = NULL;
+    deep_on = 0;
+    Py_CLEAR(held_type);
+    Py_CLEAR(held_value);
+    Py_CLEAR(held_tb);
+    Py_RETURN_NONE;
+}
+
+/* ``held_call(body, frame, binding)``: for the call paths written in Python (a decorated
+ * method's, equinox's and nnx's), what ``cp_call`` does around a call: ``body()`` with signals
+ * held, and its result bound to the names of the statement running in ``frame`` (None: no
+ * names to bind) before they are released. In C, so that no handler can run between the hold
+ * and the call, or between the binding and the release. */
+static PyObject *
+held_call(PyObject *module, PyObject *const *a, Py_ssize_t n)
+{
+    if (n != 3)
+        return PyErr_Format(PyExc_TypeError, "held_call takes (body, frame, binding)");
+    int held = hold_signals();
+    PyObject *out = PyObject_CallNoArgs(a[0]);
+    if (out != NULL && PyFrame_Check(a[1]) && a[2] != Py_None) {
+        _PyInterpreterFrame *f = ((PyFrameObject *)a[1])->f_frame;
+        if (f != NULL && f->owner != FRAME_OWNED_BY_FRAME_OBJECT) /* (still running) */
+            bind_targets(f, a[2], out);
+    }
+    return release_signals(held, out);
+}
+
 static PyObject *
 catching(PyObject *module, PyObject *unused)
 {
@@ -1088,6 +1640,13 @@ static PyMethodDef module_methods[] = {
     {"nested_key", nested_key_py, METH_O, "callsite.nested_signature(args)[0], read in C."},
     {"shared_walk", shared_walk_py, METH_O,
      "1: a part is referenced from elsewhere, 0: none is, 2: a node only Python reads."},
+    {"suspend_deep", suspend_deep, METH_NOARGS,
+     "As a trace of the wrapper starts inside a call holding signals: let handlers run."},
+    {"resume_deep", resume_deep, METH_O, "As that trace ends: suspend_deep's result."},
+    {"held_call", (PyCFunction)(void (*)(void))held_call, METH_FASTCALL,
+     "body() with signals held, its result bound to the frame's statement's names (binding)."},
+    {"unwrap_held", unwrap_held, METH_O, "The jit object a HoldsSignals wraps, else itself."},
+    {"after_fork", after_fork, METH_NOARGS, "In a forked child: no call holds signals."},
     {"catching", catching, METH_NOARGS,
      "Whether this thread is inside a plan's executable run from C (``_fit.caught_here``)."},
 #endif
@@ -1111,6 +1670,8 @@ PyInit__native(void)
     s_plans = PyUnicode_InternFromString("plans");
     s_proof = PyUnicode_InternFromString("proof");
     s_slot_spec = PyUnicode_InternFromString("slot_spec");
+    s_binding = PyUnicode_InternFromString("binding");
+    s_same_call = PyUnicode_InternFromString("same_call");
     s_lookup_plain = PyUnicode_InternFromString("lookup_plain");
     s_native = PyUnicode_InternFromString("_native");
     s_is_deleted = PyUnicode_InternFromString("is_deleted");
@@ -1119,18 +1680,27 @@ PyInit__native(void)
     s_shape = PyUnicode_InternFromString("shape");
     s_dtype = PyUnicode_InternFromString("dtype");
     empty_dict = PyDict_New();
-    if (!s_value || !s_donates || !s_plans || !s_proof || !s_slot_spec || !s_lookup_plain ||
+    if (!s_value || !s_donates || !s_plans || !s_proof || !s_slot_spec || !s_binding ||
+        !s_same_call || !s_lookup_plain ||
         !s_native || !s_is_deleted || !s_fit_escaped || !s_aval || !s_shape || !s_dtype ||
         !empty_dict)
         return NULL;
 #endif
     if (PyType_Ready(&CallPathType) < 0)
         return NULL;
+#if AUTOOPT_FAST
+    if (PyType_Ready(&HoldsSignalsType) < 0)
+        return NULL;
+#endif
     PyObject *m = PyModule_Create(&module_def);
     if (m == NULL)
         return NULL;
     if (PyModule_AddObjectRef(m, "CallPath", (PyObject *)&CallPathType) < 0 ||
-        PyModule_AddObjectRef(m, "SUPPORTED", AUTOOPT_FAST ? Py_True : Py_False) < 0) {
+        PyModule_AddObjectRef(m, "SUPPORTED", AUTOOPT_FAST ? Py_True : Py_False) < 0
+#if AUTOOPT_FAST
+        || PyModule_AddObjectRef(m, "HoldsSignals", (PyObject *)&HoldsSignalsType) < 0
+#endif
+    ) {
         Py_DECREF(m);
         return NULL;
     }

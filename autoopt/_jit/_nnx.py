@@ -54,7 +54,12 @@ import jax
 
 from autoopt import _compat
 from autoopt._jit._dispatch import Policy, plan_for
-from autoopt._jit._function import FRAMEWORK_ROUTES, OptimizedFunction, fn_location_of
+from autoopt._jit._function import (
+    FRAMEWORK_ROUTES,
+    OptimizedFunction,
+    call_holding_signals,
+    fn_location_of,
+)
 from autoopt.passes import make_options
 from autoopt.passes.donation import callsite, host_callbacks
 
@@ -192,6 +197,15 @@ class NnxJit:
 
     def __call__(self, *args, **kwargs):
         __tracebackhide__ = True
+        if self._donate == "safe":
+            # nnx writes the new arrays into the Variables after the executable donated the
+            # old ones: a signal's exception raised in between waits until it has
+            caller = sys._getframe(1)  # (the call site the report names)
+            return call_holding_signals(lambda: self._checked_call(args, kwargs, caller))
+        return self._checked_call(args, kwargs, None)
+
+    def _checked_call(self, args: tuple, kwargs: dict, caller: Any):
+        __tracebackhide__ = True
         try:
             proven: dict = {}
             reasons: list = []
@@ -213,13 +227,20 @@ class NnxJit:
                     proven, reasons, named = donatable_variables(
                         args, kwargs, check_refs=safe, params=self._params
                     )
-            return self._call(args, kwargs, proven, reasons, named, donating)
+            return self._call(args, kwargs, proven, reasons, named, donating, caller)
         except Exception as e:
             _compat.filter_traceback(e)
             raise
 
     def _call(
-        self, args: tuple, kwargs: dict, proven: dict, reasons: list, named: dict, donating: bool
+        self,
+        args: tuple,
+        kwargs: dict,
+        proven: dict,
+        reasons: list,
+        named: dict,
+        donating: bool,
+        caller: Any,
     ):
         from flax.nnx import extract, graphlib  # flax private: nnx.jit's own split and merge
         from flax.nnx.transforms import compilation
@@ -234,7 +255,7 @@ class NnxJit:
             if donating:
                 positions = self._positions(parts, proven)
                 if self._donate == "safe":
-                    self._record(sys._getframe(2), names, positions, named, reasons)
+                    self._record(caller, names, positions, named, reasons)
             out = self._run(parts, positions)
             del parts
             _, _, result = extract.from_tree(

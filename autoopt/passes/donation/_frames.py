@@ -29,7 +29,7 @@ _PTR = ctypes.sizeof(ctypes.c_void_p)
 _VIEW = sys.version_info >= (3, 13)
 
 
-def _slot_index(code: types.CodeType, name: str) -> int | None:
+def slot_index(code: types.CodeType, name: str) -> int | None:
     """The index of ``name`` in a frame's locals array (arguments and locals, then the cells
     that are not also arguments, then the free variables), as CPython 3.11 and 3.12 lay it out;
     3.10 keeps cells and free variables after the locals too."""
@@ -97,7 +97,7 @@ def _probe_running(layout: tuple[int | None, int]) -> bool:
             code = frame.f_code
             ok = bool(base)
             for name, address in want.items():
-                index = _slot_index(code, name)
+                index = slot_index(code, name)
                 if not ok or index is None or _read_word(base + index * _PTR) != address:
                     ok = False
             result.append(ok)
@@ -131,7 +131,7 @@ def locals_view(code: types.CodeType, names: tuple[str, ...]) -> tuple[Any, tupl
         return None
     places = []
     for name in names:
-        index = _slot_index(code, name)
+        index = slot_index(code, name)
         if index is None:
             return None
         places.append((index, name in code.co_cellvars or name in code.co_freevars))
@@ -158,7 +158,7 @@ def read_local(frame: Any, name: str) -> Any:
     if layout is None:
         return MISSING
     code = frame.f_code
-    index = _slot_index(code, name)
+    index = slot_index(code, name)
     if index is None:
         return MISSING
     base = _base(frame, layout)

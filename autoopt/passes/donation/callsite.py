@@ -83,6 +83,11 @@ class CallSiteProof:
     check: Callable[[Any, Any, tuple, dict], bool] = dataclasses.field(
         default=lambda frame, callee, args, kwargs: False, repr=False, compare=False
     )
+    # ``check`` without its question whether other code may run: this call is the statement's
+    # call of the function with the names' objects (``binding`` is then the statement's).
+    same_call: Callable[[Any, Any, tuple, dict], bool] = dataclasses.field(
+        default=lambda frame, callee, args, kwargs: False, repr=False, compare=False
+    )
     # ``check`` as data, for the C call path (``autoopt/_jit/_native.c``), which runs exactly
     # this check and nothing less: ``(the callee's global name, or None when the callee is a
     # frame slot; whether a donated name is shared (``other_code_may_run``); ((slot index, is a
@@ -90,6 +95,13 @@ class CallSiteProof:
     # keyword, global name), ...))``. None where ``check`` is not ``_slot_check``'s (a callee
     # with attributes, module level, or no readable frame): that path then runs ``check``.
     slot_spec: tuple | None = dataclasses.field(default=None, repr=False, compare=False)
+    # The statement's targets in the order its instructions store them, for the C call path to
+    # bind before the call returns (``autoopt/_jit/_native.c``: a signal's exception at the end
+    # of the call must not find a donated name still bound to its deleted arrays): ``(0, slot
+    # index, is a cell)`` a function's local or cell, ``(1, name)`` a global the function
+    # declares, ``(3, name)`` a module-level name, ``(2, (target, ...))`` unpacking. None where
+    # a slot cannot be placed on this interpreter.
+    binding: tuple | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def any(self) -> bool:
@@ -127,6 +139,25 @@ def target_pattern(target: ast.AST) -> tuple | None:
     if isinstance(target, ast.Tuple | ast.List):
         return tuple(target_pattern(e) for e in target.elts)
     return None
+
+
+def _binding(targets: Sequence[ast.AST], code) -> tuple | None:
+    """``CallSiteProof.binding`` of an assignment's targets (plain names, as
+    ``_plain_targets`` accepts), or None where a name's slot is not known."""
+
+    def one(t: ast.AST) -> tuple | None:
+        if isinstance(t, ast.Tuple | ast.List):
+            subs = tuple(one(e) for e in t.elts)
+            return None if any(s is None for s in subs) else (2, subs)
+        assert isinstance(t, ast.Name)
+        scope = _name_scope(t.id, code)
+        if scope == "global":
+            return (1 if code.co_flags & inspect.CO_OPTIMIZED else 3, t.id)
+        index = _frames.slot_index(code, t.id)
+        return None if index is None else (0, index, scope == "cell")
+
+    out = tuple(one(t) for t in targets)
+    return None if not out or any(t is None for t in out) else out
 
 
 def _later_uses(stmt: ast.stmt, name: str) -> list[int]:
@@ -217,14 +248,19 @@ def _make_check(
     (``other_code_may_run``). ``module_level``: the same code object
     may run again with separate locals (``exec(code, globals, {})``), where the name it reads is
     not the one it binds: checked on each call."""
-    if not chain and not module_level:
-        fast = _slot_check(root, scope, shared, bound, code)
+    if not chain:
+        fast = _slot_check(root, scope, shared, bound, code, module_level)
         if fast is not None:
             return fast
 
     def check(frame, callee, args, kwargs) -> bool:
         if shared and other_code_may_run():
             return False
+        if type(frame.f_globals) is not dict:  # (``exec`` with a dict subclass: see below)
+            return False
+        return same_call(frame, callee, args, kwargs)
+
+    def same_call(frame, callee, args, kwargs) -> bool:
         if module_level and frame.f_locals is not frame.f_globals:
             return False
         try:
@@ -242,16 +278,24 @@ def _make_check(
         except Exception:  # noqa: BLE001 - an unreadable callee proves nothing
             return False
 
+    check.same_call = same_call  # pyright: ignore[reportFunctionMemberAccess]
     return check
 
 
 def _slot_check(
-    root: str, scope: str, shared: bool, bound: tuple[tuple[Any, str, str], ...], code: Any
+    root: str,
+    scope: str,
+    shared: bool,
+    bound: tuple[tuple[Any, str, str], ...],
+    code: Any,
+    module_level: bool,
 ) -> Callable | None:
     """``_make_check``'s check for a callee written as a plain name, with the place of every
     name found once: a global costs one dict lookup; the locals and cells are read together,
     from one view of the frame's own array (``_frames.locals_view``). None where that array
-    cannot be read on this interpreter (the general check then reads each name by name)."""
+    cannot be read on this interpreter (the general check then reads each name by name). At
+    module level every name is a global, and the frame's locals must be its globals (the C
+    path's ``run_spec`` asks the same of any code that is not a function's)."""
     in_frame = [(None, root)] if scope != "global" else []
     in_frame += [(key, name) for key, name, where in bound if where != "global"]
     found = _frames.locals_view(code, tuple(name for _, name in in_frame))
@@ -266,6 +310,15 @@ def _slot_check(
 
     def check(frame, callee, args, kwargs) -> bool:
         if shared and may_run():
+            return False
+        if type(frame.f_globals) is not dict:
+            # ``exec`` with a dict subclass: the C call path could not bind the statement's
+            # names before returning (``CallSiteProof.binding``), so nothing is donated
+            return False
+        return same_call(frame, callee, args, kwargs)
+
+    def same_call(frame, callee, args, kwargs) -> bool:
+        if module_level and frame.f_locals is not frame.f_globals:
             return False
         if callee_global:
             value = frame.f_globals.get(root, missing)
@@ -295,6 +348,7 @@ def _slot_check(
         return True
 
     check.slot_spec = (root if callee_global else None, shared, slots_t, globals_t)  # pyright: ignore[reportFunctionMemberAccess]
+    check.same_call = same_call  # pyright: ignore[reportFunctionMemberAccess]
     return check
 
 
@@ -474,6 +528,7 @@ def prove_call_site(frame, callee: Any = None) -> CallSiteProof:
     parent = getattr(node, "parent", None)
     targets: set[str] = set()
     unpack = None
+    binding = None
     if isinstance(parent, ast.Assign) and parent.value is node:
         for t in parent.targets:
             names = _plain_targets(t)
@@ -487,6 +542,7 @@ def prove_call_site(frame, callee: Any = None) -> CallSiteProof:
             targets |= names
             if isinstance(t, ast.Tuple | ast.List):  # ``a = (b, c) = f(x)``: every one
                 unpack = (*(unpack or ()), target_pattern(t))
+        binding = _binding(parent.targets, code)
     elif isinstance(parent, ast.AnnAssign) and parent.value is node:
         if not isinstance(parent.target, ast.Name):
             return _refuse(
@@ -496,6 +552,7 @@ def prove_call_site(frame, callee: Any = None) -> CallSiteProof:
                 code,
             )
         targets = {parent.target.id}
+        binding = _binding([parent.target], code)
     if _stored_after_call(code, frame.f_lasti) != targets:
         # The source was read from the file as it is now (linecache), which may not be the text
         # the running code was compiled from (a script edited while it runs): the names the
@@ -572,6 +629,8 @@ def prove_call_site(frame, callee: Any = None) -> CallSiteProof:
         code=code,
         check=check,
         slot_spec=getattr(check, "slot_spec", None),
+        same_call=check.same_call,  # pyright: ignore[reportFunctionMemberAccess]
+        binding=binding,
     )
 
 
