@@ -273,7 +273,7 @@ def _donatable_now(args: tuple, kwargs: dict, positions: tuple) -> tuple:
         if _getrefcount(args[p]) > base:
             continue
         if type(args[p]) is _ARRAY_IMPL:
-            if not args[p].is_deleted():
+            if not args[p].is_deleted() and not callsite.weakly_held(args[p]):
                 ok.append(p)
         elif static_kid(args[p]) is None and not held_elsewhere(args[p], 0):
             ok.append(p)

@@ -322,6 +322,17 @@ copy_args(PyObject *args)
     return copy;
 }
 
+/* Whether ``obj`` has a weak reference (``callsite.weakly_held``): one reads it without a
+ * reference, so an argument holding such an array or node is not donated. */
+static inline int
+weakly_held(PyObject *obj)
+{
+    Py_ssize_t offset = Py_TYPE(obj)->tp_weaklistoffset;
+    if (offset <= 0)
+        return 0; /* (no weak references: plain dicts, lists, tuples) */
+    return *(PyObject **)((char *)obj + offset) != NULL;
+}
+
 /* --- nested signatures ------------------------------------------------------------------- */
 
 /* A marker for "not a nested signature" (``callsite._NOT_NESTED``): a borrowed pointer never
@@ -474,7 +485,7 @@ shared_walk(PyObject *obj, int depth)
             int r = 0;
             if (v == Py_None || (PyTuple_CheckExact(v) && PyTuple_GET_SIZE(v) == 0))
                 continue; /* an empty node: no buffer, and a single object every holder shares */
-            if (Py_REFCNT(v) > 1)
+            if (Py_REFCNT(v) > 1 || weakly_held(v))
                 return 1;
             if ((PyObject *)Py_TYPE(v) != array_type) {
                 Py_INCREF(v); /* (a dict's value may be replaced while the walk reads it) */
@@ -502,7 +513,7 @@ shared_walk(PyObject *obj, int depth)
         PyObject *kid = PySequence_Fast_GET_ITEM(obj, i);
         if (kid == Py_None || (PyTuple_CheckExact(kid) && PyTuple_GET_SIZE(kid) == 0))
             continue; /* an empty node: no buffer, and a single object every holder shares */
-        if (Py_REFCNT(kid) > 1)
+        if (Py_REFCNT(kid) > 1 || weakly_held(kid))
             return 1;
         if ((PyObject *)Py_TYPE(kid) != array_type) {
             Py_INCREF(kid);
@@ -637,7 +648,7 @@ run_plan(CallPath *self, PyObject *site, PyObject *plan, PyObject *args, PyObjec
                 break;
             }
             PyObject *a = PyTuple_GET_ITEM(args, p);
-            if (Py_REFCNT(a) > refs_base) {
+            if (Py_REFCNT(a) > refs_base || weakly_held(a)) {
                 refused = 1;
                 break;
             }

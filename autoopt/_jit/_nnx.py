@@ -482,16 +482,17 @@ def _node_kind(node: Any) -> Any:
     return impl
 
 
-def _counts(args: tuple, kwargs: dict) -> list[tuple[Any, int, Any, int]]:
-    """``(variable path, its reference count, its raw value, the value's count)`` for each
-    Variable reachable from the arguments, read with the references this function holds
-    fixed (the calibration in ``_bases`` measures them through the same code)."""
+def _counts(args: tuple, kwargs: dict) -> list[tuple[Any, int, Any, int, Any]]:
+    """``(variable path, its reference count, its raw value, the value's count, the Variable)``
+    for each Variable reachable from the arguments, read with the references this function
+    holds fixed (the calibration in ``_bases`` measures them through the same code; each count
+    is read before the entry holding the Variable is made)."""
     found, paths = _variables(args, kwargs)
     out = []
     for i in range(len(found)):
         var_count = sys.getrefcount(found[i])
         value = found[i].get_raw_value()
-        out.append((paths[i], var_count, value, sys.getrefcount(value)))
+        out.append((paths[i], var_count, value, sys.getrefcount(value), found[i]))
         del value
     return out
 
@@ -513,7 +514,7 @@ def _bases() -> tuple[int, int]:
                 self.w = nnx.Param(jnp.zeros(2))
 
         probe = Probe()
-        ((_, var_count, _, value_count),) = _counts((probe,), {})
+        ((_, var_count, _, value_count, _),) = _counts((probe,), {})
         _BASES = (var_count, value_count)
     return _BASES
 
@@ -554,7 +555,7 @@ def _donatable(args: tuple, kwargs: dict, check_refs: bool, params) -> tuple[dic
     reasons: list = []
     named: dict = {}
     seen: set[int] = set()
-    for path, var_count, value, value_count in counts:
+    for path, var_count, value, value_count, var in counts:
         name = _path_name(path, params)
         named[id(value)] = name
         why = None
@@ -567,6 +568,8 @@ def _donatable(args: tuple, kwargs: dict, check_refs: bool, params) -> tuple[dic
                 "its array is also held elsewhere (a copy of the old value kept by the caller, "
                 "another Variable, or another argument)"
             )
+        elif check_refs and (callsite.weakly_held(value) or callsite.weakly_held(var)):
+            why = callsite.WEAKLY_HELD
         elif value.is_deleted():
             why = "its array was already deleted"
         elif id(value) in seen:

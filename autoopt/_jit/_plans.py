@@ -153,12 +153,12 @@ def donating(
         # The plan of ``x = step(x, i)``: the one that repeats in a loop of small steps, written
         # out (one Python call fewer than going through ``run``).
 
-        key_data_shared = callsite.key_data_shared
+        key_data_shared, weakly_held = callsite.key_data_shared, callsite.weakly_held
 
         def plan(args):
             for p in positions:
                 # Counted before binding a local name, exactly as ``callsite._measure`` does.
-                if getrefcount(args[p]) > base or args[p].is_deleted():
+                if getrefcount(args[p]) > base or weakly_held(args[p]) or args[p].is_deleted():
                     return MISS
                 if type(args[p]) is not _ARRAY_IMPL and key_data_shared(args[p]):
                     return MISS  # a typed key whose data array the caller also holds
@@ -172,7 +172,7 @@ def donating(
         plan._native = (jit, positions, None)  # pyright: ignore[reportFunctionMemberAccess]
 
     elif check_refs:
-        shared_parts = callsite.shared_parts
+        shared_parts, weakly_held = callsite.shared_parts, callsite.weakly_held
 
         def plan(args):
             # The reference counts alone prove each donated argument, and every container and
@@ -185,9 +185,9 @@ def donating(
                 if getrefcount(args[p]) > base:
                     return MISS
                 if type(args[p]) is _ARRAY_IMPL:
-                    if args[p].is_deleted():
+                    if args[p].is_deleted() or weakly_held(args[p]):
                         return MISS
-                elif shared_parts(args[p]):  # (a typed key: its data array's count)
+                elif shared_parts(args[p]):  # (a typed key: its data array's count; weakrefs)
                     return MISS
                 elif type(args[p]) is _KEY_ARRAY and args[p].is_deleted():
                     return MISS

@@ -574,6 +574,8 @@ def held_elsewhere(obj: Any, array_base: int, depth: int = 0) -> bool:
     t = type(obj)
     if t not in _BUILTIN_NODES and callsite.keeps_itself(t):
         return True  # its __del__ can keep it (and its arrays) after the call drops it
+    if callsite.weakly_held(obj):
+        return True  # (``callsite.WEAKLY_HELD``)
     layout = _LAYOUTS[t] if t in _LAYOUTS else _layout_of(obj)
     d = None
     if layout is not None:
@@ -602,7 +604,7 @@ def held_elsewhere(obj: Any, array_base: int, depth: int = 0) -> bool:
         if kid is None:
             continue
         if type(kid) is _ARRAY_IMPL:
-            if count > base + array_base or kid.is_deleted():
+            if count > base + array_base or callsite.weakly_held(kid) or kid.is_deleted():
                 return True
             continue
         static = static_kid(kid)
@@ -624,7 +626,11 @@ def donated_unshared(args: tuple, positions: tuple, base: int, array_base: int) 
     for p in positions:
         # Counted before binding a local name, exactly as ``callsite._measure`` does.
         if type(args[p]) is _ARRAY_IMPL:
-            if _getrefcount(args[p]) > base + array_base or args[p].is_deleted():
+            if (
+                _getrefcount(args[p]) > base + array_base
+                or callsite.weakly_held(args[p])
+                or args[p].is_deleted()
+            ):
                 return False
         elif (
             _getrefcount(args[p]) > base

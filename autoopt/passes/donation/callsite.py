@@ -32,6 +32,7 @@ import operator
 import signal
 import sys
 import types
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -941,9 +942,18 @@ _IS_DELETED = operator.methodcaller("is_deleted")
 _AVAL = operator.attrgetter("aval")
 
 
-def _array_problem(obj, seen: set[int]) -> str | None:
+# A weak reference to a donated array, or to a node holding one, counts no reference but reads
+# the object: another thread, a signal handler or a finalizer holding one would find the
+# donated arrays deleted. Under "safe" such an argument is not donated.
+weakly_held = weakref.getweakrefcount
+WEAKLY_HELD = "a weak reference to it (weakref) exists, which other code could read it through"
+
+
+def _array_problem(obj, seen: set[int], check_refs: bool = True) -> str | None:
     if obj.is_deleted():
         return "it was already deleted (donated earlier)"
+    if check_refs and weakly_held(obj):
+        return WEAKLY_HELD
     if id(obj) in seen:
         return "the same array appears twice in the arguments"
     seen.add(id(obj))
@@ -981,6 +991,8 @@ def _key_problem(key, seen: set[int], check_refs: bool) -> str | None:
     no constant of the program (``seen``)."""
     if key.is_deleted():
         return "it was already deleted (donated earlier)"
+    if check_refs and (weakly_held(key) or weakly_held(key_base_array(key))):
+        return WEAKLY_HELD
     data = id(key_base_array(key))
     if id(key) in seen or data in seen:
         return "the same array appears twice in the arguments"
@@ -1001,18 +1013,20 @@ def leaf_problem(obj, seen: set[int], check_refs: bool = True) -> str | None:
     skips the reference counts of the parts but keeps every other check."""
     t = type(obj)
     if t is _ARRAY_IMPL:
-        return _array_problem(obj, seen)
+        return _array_problem(obj, seen, check_refs)
     if t is KEY_ARRAY:
         return _key_problem(obj, seen, check_refs)
     if t not in _BUILTIN_NODES:
         if getattr(t, "_autoopt_never_donate", False):
             return "it holds an autoopt.constant, whose device copy every call shares"
+        if check_refs and weakly_held(obj):
+            return WEAKLY_HELD
     if t not in _BUILTIN_NODES and t not in _NODE_TYPES:
         # (plain containers and known node types skip these checks: ~1 us of ABC lookups)
         if isinstance(obj, jax.Array):
             if is_tracer(obj):
                 return "it is traced by an enclosing transformation"
-            return _array_problem(obj, seen)
+            return _array_problem(obj, seen, check_refs)
         if isinstance(obj, _HOST_SCALARS):
             return (
                 "it holds a NumPy array or Python scalar; jax copies those to the device "
@@ -1033,6 +1047,8 @@ def leaf_problem(obj, seen: set[int], check_refs: bool = True) -> str | None:
         # would otherwise pay ~1 us a leaf in Python on every call).
         if check_refs and max(counts) > base:
             return "a part of it is also referenced from elsewhere"
+        if check_refs and any(map(weakly_held, kids)):
+            return WEAKLY_HELD
         if any(map(_IS_DELETED, kids)):
             return "it was already deleted (donated earlier)"
         ids = set(map(id, kids))
@@ -1063,10 +1079,12 @@ def shared_parts(obj) -> bool:
     look: jax's call raises for the first before it donates anything, and the second counts
     one reference more."""
     t = type(obj)
+    if weakly_held(obj):
+        return True
     if t is _ARRAY_IMPL:
         return False
     if t is KEY_ARRAY:  # (its own count is its holder's to check; its data array's is here)
-        return _key_data_refs(obj) > _BASE_KEY_DATA
+        return _key_data_refs(obj) > _BASE_KEY_DATA or weakly_held(key_base_array(obj)) > 0
     if t not in _BUILTIN_NODES and getattr(t, "_autoopt_never_donate", False):
         return True  # an autoopt.constant: its device copy is every call's
     try:
@@ -1082,7 +1100,10 @@ def shared_parts(obj) -> bool:
             continue
         if count > base:
             return True
-        if type(kid) is not _ARRAY_IMPL and shared_parts(kid):
+        if type(kid) is _ARRAY_IMPL:
+            if weakly_held(kid):
+                return True
+        elif shared_parts(kid):
             return True
     return False
 
