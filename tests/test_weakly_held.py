@@ -79,6 +79,23 @@ def test_a_weakly_referenced_argument_is_not_donated_on_any_call_path():
         assert got == [True, True, True, False], name
 
 
+def test_a_typed_key_whose_data_array_is_weakly_referenced_is_not_donated():
+    # (the flat plan of a cached call reads the key's own count and its data array's)
+    from autoopt._compat import key_base_array
+
+    step = autoopt.optimize(lambda k: jax.random.fold_in(k, 1))
+    key = jax.random.key(0)
+    got, refs = [], []
+    for i in range(5):
+        before = key_base_array(key).unsafe_buffer_pointer()
+        if i in (2, 4):
+            refs.append(weakref.ref(key_base_array(key)))
+        key = step(key)
+        got.append(key_base_array(key).unsafe_buffer_pointer() == before)
+        refs.clear()
+    assert got == [True, True, False, True, False]
+
+
 def test_a_weakly_referenced_nnx_value_is_not_donated():
     nnx = pytest.importorskip("flax.nnx")
 

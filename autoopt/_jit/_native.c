@@ -328,8 +328,8 @@ static inline int
 weakly_held(PyObject *obj)
 {
     Py_ssize_t offset = Py_TYPE(obj)->tp_weaklistoffset;
-    if (offset <= 0)
-        return 0; /* (no weak references: plain dicts, lists, tuples) */
+    if (offset <= 0) /* (3.11: no weak references at all, as plain dicts, lists and tuples) */
+        return 0;
     return *(PyObject **)((char *)obj + offset) != NULL;
 }
 

@@ -1470,9 +1470,11 @@ def is_array(x) -> bool:
 
 def key_data_shared(x) -> bool:
     """Whether ``x`` is a typed PRNG key whose data array something besides the key holds
-    (``jax.random.key_data`` of it kept by the caller): a flat plan's check of a donated key,
-    whose own count the plan read."""
-    return type(x) is KEY_ARRAY and _key_data_refs(x) > _BASE_KEY_DATA
+    (``jax.random.key_data`` of it kept by the caller, or a weak reference to it): a flat
+    plan's check of a donated key, whose own count the plan read."""
+    return type(x) is KEY_ARRAY and (
+        _key_data_refs(x) > _BASE_KEY_DATA or weakly_held(key_base_array(x)) > 0
+    )
 
 
 def is_flat(args: tuple) -> bool:
