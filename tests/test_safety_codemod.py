@@ -148,6 +148,15 @@ def _donate_outcome(calls: str):
         ("w = jnp.reshape(w0, (3,))\nw = step(w, x)", "bound on line 8"),
         ("w = jnp.full((3,), w0)\nw = step(w, x)", "bound on line 8"),
         ("w = jnp.zeros(3)\ndef current():\n    return w\nw = step(w, x)", "nested function"),
+        (  # the function reads the file's `w` and binds it (global): not its own variable
+            "w = jnp.zeros(3)\ndef reset():\n    global w\n    w = jnp.ones(3)\nw = step(w, x)",
+            "global",
+        ),
+        (  # binding the name in an inner function leaves the outer one reading the file's
+            "w = jnp.zeros(3)\ndef outer():\n    def inner():\n        w = 1\n    return w\n"
+            "w = step(w, x)",
+            "nested function",
+        ),
         ("w = jnp.zeros(3)\nw = v = step(w, x)", "does not rebind `w` (alone)"),
         ("w = jnp.zeros(3)\nw = step(w, w)", "passed to another call on line 9"),
         ("def g():\n    global w\n    w = jnp.zeros(3)\n    w = step(w, x)", "global"),
@@ -219,6 +228,9 @@ def test_donation_edit_is_refused_where_the_array_may_have_a_second_holder(calls
         "def init():\n    return {'params': zeros_like_tree(), 'count': 0}\n"
         "w = init()\nw = step(w, x)",
         "w = {'a': jnp.zeros(3), 'b': [jnp.ones(2)]}\nw = step(w, x)",
+        # another function's own `w` (assigned there) is another variable
+        "def other(v):\n    w = v * 2\n    return w\nw = jnp.zeros(3)\nw = step(w, x)",
+        "def other(vs):\n    for w in vs:\n        print(w)\nw = jnp.zeros(3)\nw = step(w, x)",
     ],
 )
 def test_donation_edit_is_offered_where_the_file_shows_a_fresh_array_and_no_other_use(calls):

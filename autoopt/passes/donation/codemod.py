@@ -743,6 +743,71 @@ def _assigned_by(ref: cst.Name, parent, cmd) -> cst.Assign | None:
     return None
 
 
+class _LocalBinding(cst.CSTVisitor):
+    """Whether a function body binds ``name`` itself (an assignment, augmented or annotated, a
+    ``for``, ``with ... as``, ``import ... as``, a walrus or ``del`` target), outside nested
+    functions and classes, and declares it neither ``global`` nor ``nonlocal``: then every use
+    of the name in the function is the function's own variable (Python decides per function)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.binds = False
+        self.declared = False
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        return False
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> bool:
+        return False
+
+    def visit_Lambda(self, node: cst.Lambda) -> bool:
+        return False
+
+    def visit_Global(self, node: cst.Global) -> None:
+        self.declared |= any(n.name.value == self.name for n in node.names)
+
+    def visit_Nonlocal(self, node: cst.Nonlocal) -> None:
+        self.declared |= any(n.name.value == self.name for n in node.names)
+
+    def _target(self, target: cst.CSTNode | None) -> None:
+        if target is None:
+            return
+        if isinstance(target, cst.Name):
+            self.binds |= target.value == self.name
+        elif isinstance(target, cst.Tuple | cst.List):
+            for element in target.elements:
+                self._target(element.value)
+        elif isinstance(target, cst.StarredElement):
+            self._target(target.value)
+
+    def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
+        self._target(node.target)
+
+    def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
+        self._target(node.target)
+
+    def visit_AugAssign(self, node: cst.AugAssign) -> None:
+        self._target(node.target)
+
+    def visit_For(self, node: cst.For) -> None:
+        self._target(node.target)
+
+    def visit_AsName(self, node: cst.AsName) -> None:
+        self._target(node.name)
+
+    def visit_NamedExpr(self, node: cst.NamedExpr) -> None:
+        self._target(node.target)
+
+    def visit_Del(self, node: cst.Del) -> None:
+        self._target(node.target)
+
+
+def _binds_locally(fn: cst.FunctionDef, name: str) -> bool:
+    binding = _LocalBinding(name)
+    fn.body.visit(binding)
+    return binding.binds and not binding.declared
+
+
 class _Names(cst.CSTVisitor):
     """Every Name node spelling ``name`` in this scope, nested functions and lambdas included
     (a closure over it is a second holder) unless they take a parameter of that name (another
@@ -759,7 +824,8 @@ class _Names(cst.CSTVisitor):
         return any(q.name.value == self.name for q in every)
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
-        return not self._shadows(node.params)
+        # (a function that binds the name itself reads its own variable everywhere in it)
+        return not self._shadows(node.params) and not _binds_locally(node, self.name)
 
     def visit_Lambda(self, node: cst.Lambda) -> bool:
         return not self._shadows(node.params)
