@@ -854,8 +854,10 @@ find_site(CallPath *self, _PyInterpreterFrame *f, PyObject **site, PyObject **sp
 static int hold_signals(void);
 static void unhold_signals(int held);
 
+/* ``f``: the caller's frame under "safe" (``caller_frame``, read once by ``cp_call``). */
 static int
-fast_call(CallPath *self, PyObject *args, PyObject **out, PyObject **binding, int *held)
+fast_call(CallPath *self, _PyInterpreterFrame *f, PyObject *args, PyObject **out,
+          PyObject **binding, int *held)
 {
     int clean = trace_clean();
     if (clean <= 0)
@@ -863,7 +865,6 @@ fast_call(CallPath *self, PyObject *args, PyObject **out, PyObject **binding, in
     PyObject *site = NULL, *spec = NULL, *plans = NULL, *bind = NULL; /* strong references */
     int r = 0;
     if (self->sites != NULL) {
-        _PyInterpreterFrame *f = caller_frame();
         if (f == NULL || !find_site(self, f, &site, &spec, &plans))
             return 0;
         if (spec != NULL) { /* the site donates: its proof's check, on every call */
@@ -1449,7 +1450,7 @@ cp_call(PyObject *op, PyObject *args, PyObject *kwargs)
     if (self->mode == 1 && (kwargs == NULL || PyDict_GET_SIZE(kwargs) == 0)) {
         PyObject *out = NULL, *binding = NULL;
         int held = 0;
-        if (fast_call(self, args, &out, &binding, &held)) {
+        if (fast_call(self, f, args, &out, &binding, &held)) {
             if (out == NULL)
                 filter_error();
             else if (binding != NULL)
