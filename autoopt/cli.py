@@ -167,7 +167,7 @@ def build_report(target: str, args_spec: str | None, options: dict):
 def _explained(target: str, args_spec: str | None, options: dict):
     """``(report, fn, path, call)``: ``call`` is what the source edits were checked on."""
     import autoopt
-    from autoopt.codemod import CheckCall
+    from autoopt.codemod import CheckCall, effectful_callbacks
 
     fn, path, name = load_function(target)
     args, kwargs = load_args(args_spec, path, name)
@@ -179,12 +179,19 @@ def _explained(target: str, args_spec: str | None, options: dict):
     )
     try:
         report = optimized.explain(*args, **kwargs)
-        jit_options = optimized.inspect(*args, **kwargs).options
+        inspection = optimized.inspect(*args, **kwargs)
     except CliError:
         raise
     except Exception as e:  # noqa: BLE001 - the user's function failed to trace
         raise CliError(f"tracing {name} failed: {_one_line(e)}") from None
-    call = CheckCall(args, kwargs, jit_options.static_argnums, jit_options.static_argnames)
+    options_used = inspection.options
+    call = CheckCall(
+        args,
+        kwargs,
+        options_used.static_argnums,
+        options_used.static_argnames,
+        effectful_callbacks=effectful_callbacks(inspection.traced),
+    )
     return report, fn, path, call
 
 

@@ -43,6 +43,7 @@ import dataclasses
 import functools
 import re
 import sys
+import textwrap
 import threading
 import types
 import weakref
@@ -69,6 +70,7 @@ _PLAIN_CALLERS = ("jax", "jaxlib", "autoopt")
 
 # jax.monitoring's event for one XLA compile; its listener gets ``fun_name``.
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_COPY_COMPILE = "jit(_copy_all)"  # ``_dispatch.device_copies``'s compiled copy
 
 _NOT_GIVEN = object()
 
@@ -531,6 +533,11 @@ def _attribute_compile(fun_name: str) -> None:
     frame = sys._getframe(2)
     from autoopt._jit import OptimizedFunction
 
+    if fun_name == _COPY_COMPILE:
+        # (the compiled copy of arguments a donating executable must not delete: autoopt's
+        # own program, not one of the function's; JAX_LOG_COMPILES names it so too)
+        _state.other_compiles[fun_name] += 1
+        return
     own = _own_call_codes(OptimizedFunction)
     while frame is not None:
         if frame.f_code in own:
@@ -684,6 +691,11 @@ def summary() -> dict:
     return {"functions": rows, "other_compiles": other}
 
 
+def _clip(text: str, width: int) -> str:
+    """``text`` cut at a word to ``width`` characters, marked when cut (--report has it all)."""
+    return textwrap.shorten(text, width, placeholder=" [...]")
+
+
 def format_summary(data: dict, limit: int = 40) -> str:
     """``summary()`` as text, at most ``limit`` functions (the most compiled first)."""
     rows = data["functions"]
@@ -694,7 +706,8 @@ def format_summary(data: dict, limit: int = 40) -> str:
     lines = [
         f"autoopt: {len(rows)} jitted functions, {sum(r['compiles'] for r in rows)} compiles, "
         f"applied {dict(applied) or 'nothing'}, "
-        f"{sum(r['bytes_saved'] for r in rows):,} bytes saved, {falls} fallbacks"
+        f"{sum(r['bytes_saved'] for r in rows):,} bytes saved (the applied findings' sum, "
+        f"not a measured peak: explain measures it), {falls} fallbacks"
     ]
     if rows:
         lines.append(
@@ -705,14 +718,14 @@ def format_summary(data: dict, limit: int = 40) -> str:
         what = ", ".join(f"{k} x{n}" for k, n in sorted(r["applied"].items())) or "-"
         if r["fallbacks"]:
             what += "; fell back: " + ", ".join(
-                f"{f['pass']} x{f['count']} ({f['reason'][:80]})" for f in r["fallbacks"]
+                f"{f['pass']} x{f['count']} ({_clip(f['reason'], 80)})" for f in r["fallbacks"]
             )
         lines.append(
             f"  {r['name'][:32]:<32} {r['jit_calls']:>6} {r['compiles']:>8} {r['signatures']:>5}  "
             f"{r['bytes_saved']:>12,}  {what}"
         )
         for n in r.get("not_applied", [])[:NOT_APPLIED_LINES]:
-            lines.append(f"      not applied: {n['kind']} {n['what']}: {n['reason'][:110]}")
+            lines.append(f"      not applied: {n['kind']} {n['what']}: {_clip(n['reason'], 110)}")
         if len(r.get("not_applied", [])) > NOT_APPLIED_LINES:
             lines.append(f"      ... {len(r['not_applied']) - NOT_APPLIED_LINES} more not applied")
     if len(rows) > limit:
@@ -721,6 +734,7 @@ def format_summary(data: dict, limit: int = 40) -> str:
     if other:
         lines.append(
             f"  plus {sum(other.values())} compiles of jits made outside the patch "
-            "(jax's own, or created before it)"
+            "(jax's own, autoopt's copies of arguments it could not donate "
+            f"({_COPY_COMPILE}), or jits created before it)"
         )
     return "\n".join(lines) + "\n"

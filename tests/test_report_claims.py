@@ -485,3 +485,82 @@ def test_the_remat_edit_of_the_transformer_example_runs_and_computes_the_same_nu
     want = jax.jit(transformer.train_step)(*args)
     got = module.train_step(*args)  # the file's own @jax.jit
     assert_trees_equivalent(want, got, what="the edited train_step", exact=False)
+
+
+# --- what a new user found (2026-12-07) ------------------------------------------------------
+
+
+def _printing_step(state):
+    jax.debug.print("sum {s}", s=state["w"].sum())
+    return {"w": state["w"] * 2.0}
+
+
+def test_a_program_calling_back_into_python_claims_no_donation_at_its_call_site(capfd):
+    """Under "safe" a program with a host callback donates nothing (``host_callbacks``). Its
+    report said "donate yes ... donated at this call site" for `state = step(state)`, with
+    the memory table's alias at 0 B, and hid the row that says why it was not donated."""
+    step = autoopt.optimize(_printing_step)
+    state = {"w": jnp.ones((64, 64))}
+    for _ in range(2):
+        state = step(state)
+    jax.effects_barrier()
+    assert step.inspect(state).donated == ((), ())
+    report = step.explain(state)
+    assert not any(f.applied for f in report.by_kind("donate")), report.findings
+    text = report.render(color=False, width=200)
+    assert "donated at this call site" not in text, text
+    flat = " ".join(text.split())
+    assert "calls back into Python (debug_print)" in flat, text  # the function's row, shown
+    _check_headline_is_the_table(report, text)
+
+
+_CALLBACK_LOG: list = []
+
+
+def _log_metric(v):
+    _CALLBACK_LOG.append(float(v))
+    return np.zeros((), np.float32)
+
+
+def _logging_step(s, x):
+    s = jax.lax.fori_loop(0, 3, lambda i, s: s.at[i].add(x[i]), s)
+    jax.experimental.io_callback(_log_metric, jax.ShapeDtypeStruct((), jnp.float32), s.sum())
+    return s
+
+
+def test_explain_does_not_run_the_programs_callbacks():
+    """Checking a source edit runs the original and the rewritten function: with an
+    ``io_callback`` (a metric logged to a file, a counter) ``explain`` logged every metric
+    twice more. No edit is checked, or offered, for such a program; the note says why."""
+    import jax.experimental  # noqa: F401 - io_callback
+
+    step = autoopt.optimize(_logging_step)
+    s, x = jnp.zeros(8), jnp.arange(1.0, 9.0)
+    s = step(s, x)
+    jax.effects_barrier()
+    logged = len(_CALLBACK_LOG)
+    report = step.explain(s, x)
+    jax.effects_barrier()
+    assert len(_CALLBACK_LOG) == logged, _CALLBACK_LOG
+    (rewrite,) = [f for f in report.by_kind("scatter_to_dus") if f.applied]
+    assert "calls back into Python (io_callback)" in rewrite.details["source_edit"], rewrite
+    assert not report.source_diff
+
+
+def test_a_saving_no_call_has_made_says_whose_it_is():
+    """``autoopt explain FILE.py:step`` records no call site: the table's "after" executable
+    donates what a rebinding call would, and the headline said "0 applied; ... 256 KiB saved"
+    beside a row saying "no"."""
+    kib = 1 << 10
+    figures = {"argument_bytes": 256 * kib, "output_bytes": 256 * kib, "temp_bytes": 0}
+    memory = {
+        "before": {**figures, "alias_bytes": 0, "peak_bytes": 512 * kib},
+        "after": {**figures, "alias_bytes": 256 * kib, "peak_bytes": 256 * kib},
+    }
+    can = autoopt.Finding("donate", False, "`state` can be donated", "s.py:3")
+    did = autoopt.Finding("donate", True, "argument 0 donated at this call site", "s.py:9")
+    for findings, conditional in (([can], True), ([can, did], False)):
+        report = autoopt.Report(findings=findings, memory=memory)
+        head = _headline(report)
+        assert "256.0 KiB saved (memory table)" in head, head
+        assert ("where a call rebinds its arguments" in head) == conditional, head

@@ -157,6 +157,21 @@ def _donate_outcome(calls: str):
             "w = step(w, x)",
             "nested function",
         ),
+        # a second holder made after a loop of calls, with a later call after it
+        (
+            "w = jnp.zeros(3)\nfor x in xs:\n    w = step(w, x)\nsnap = w\nw = step(w, x)",
+            "read on line 11 (`snap = w`)",
+        ),
+        # after the inner loop, but the outer loop comes back to the calls
+        (
+            "w = jnp.zeros(3)\nfor e in epochs:\n    for x in xs:\n        w = step(w, x)\n"
+            "    hist.append(w)",
+            "passed to another call on line 12",
+        ),
+        (
+            "w = jnp.zeros(3)\nwhile go():\n    w = step(w, x)\n    if done():\n        print(w)",
+            "passed to another call on line 12",
+        ),
         ("w = jnp.zeros(3)\nw = v = step(w, x)", "does not rebind `w` (alone)"),
         ("w = jnp.zeros(3)\nw = step(w, w)", "passed to another call on line 9"),
         ("def g():\n    global w\n    w = jnp.zeros(3)\n    w = step(w, x)", "global"),
@@ -231,6 +246,11 @@ def test_donation_edit_is_refused_where_the_array_may_have_a_second_holder(calls
         # another function's own `w` (assigned there) is another variable
         "def other(v):\n    w = v * 2\n    return w\nw = jnp.zeros(3)\nw = step(w, x)",
         "def other(vs):\n    for w in vs:\n        print(w)\nw = jnp.zeros(3)\nw = step(w, x)",
+        # (a new user's loop, 2026-12-07) read or kept once no call can follow
+        "w = jnp.zeros(3)\nfor x in xs:\n    w = step(w, x)\nprint(float(w[0]))",
+        "w = jnp.zeros(3)\nfor x in xs:\n    w = step(w, x)\nfinal = w\nhist.append(w)",
+        "def train(xs):\n    w = jnp.zeros(3)\n    for x in xs:\n        w = step(w, x)\n"
+        "    for k in range(3):\n        print(w[k])\n    return w.T",
     ],
 )
 def test_donation_edit_is_offered_where_the_file_shows_a_fresh_array_and_no_other_use(calls):

@@ -165,6 +165,27 @@ def test_a_callee_that_is_not_a_name_is_refused_with_the_reason():
     assert not proof.any and "not a name" in proof.reasons[0][1]
 
 
+@pytest.mark.parametrize(
+    "shape, why",
+    [
+        ("inside", "used inside a larger expression, not assigned back to it"),
+        ("bare", "the call's result is not assigned"),
+    ],
+)
+def test_a_call_whose_result_is_not_rebound_says_where_it_goes(shape, why):
+    # (a new user, 2026-12-07: `ev = float(evaluate(params))` was said "not assigned")
+    g = autoopt.optimize(lambda x: x.sum())
+    x = _fresh()
+
+    if shape == "inside":
+        ev = float(g(x))
+        assert ev == 3.0
+    else:
+        g(x)
+    [proof] = g.inspect(x).call_sites
+    assert not proof.any and why in proof.reasons[0][1], proof.reasons
+
+
 # --- 7. targets evaluated after the call -------------------------------------------------------
 
 

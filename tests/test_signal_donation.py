@@ -148,6 +148,27 @@ SCRIPT = textwrap.dedent(
 
         plain_local()
 
+    if "keyword" in SCENARIOS:  # any keyword sends the call to the Python path
+        def body_kw(x, training=False):
+            return x * 2.0 + heavy() if training else x
+
+        g = autoopt.optimize(body_kw, static_argnames="training")
+
+        def keyword():
+            x = jnp.ones(1000)
+            def call():
+                nonlocal x
+                x = g(x, training=True)  # (a static flag, as a train step takes it)
+            def reset():
+                nonlocal x
+                x = jnp.ones(1000)
+            trials("keyword static", call, lambda: first(x), reset)
+            def call_named():
+                nonlocal x
+                x = f(x=x)  # the donated argument itself passed by name
+            trials("keyword donated", call_named, lambda: first(x), reset)
+        keyword()
+
     class Opt(NamedTuple):  # an optax-like state: jax unflattens it with Python code
         mu: jax.Array
         count: jax.Array
@@ -428,6 +449,16 @@ def test_ctrl_c_during_a_donating_call_leaves_the_names_bound_to_live_arrays(tmp
 
 
 @pytest.mark.skipif(not _NATIVE, reason="the C call path is not built here")
+def test_ctrl_c_during_a_call_with_keyword_arguments_leaves_live_arrays(tmp_path):
+    # (the fourth review) `state = step(state, batch, training=True)`: a call with keywords
+    # runs the Python path, whose binding read positional arguments only; the held
+    # KeyboardInterrupt was raised with `state` bound to the deleted arrays.
+    results = _run("keyword", tmp_path)
+    for name in ("keyword static", "keyword donated"):
+        _check(results, name)
+
+
+@pytest.mark.skipif(not _NATIVE, reason="the C call path is not built here")
 def test_ctrl_c_interrupts_the_trace_of_a_new_signature_at_once(tmp_path):
     # Handlers are held while jax lowers, compiles and runs, not while the user's function is
     # traced (here a trace that sleeps 4 s): Ctrl-C there raises at once, nothing donated.
@@ -497,3 +528,88 @@ def test_the_jit_object_inspect_returns_is_jax_jits():
     weakref.ref(j)
     for _ in range(2):
         assert float(jax.jit(j)(jnp.ones(3))[0]) == 2.0
+
+
+def test_a_finalizer_of_a_name_the_statement_rebinds_can_handle_signals():
+    # (the fourth review) `x, g = step(x)` releases `g`'s old object when the names are bound
+    # early; its finalizer ran while signals were held, where `signal.signal` raises
+    # "ValueError: signal only works in main thread" (it runs after the release now).
+    import signal
+
+    import jax.numpy as jnp
+
+    import autoopt
+
+    seen = []
+
+    class Old:
+        def __del__(self):
+            try:
+                signal.signal(signal.SIGUSR1, signal.getsignal(signal.SIGUSR1))
+                seen.append("ok")
+            except ValueError as e:
+                seen.append(str(e))
+
+    step = autoopt.optimize(lambda x: (x * 2.0, x + 1.0))
+    x = jnp.ones(3)
+    for _ in range(3):
+        g = Old()
+        x, g = step(x)
+    assert seen == ["ok"] * 3, seen
+    assert float(x[0]) == 8.0 and float(g[0]) == 5.0
+
+
+_CHANGING_RESULT = r"""
+import gc
+import jax, jax.numpy as jnp
+import autoopt
+
+step = autoopt.optimize(lambda a, b: [a + 1, b + 1])
+ARMED = False
+
+class Key:  # a key of the module's globals whose comparison empties the call's result list
+    def __hash__(self):
+        return hash("a")
+
+    def __eq__(self, other):
+        if ARMED:
+            for o in gc.get_objects():
+                if type(o) is list and len(o) == 2 and all(
+                    isinstance(v, jax.Array) and v.shape == (7,) for v in o
+                ) and float(o[0][0]) >= 1.0:
+                    o.clear()
+        return False
+
+globals()[Key()] = "key"
+a = jnp.zeros(7)
+b = jnp.zeros(7)
+
+def loop(n):
+    global a, b
+    for i in range(n):
+        a, b = step(a, b)
+
+loop(3)
+ARMED = True
+try:
+    loop(1)
+except ValueError:
+    pass
+print(float(a[0]), float(b[0]))
+"""
+
+
+def test_binding_reads_the_result_before_code_run_by_a_store_can_change_it(tmp_path):
+    # (the fourth review) The early binding read a list result item by item between stores
+    # into the globals, and a store can run Python code (a colliding key's __eq__): emptying
+    # the list under it crashed the interpreter. Its items are taken first now, as CPython's
+    # UNPACK_SEQUENCE takes them (the statement's own unpacking then fails, as it would on
+    # the emptied list).
+    script = tmp_path / "changing_result.py"
+    script.write_text(_CHANGING_RESULT)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["4.0", "4.0"], proc.stdout

@@ -68,6 +68,7 @@ static Py_ssize_t refs_base = -1; /* a lone local argument's reference count in 
  * types, the Python scalar types. NULL: nested signatures are left to the Python path. */
 static PyObject *namedtuple_types, *host_leaf_types, *scalar_types;
 #define NESTED_DEPTH 48 /* callsite._NESTED_DEPTH */
+static PyObject *local_tag; /* a binding's tag of a function's local (``bind_targets``) */
 static PyObject *s_value, *s_donates, *s_plans, *s_proof, *s_slot_spec, *s_binding, *s_same_call,
     *s_lookup_plain,
     *s_native, *s_is_deleted, *s_call, *s_fit_escaped, *s_aval, *s_shape, *s_dtype, *empty_dict;
@@ -77,6 +78,7 @@ static PyObject *s_value, *s_donates, *s_plans, *s_proof, *s_slot_spec, *s_bindi
 #define MAX_CATCHING 64
 static PyThreadState *catching_threads[MAX_CATCHING];
 static int catching_depth[MAX_CATCHING];
+static int catching_used; /* one past the last slot in use (the GIL guards all three) */
 
 typedef struct {
     PyObject_HEAD
@@ -532,7 +534,7 @@ static int
 catching_enter(PyThreadState *ts)
 {
     int free_slot = -1;
-    for (int i = 0; i < MAX_CATCHING; i++) {
+    for (int i = 0; i < catching_used; i++) { /* (slots past ``catching_used`` are all free) */
         if (catching_threads[i] == ts) {
             catching_depth[i]++;
             return i;
@@ -540,6 +542,8 @@ catching_enter(PyThreadState *ts)
         if (catching_threads[i] == NULL && free_slot < 0)
             free_slot = i;
     }
+    if (free_slot < 0 && catching_used < MAX_CATCHING)
+        free_slot = catching_used++;
     if (free_slot >= 0) {
         catching_threads[free_slot] = ts;
         catching_depth[free_slot] = 1;
@@ -550,8 +554,11 @@ catching_enter(PyThreadState *ts)
 static void
 catching_exit(int slot)
 {
-    if (slot >= 0 && --catching_depth[slot] == 0)
+    if (slot >= 0 && --catching_depth[slot] == 0) {
         catching_threads[slot] = NULL;
+        while (catching_used > 0 && catching_threads[catching_used - 1] == NULL)
+            catching_used--;
+    }
 }
 
 /* Exceptions out of the call path lose autoopt's and jax's frames, as ``_call``'s do. */
@@ -581,6 +588,8 @@ filter_error(void)
 /* The executable on the arguments, catching ``FitCheck`` as ``_plans._runner`` does. A
  * ``FitCheck`` out of ``first_call`` escaped every catcher: ``_call``'s handler runs
  * (``OptimizedFunction._fit_escaped``). */
+static PyObject *hs_target(PyObject *jit);
+
 static PyObject *
 run_jit(CallPath *self, PyObject *site, PyObject *jit, PyObject *args)
 {
@@ -588,8 +597,8 @@ run_jit(CallPath *self, PyObject *site, PyObject *jit, PyObject *args)
     if (slot < 0) { /* more threads at once than slots: the Python plan catches */
         return NULL;
     }
-    PyObject *out =
-        PyObject_Vectorcall(jit, &PyTuple_GET_ITEM(args, 0), PyTuple_GET_SIZE(args), NULL);
+    PyObject *out = PyObject_Vectorcall(hs_target(jit), &PyTuple_GET_ITEM(args, 0),
+                                        PyTuple_GET_SIZE(args), NULL);
     catching_exit(slot);
     if (out != NULL || !PyErr_ExceptionMatches(fit_check_type))
         return out;
@@ -1088,6 +1097,21 @@ hs_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwna
     return PyObject_Vectorcall(self->inner, args, nargsf, kwnames);
 }
 
+static PyTypeObject HoldsSignalsType;
+
+/* What ``run_jit`` calls for ``jit`` (borrowed, valid while ``jit`` is): a ``HoldsSignals``'s
+ * jit object, its hold begun as ``hs_vectorcall`` begins it (one call layer fewer), else
+ * ``jit``. */
+static PyObject *
+hs_target(PyObject *jit)
+{
+    if (Py_TYPE(jit) != &HoldsSignalsType)
+        return jit;
+    if (!deep_on && held_type == NULL && holding_here() && _PyRuntime.main_thread != 0)
+        deep_begin();
+    return ((HoldsSignals *)jit)->inner;
+}
+
 /* ``suspend_deep()``: called as a trace of the wrapper starts: handlers run again on this
  * thread (those pending run now, and may raise); True when it suspended a hold, for
  * ``resume_deep``. Only the holding thread's: another thread tracing leaves it alone. */
@@ -1246,14 +1270,22 @@ binding_fits(_PyInterpreterFrame *f, PyObject *target, PyObject *value, int dept
     return 1;
 }
 
-/* The objects the names held before the binding: released once every name is bound (a
- * release may run a finalizer). */
+/* The objects the names held before the binding: released once every name is bound and
+ * signals are released (a release may run a finalizer, which then runs as it would at the
+ * statement's own store, able to handle signals). */
 #define OLDS_INLINE 16
 typedef struct {
     PyObject *inline_items[OLDS_INLINE];
     Py_ssize_t n;
     PyObject *more; /* a list, past OLDS_INLINE */
 } Olds;
+
+static inline void
+olds_init(Olds *olds) /* (its inline items are written before they are read) */
+{
+    olds->n = 0;
+    olds->more = NULL;
+}
 
 static int
 olds_add(Olds *olds, PyObject *old) /* steals ``old`` */
@@ -1287,15 +1319,23 @@ binding_store(_PyInterpreterFrame *f, PyObject *target, PyObject *value, Olds *o
     long tag = PyLong_AsLong(PyTuple_GET_ITEM(target, 0));
     if (tag == 2) {
         PyObject *subs = PyTuple_GET_ITEM(target, 1);
-        Py_INCREF(value); /* (an earlier store may drop the last other reference to it) */
+        /* Every item taken first, as ``UNPACK_SEQUENCE`` puts them all on the stack: a store
+         * into the globals can run Python code (a key's ``__eq__``) that changes a list. */
+        PyObject *items = PySequence_Tuple(value);
+        if (items == NULL)
+            return -1;
+        if (PyTuple_GET_SIZE(items) != PyTuple_GET_SIZE(subs)) {
+            Py_DECREF(items);
+            return -1; /* (changed since ``binding_fits``: the rest is left to the statement) */
+        }
         for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(subs); i++) {
-            if (binding_store(f, PyTuple_GET_ITEM(subs, i), PySequence_Fast_GET_ITEM(value, i),
-                              olds) < 0) {
-                Py_DECREF(value);
+            if (binding_store(f, PyTuple_GET_ITEM(subs, i), PyTuple_GET_ITEM(items, i), olds) <
+                0) {
+                Py_DECREF(items);
                 return -1;
             }
         }
-        Py_DECREF(value);
+        Py_DECREF(items);
         return 0;
     }
     PyObject *old;
@@ -1323,13 +1363,32 @@ binding_store(_PyInterpreterFrame *f, PyObject *target, PyObject *value, Olds *o
 }
 
 /* Bind the statement's names to ``out`` (``binding``: the targets in the order the statement
- * stores them), or nothing where one target does not fit. Never raises. */
+ * stores them), or nothing where one target does not fit. Never raises. The objects the names
+ * held go to ``olds``, which the caller releases once signals are (their finalizers then run
+ * as on any thread that can handle signals, ``signal.signal`` included). */
 static void
-bind_targets(_PyInterpreterFrame *f, PyObject *binding, PyObject *out)
+bind_targets(_PyInterpreterFrame *f, PyObject *binding, PyObject *out, Olds *olds)
 {
     if (f == NULL || binding == NULL || !PyTuple_CheckExact(binding) ||
         PyTuple_GET_SIZE(binding) == 0)
         return;
+    if (PyTuple_GET_SIZE(binding) == 1 && !PyErr_Occurred()) {
+        /* ``x = f(...)`` into a function's local (not a cell): ``binding_store``'s own */
+        PyObject *t = PyTuple_GET_ITEM(binding, 0);
+        if (PyTuple_CheckExact(t) && PyTuple_GET_SIZE(t) == 3 &&
+            PyTuple_GET_ITEM(t, 0) == local_tag && PyTuple_GET_ITEM(t, 2) != Py_True) {
+            Py_ssize_t index = PyLong_AsSsize_t(PyTuple_GET_ITEM(t, 1));
+            if (index >= 0 && index < f->f_code->co_nlocalsplus) {
+                PyObject *old = f->localsplus[index];
+                f->localsplus[index] = Py_NewRef(out);
+                if (old != NULL)
+                    olds_add(olds, old);
+            }
+            if (PyErr_Occurred())
+                PyErr_Clear();
+            return;
+        }
+    }
     PyObject *type = NULL, *value = NULL, *tb = NULL;
     int had_error = PyErr_Occurred() != NULL;
     if (had_error)
@@ -1338,13 +1397,11 @@ bind_targets(_PyInterpreterFrame *f, PyObject *binding, PyObject *out)
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(binding) && fits; i++)
         fits = binding_fits(f, PyTuple_GET_ITEM(binding, i), out, 0);
     if (fits) {
-        Olds olds = {.n = 0, .more = NULL};
         Py_INCREF(out);
         for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(binding); i++)
-            if (binding_store(f, PyTuple_GET_ITEM(binding, i), out, &olds) < 0)
+            if (binding_store(f, PyTuple_GET_ITEM(binding, i), out, olds) < 0)
                 break;
         Py_DECREF(out);
-        olds_release(&olds);
     }
     if (PyErr_Occurred())
         PyErr_Clear();
@@ -1358,7 +1415,7 @@ bind_targets(_PyInterpreterFrame *f, PyObject *binding, PyObject *out)
  * nothing). */
 static void
 bind_after_python(CallPath *self, _PyInterpreterFrame *f, PyObject *args, PyObject *kwargs,
-                  PyObject *out)
+                  PyObject *out, Olds *olds)
 {
     PyObject *site = NULL, *spec = NULL, *plans = NULL;
     if (trace_clean() <= 0 || !find_site(self, f, &site, &spec, &plans)) {
@@ -1368,10 +1425,9 @@ bind_after_python(CallPath *self, _PyInterpreterFrame *f, PyObject *args, PyObje
     PyObject *binding = Py_XNewRef(self->last_binding);
     int ok = 0;
     if (spec != NULL && binding != NULL && binding != Py_None) {
-        if (spec != Py_None) {
-            ok = (kwargs == NULL || PyDict_GET_SIZE(kwargs) == 0) &&
-                 run_spec(spec, f, (PyObject *)self, args, 1) == 1;
-        } else { /* in Python: ``proof.same_call(frame, callee, args, kwargs)`` */
+        if (spec != Py_None && (kwargs == NULL || PyDict_GET_SIZE(kwargs) == 0)) {
+            ok = run_spec(spec, f, (PyObject *)self, args, 1) == 1;
+        } else { /* in Python (keywords too): ``proof.same_call(frame, callee, args, kwargs)`` */
             PyObject *proof = PyObject_GetAttr(site, s_proof);
             PyObject *check = proof ? PyObject_GetAttr(proof, s_same_call) : NULL;
             PyFrameObject *frame = check ? PyEval_GetFrame() : NULL; /* (f's, borrowed) */
@@ -1393,7 +1449,7 @@ bind_after_python(CallPath *self, _PyInterpreterFrame *f, PyObject *args, PyObje
                 PyErr_Clear();
         }
         if (ok)
-            bind_targets(f, binding, out);
+            bind_targets(f, binding, out, olds);
     }
     Py_XDECREF(binding);
     Py_DECREF(site);
@@ -1451,21 +1507,29 @@ cp_call(PyObject *op, PyObject *args, PyObject *kwargs)
         PyObject *out = NULL, *binding = NULL;
         int held = 0;
         if (fast_call(self, f, args, &out, &binding, &held)) {
+            Olds olds;
+            olds_init(&olds);
             if (out == NULL)
                 filter_error();
             else if (binding != NULL)
-                bind_targets(f, binding, out);
+                bind_targets(f, binding, out, &olds);
             Py_XDECREF(binding);
-            return release_signals(held, out);
+            out = release_signals(held, out);
+            olds_release(&olds);
+            return out;
         }
         if (PyErr_Occurred()) /* not an Exception (``fall_back_error``): the caller's */
             return NULL;
     }
     int held = self->sites != NULL ? hold_signals() : 0;
     PyObject *out = python_call(op, args, kwargs);
+    Olds olds;
+    olds_init(&olds);
     if (out != NULL && f != NULL)
-        bind_after_python(self, f, args, kwargs, out);
-    return release_signals(held, out);
+        bind_after_python(self, f, args, kwargs, out, &olds);
+    out = release_signals(held, out);
+    olds_release(&olds);
+    return out;
 #else
     return python_call(op, args, kwargs);
 #endif
@@ -1622,19 +1686,23 @@ held_call(PyObject *module, PyObject *const *a, Py_ssize_t n)
         return PyErr_Format(PyExc_TypeError, "held_call takes (body, frame, binding)");
     int held = hold_signals();
     PyObject *out = PyObject_CallNoArgs(a[0]);
+    Olds olds;
+    olds_init(&olds);
     if (out != NULL && PyFrame_Check(a[1]) && a[2] != Py_None) {
         _PyInterpreterFrame *f = ((PyFrameObject *)a[1])->f_frame;
         if (f != NULL && f->owner != FRAME_OWNED_BY_FRAME_OBJECT) /* (still running) */
-            bind_targets(f, a[2], out);
+            bind_targets(f, a[2], out, &olds);
     }
-    return release_signals(held, out);
+    out = release_signals(held, out);
+    olds_release(&olds);
+    return out;
 }
 
 static PyObject *
 catching(PyObject *module, PyObject *unused)
 {
     PyThreadState *ts = PyThreadState_GET();
-    for (int i = 0; i < MAX_CATCHING; i++)
+    for (int i = 0; i < catching_used; i++)
         if (catching_threads[i] == ts && catching_depth[i] > 0)
             Py_RETURN_TRUE;
     Py_RETURN_FALSE;
@@ -1678,6 +1746,7 @@ PyInit__native(void)
         return NULL;
 #if AUTOOPT_FAST
     s_value = PyUnicode_InternFromString("value");
+    local_tag = PyLong_FromLong(0); /* (CPython's small int: every 0 a binding holds) */
     s_donates = PyUnicode_InternFromString("donates");
     s_plans = PyUnicode_InternFromString("plans");
     s_proof = PyUnicode_InternFromString("proof");

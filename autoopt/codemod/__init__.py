@@ -53,7 +53,13 @@ from autoopt.codemod._base import (
     finding_line,
     template,
 )
-from autoopt.codemod._check import CheckCall, EditChecker, checking, unwrap
+from autoopt.codemod._check import (
+    CheckCall,
+    EditChecker,
+    checking,
+    effectful_callbacks,
+    unwrap,
+)
 
 __all__ = [
     # the runner
@@ -63,6 +69,7 @@ __all__ = [
     "RewriteResult",
     "SourcePlan",
     "commands",
+    "effectful_callbacks",
     "plan_source_edits",
     "rewrite_code",
     "source_diff_for",
@@ -365,7 +372,17 @@ def plan_source_edits(
         outcomes = {k: result.outcomes.get(k, "no codemod ran for it") for k in range(len(idxs))}
         offered = {k for k, v in outcomes.items() if v is None}
         code = result.code
-        if code != original and (why := check(code, offered)) is not None:
+        runs_effects = checker.call.effectful_callbacks if checker is not None else ()
+        if code != original and runs_effects:
+            # (before anything runs: the check would run the original and the edit)
+            for k in offered:
+                outcomes[k] = (
+                    "an edit is offered only after running the function and its rewritten "
+                    "version on the report's arguments, and the program calls back into Python "
+                    f"({', '.join(runs_effects)}), whose effects that would repeat"
+                )
+            code = original
+        elif code != original and (why := check(code, offered)) is not None:
             # One edit may be wrong and the others right: check each alone, then together.
             good = set()
             for k in sorted(offered):

@@ -63,12 +63,23 @@ class CheckCall:
     # The original function's peak under plain jax.jit when the caller has it (the report's
     # memory table "before"), so a check does not compile the original again to read it.
     original_peak: int | None = None
+    # The program's callbacks into Python that may have effects (``io_callback``,
+    # ``jax.debug.print``; not ``pure_callback``, which promises none): checking an edit runs
+    # the function twice, so with any of these no edit is checked, and none is offered.
+    effectful_callbacks: tuple[str, ...] = ()
     # What the checks on this call found, by (function, file text, exact): a report plans its
     # edits again when findings are added, and a rewritten text is checked once.
     verdicts: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
 
     def jit(self, fn: Callable) -> Callable:
         return jax.jit(fn, static_argnums=self.static_argnums, static_argnames=self.static_argnames)
+
+
+def effectful_callbacks(closed: Any) -> tuple[str, ...]:
+    """``CheckCall.effectful_callbacks`` of the traced program ``closed``."""
+    from autoopt.passes.donation import host_callbacks
+
+    return tuple(name for name in host_callbacks(closed) if name != "pure_callback")
 
 
 def unwrap(fn: Callable) -> Callable:

@@ -129,7 +129,7 @@ class Report:
         report._fn = inspection.function
         call = None
         if args is not None:
-            from autoopt.codemod import CheckCall
+            from autoopt.codemod import CheckCall, effectful_callbacks
 
             options = inspection.options
             before = memory.get("before") or {}
@@ -139,6 +139,7 @@ class Report:
                 options.static_argnums,
                 options.static_argnames,
                 original_peak=before.get("peak_bytes"),
+                effectful_callbacks=effectful_callbacks(inspection.traced),
             )
         report._add_source_edits(call)
         return report
@@ -328,6 +329,13 @@ def _with_call_sites(findings: list[Finding], inspection) -> list[Finding]:
         for f in findings
         if f.kind == "donate" and f.details.get("aliasable") is False
     }
+    # What the executable of a call site that rebinds everything donates: a proven site
+    # donates no more (a program calling back into Python donates nothing under "safe"; the
+    # function's own row says why). Unknown (no jit object chosen yet): the proofs alone.
+    donatable = None
+    if getattr(inspection, "jit", None) is not None:
+        positions, names_donated = inspection.donated
+        donatable = set(positions) | set(names_donated)
 
     def label(key) -> str:
         name = names.get(key)
@@ -335,7 +343,7 @@ def _with_call_sites(findings: list[Finding], inspection) -> list[Finding]:
 
     for proof in sites:
         for key in list(proof.positions) + list(proof.names):
-            if key in useless:
+            if key in useless or (donatable is not None and key not in donatable):
                 continue
             out.append(
                 Finding(
@@ -550,16 +558,27 @@ def _render_summary(report: Report, console: Any, verbose: bool = False) -> None
         # One figure, the memory table's: rows' savings overlap (one argument donated at two
         # call sites is one buffer; remat and donation change the same peak).
         before, after = figures
+        # The table's "after" executable donates what a call rebinding its arguments would:
+        # with no donation applied (no call recorded at such a site), its saving is one that
+        # such a call gets, not one these findings made.
+        aliased = (report.memory.get("after") or {}).get("alias_bytes") and not (
+            report.memory.get("before") or {}
+        ).get("alias_bytes")
+        where = (
+            " where a call rebinds its arguments"
+            if aliased and not any(f.applied and f.kind == "donate" for f in applied)
+            else ""
+        )
         if after < before:
             head += (
-                f"; peak {format_bytes(before)} -> {format_bytes(after)} per call, "
+                f"; peak {format_bytes(before)} -> {format_bytes(after)} per call{where}, "
                 f"{format_bytes(before - after)} saved (memory table)"
             )
         elif after > before:
             # A larger peak is said as plainly as a smaller one: XLA's executable with an
             # argument donated can hold more temporaries than the one without.
             head += (
-                f"; peak {format_bytes(before)} -> {format_bytes(after)} per call, "
+                f"; peak {format_bytes(before)} -> {format_bytes(after)} per call{where}, "
                 f"{format_bytes(after - before)} more (memory table)"
             )
     else:

@@ -578,9 +578,12 @@ def prove_call_site(frame, callee: Any = None) -> CallSiteProof:
         if expr.id in targets:
             return None
         if not targets:
-            what = (
-                "not assigned" if stmt is None else "assigned to something other than plain names"
-            )
+            if isinstance(stmt, ast.Assign | ast.AnnAssign | ast.AugAssign):
+                what = "assigned to something other than plain names"
+            elif stmt is None:  # (`float(step(x))`, `step(x) + 1`)
+                what = "used inside a larger expression, not assigned back to it"
+            else:
+                what = "not assigned"
             msg = f"the call's result is {what}, so `{expr.id}` may be used later"
         else:
             msg = f"the statement rebinds {', '.join(sorted(targets))}, not `{expr.id}`"
@@ -684,6 +687,8 @@ _BASE_POS, _BASE_POS_KW, _BASE_KW = _calibrate(_Probe())
 # The reference count of a positional argument nothing but the call holds, read as
 # ``sys.getrefcount(args[i])`` on the ``args`` tuple the call's ``*args`` built.
 CALL_REFS = _BASE_POS
+# The same for a call that also passes keyword arguments (one more transient reference).
+CALL_REFS_KW = _BASE_POS_KW
 # A decorated method's call (``obj.step(state, batch)``): the arguments tuple is rebuilt with
 # the instance in front, one more reference to each positional argument while the call runs.
 BOUND_BASES = _calibrate(_BoundProbe())

@@ -31,7 +31,7 @@ import re
 from typing import cast
 
 import libcst as cst
-from libcst.metadata import ParentNodeProvider
+from libcst.metadata import CodeRange, ParentNodeProvider, PositionProvider
 
 from autoopt._finding import Finding
 from autoopt.codemod import FindingCommand, comma_separated
@@ -96,7 +96,7 @@ class DonateCommand(FindingCommand):
         why = None
         for arg, reason in self._unproven.items():
             why = (
-                f"{reason}; donate_argnums would delete the caller's array. Use "
+                f"{reason}; donate_argnums could delete an array the caller still holds. Use "
                 "@autoopt.optimize (rewrite --style autoopt), which donates per call site"
             )
             for i in self._args.pop(arg, ()):
@@ -657,12 +657,11 @@ def _second_holder(call: cst.Call, arg, cmd, calls: list) -> str | None:
     none. An allow-list, in the scope around ``call`` (its function, or the module): the name
     is bound only to fresh arrays (``_fresh_call``, as the only target of its statement) and
     read only as the donated argument of a call that rebinds it, for metadata (``w.shape``), or
-    returned. Everything else is refused: a parameter, a loop target, ``w = w0``, ``w[:]``,
-    ``w.T``, ``print(w)``, ``hist.append(w)``, a closure, a ``global``."""
+    returned, or anything once no call of the function can follow (``_after_every_call``).
+    Everything else is refused: a parameter, a loop target, ``w = w0``, ``w[:]``, ``w.T``,
+    ``print(w)``, ``hist.append(w)``, a closure, a ``global``."""
     name = cast(cst.Name, _passed(call, arg)).value  # _not_rebound checked it is a Name
-    scope = call
-    while scope is not None and not isinstance(scope, cst.FunctionDef | cst.Module):
-        scope = cmd.get_metadata(ParentNodeProvider, scope, None)
+    scope = _scope_of(call, cmd)
     if scope is None:
         return f"`{name}` is not in a function or at module level"
     names = _Names(name)
@@ -673,11 +672,14 @@ def _second_holder(call: cst.Call, arg, cmd, calls: list) -> str | None:
         return f"`{name}` is declared global or nonlocal, so other code can hold it"
     ids = {id(c) for c in calls}
     lines = cmd.module.code.splitlines()
+    here = [c for c in calls if _scope_of(c, cmd) is scope]
     for ref in names.found:
         line = cmd.span(ref)[0]
         where = f"line {line} (`{lines[line - 1].strip()}`)"
         if _nested(ref, scope, cmd):
             return f"a nested function or lambda refers to `{name}` on {where}, keeping the array"
+        if _after_every_call(ref, here, scope, cmd):
+            continue  # (a second holder made here meets no donating call: `print(w)` at the end)
         parent = cmd.get_metadata(ParentNodeProvider, ref, None)
         if isinstance(parent, cst.Arg) and parent.value is ref:
             owner = cmd.get_metadata(ParentNodeProvider, parent, None)
@@ -712,6 +714,42 @@ def _second_holder(call: cst.Call, arg, cmd, calls: list) -> str | None:
             )
         return f"`{name}` is read on {where} in a way that may keep a second reference"
     return None
+
+
+def _scope_of(node: cst.CSTNode, cmd) -> cst.CSTNode | None:
+    """The function or module whose names ``node`` reads."""
+    scope = cmd.get_metadata(ParentNodeProvider, node, None)
+    while scope is not None and not isinstance(scope, cst.FunctionDef | cst.Module):
+        scope = cmd.get_metadata(ParentNodeProvider, scope, None)
+    return scope
+
+
+def _after_every_call(ref: cst.CSTNode, calls: list, scope: cst.CSTNode, cmd) -> bool:
+    """``ref`` can only run after every one of ``calls`` (the function's calls in ``scope``,
+    the scope ``ref`` reads the name in): it comes after the last of them in the source, and
+    no loop around it holds one (a loop is the only way back to an earlier line of a scope; a
+    new call of the scope's function has names of its own)."""
+    if not calls:
+        return False
+    at = cast(CodeRange, cmd.get_metadata(PositionProvider, ref)).start
+    for call in calls:
+        end = cast(CodeRange, cmd.get_metadata(PositionProvider, call)).end
+        if (at.line, at.column) <= (end.line, end.column):
+            return False
+    node = cmd.get_metadata(ParentNodeProvider, ref, None)
+    while node is not None and node is not scope:
+        if isinstance(node, cst.For | cst.While) and any(_inside(c, node, cmd) for c in calls):
+            return False
+        node = cmd.get_metadata(ParentNodeProvider, node, None)
+    return True
+
+
+def _inside(node: cst.CSTNode, outer: cst.CSTNode, cmd) -> bool:
+    while node is not None:
+        if node is outer:
+            return True
+        node = cmd.get_metadata(ParentNodeProvider, node, None)
+    return False
 
 
 def _nested(ref: cst.CSTNode, scope: cst.CSTNode, cmd) -> bool:
