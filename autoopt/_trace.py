@@ -39,6 +39,19 @@ def split_args(
     return (dyn_args, dyn_kwargs), statics
 
 
+def strict_statics(statics):
+    """``split_args``'s static values each with its type, for a ``Signature``: jax.jit's cache
+    compares static arguments by type as well as by ``==`` (``True`` and ``1``, ``2`` and
+    ``2.0`` are two programs there, as their results' dtypes can differ)."""
+    if not statics:
+        return statics
+    pos, kw = statics
+    return (
+        tuple([(i, type(v), v) for i, v in pos]),
+        tuple([(k, type(v), v) for k, v in kw]),
+    )
+
+
 def merge_args(dyn_tree, statics, nargs: int):
     """Inverse of ``split_args``."""
     dyn_args, dyn_kwargs = dyn_tree
@@ -75,7 +88,11 @@ class Signature(NamedTuple):
 
 def signature_key(dyn_leaves: Sequence[Any], in_tree, statics, nargs: int) -> Signature:
     return Signature(
-        in_tree, statics, nargs, tuple(leaf_type(x) for x in dyn_leaves), _compat.trace_context()
+        in_tree,
+        strict_statics(statics),
+        nargs,
+        tuple(leaf_type(x) for x in dyn_leaves),
+        _compat.trace_context(),
     )
 
 

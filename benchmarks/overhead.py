@@ -46,6 +46,18 @@ def _rebinding(f, make_x, n: int):
     return go, make_x
 
 
+def _rebinding_flag(f, make_x, n: int):
+    """``n`` calls of ``x = f(x, training=True)``: a static flag passed by keyword, as a
+    training step takes it (``static_argnames``)."""
+
+    def go(x):
+        for _ in range(n):
+            x = f(x, training=True)
+        jax.block_until_ready(x)
+
+    return go, make_x
+
+
 def python_path(f):
     """``f`` (an ``OptimizedFunction``) taking the pure-Python call path, sharing its caches, or
     None when the C call path is off (``AUTOOPT_NATIVE=0``, or not built): so both paths are
@@ -84,6 +96,12 @@ def dispatch(rounds: int, n: int) -> dict[str, float]:
     expert_donating = jax.jit(tiny_x, donate_argnums=0)
     sim_expert, sim_fast = jax.jit(sim, donate_argnums=0), autoopt.optimize(sim)
 
+    def flagged(x, training=False):
+        return x + 1.0 if training else x
+
+    flag_expert = jax.jit(flagged, donate_argnums=0, static_argnames="training")
+    flag_fast = autoopt.optimize(flagged, static_argnames="training")
+
     def state():
         return {"x": jnp.zeros(8), "v": jnp.ones(8), "t": jnp.zeros(())}
 
@@ -111,6 +129,8 @@ def dispatch(rounds: int, n: int) -> dict[str, float]:
         rebinding.append(("autoopt x=f(x) (python path)", slow_x, ones))
     for name, f, make in rebinding:
         runs[name], prepare[name] = _rebinding(f, make, n)
+    for name, f in (("jit donate flag", flag_expert), ("autoopt flag", flag_fast)):
+        runs[name], prepare[name] = _rebinding_flag(f, ones, n)
     # Per call: n + 1 calls for y = f(x), n for x = f(x).
     times = interleave(runs, rounds, warmup=0, prepare=prepare)
     med = times.medians()
@@ -324,6 +344,11 @@ def issue_table(rounds: int, calls: int) -> None:
             "<= 1.1x",
         ),
         (
+            "`x = f(x, training=True)`, a static flag, donated, vs jit donate (not in the issue)",
+            d["autoopt flag"] / d["jit donate flag"],
+            "(Python path)",
+        ),
+        (
             "64-leaf dict state, donated, vs jit with donate_argnums",
             b["autoopt 64"] / b["jit donate 64"],
             "<= 1.05x",
@@ -401,6 +426,10 @@ def main() -> None:
             print(f"{k}: {v * 1e6:.2f} us")
         print(f"y = f(x) vs jit: {d['autoopt'] / d['jit']:.2f}x")
         print(f"x = f(x) vs jit donate: {d['autoopt x=f(x)'] / d['jit donate']:.2f}x")
+        print(
+            "x = f(x, training=True) vs jit donate: "
+            f"{d['autoopt flag'] / d['jit donate flag']:.2f}x"
+        )
         if "autoopt (python path)" in d:
             print(f"python path y = f(x) vs jit: {d['autoopt (python path)'] / d['jit']:.2f}x")
             print(
@@ -448,6 +477,15 @@ def main() -> None:
     print(
         f"| autoopt.optimize, `s = f(s)`, dict of 3 arrays (donated) | "
         f"{d['autoopt tree'] * 1e6:.2f} | {d['autoopt tree'] / d['jit donate tree']:.2f} vs "
+        "jit donate |"
+    )
+    print(
+        f"| jax.jit(donate_argnums=0, static_argnames), `x = f(x, training=True)` | "
+        f"{d['jit donate flag'] * 1e6:.2f} | {d['jit donate flag'] / d['jit']:.2f} |"
+    )
+    print(
+        f"| autoopt.optimize(static_argnames), `x = f(x, training=True)` (donated) | "
+        f"{d['autoopt flag'] * 1e6:.2f} | {d['autoopt flag'] / d['jit donate flag']:.2f} vs "
         "jit donate |"
     )
     b = big_trees(a.rounds, max(20, a.calls // 20))

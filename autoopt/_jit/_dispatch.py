@@ -138,7 +138,7 @@ class Policy:
             guard_transforms=True,
             remat_auto=options.remat == "auto" and not options.explicit_donation,
             fit=options.remat in ("fit", "auto"),
-            fast_ok=not has_static and not options.verify,
+            fast_ok=not options.verify,
             placer_every_call=(
                 options.transfer_guard in ("log", "disallow") or bool(options.canonicalize_scalars)
             ),
@@ -428,8 +428,8 @@ def plan_donating(
                     bases=bases,
                     exclude=program.const_ids,
                 )
-        if fast is not None and not kwargs and len(fast) < FAST_ENTRIES:
-            remember_fast(of, fast, program, positions, args, unpack, check_refs)
+        if fast is not None and (not kwargs or policy.has_static) and len(fast) < FAST_ENTRIES:
+            remember_fast(of, fast, program, positions, args, unpack, check_refs, kwargs)
     except Exception as e:  # noqa: BLE001 - donation is an optimization; never break the call
         of._fall_back(e, "donation")
         d, pos, nms = program.decide((positions, names)), (), ()
@@ -568,12 +568,24 @@ def plan_kept(of: Planned, args: tuple, kwargs: dict, site: Any) -> CallPlan:
     fresh = fresh and not host_callbacks(program.final)  # "safe" never donates into callbacks
     plan = plan_for(of, program, program.decide(None if fresh else ((), ())), (), ())
     plans = site.plans
-    if plan.direct and not kwargs and not program.lost_updates and len(plans) < FAST_ENTRIES:
-        found = _plans.signature_of(args)
+    if plan.direct and not program.lost_updates and len(plans) < FAST_ENTRIES:
+        policy = of._policy
+        if policy.has_static:  # (the key holds the static values: ``_plans.static_key``)
+            keyed = _plans.static_key(args, kwargs, policy.static_argnums, policy.static_argnames)
+            found = None if keyed is None else _plans.signature_of(keyed[1])
+            sig = None if keyed is None else keyed[0]
+            del keyed
+        else:
+            found = None if kwargs else _plans.signature_of(args)
+            sig = None if found is None else found[0]
         if found is not None:
-            sig, _, host = found
-            lean = not host and not placer_needed(of, program)
-            plans[sig] = _plans.kept(plan.jit, None if lean else plan.placer)
+            lean = not found[2] and not placer_needed(of, program)
+            placer = None if lean else plan.placer
+            plans[sig] = (
+                _plans.static_plan(plan.jit, (), placer, frozenset(), True, bool(kwargs))
+                if policy.has_static
+                else _plans.kept(plan.jit, placer)
+            )
     return plan
 
 
@@ -612,20 +624,36 @@ def remember_fast(
     args: tuple,
     unpack: tuple | None,
     check_refs: bool,
+    kwargs: dict | None = None,
 ) -> None:
     """Record, for a call of positional arguments whose leaves are all jax arrays, Python
-    scalars or NumPy arrays, the plan for its signature (``_plans``).
+    scalars or NumPy arrays, the plan for its signature (``_plans``). For a function with
+    static arguments, the signature holds their values (``_plans.static_key``), and they may
+    be passed by keyword.
 
     Only the static half of the decision is cached (the program's aliasing, the call site's
     proof); the plan re-checks the run-time half (no other reference, not deleted, no array
     twice) on every call.
     """
-    found = _plans.signature_of(args)
-    if found is None:
-        return
-    sig, kind, host = found
+    policy = of._policy
+    if policy.has_static:
+        keyed = _plans.static_key(args, kwargs or {}, policy.static_argnums, policy.static_argnames)
+        if keyed is None:
+            return
+        sig, found = keyed[0], _plans.signature_of(keyed[1])
+        del keyed  # (it holds the arguments)
+        if found is None:
+            return
+        _, kind, host = found
+    else:
+        if kwargs:
+            return
+        found = _plans.signature_of(args)
+        if found is None:
+            return
+        sig, kind, host = found
     is_donatable: Callable = callsite.is_array if kind == "flat" else callsite.all_array_leaves
-    program = program or of._program_for_call(args, {})
+    program = program or of._program_for_call(args, kwargs or {})
     if program is None:
         return  # the program captured an outer tracer: never cached
     if program.lost_updates:
@@ -645,7 +673,12 @@ def remember_fast(
     placer = of._placer if host or placer_needed(of, program) else None
     # The program's own constants are never donated: under "safe" the reference counts already
     # refuse them (the program holds one); "auto" compares identities.
-    fast[sig] = _plans.donating(jitted, pos, placer, program.const_ids, check_refs, kind)
+    if policy.has_static:
+        fast[sig] = _plans.static_plan(
+            jitted, pos, placer, program.const_ids, check_refs, bool(kwargs)
+        )
+    else:
+        fast[sig] = _plans.donating(jitted, pos, placer, program.const_ids, check_refs, kind)
 
 
 def placer_needed(of: Planned, program: Program) -> bool:

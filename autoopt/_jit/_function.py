@@ -38,7 +38,7 @@ from autoopt._errors import AutooptWarning, FitCheck, PassError, ProcessMismatch
 from autoopt._jit import _fit, _mutations, _plans, _reuse, _static_leaves
 from autoopt._jit._dispatch import Caches, CallPlan, Policy, make_dispatch, with_copies
 from autoopt._jit._inspect import Inspection
-from autoopt._jit._plans import MISS, flat_key, lookup_nested
+from autoopt._jit._plans import MISS, flat_key, lookup_nested, lookup_static
 from autoopt._jit._program import (
     Program,
     Site,
@@ -384,6 +384,10 @@ class OptimizedFunction(_CallBase):
         self._sites = self._caches.sites if policy.donate == "safe" else None
         self._auto_fast = self._caches.auto_fast if policy.donate == "auto" else None
         self._flat_plain = not (policy.verify or policy.has_static)
+        # A function with static arguments finds its plans by their values as well.
+        self._static_args = (
+            (policy.static_argnums, policy.static_argnames) if policy.has_static else None
+        )
         self._shares: OptimizedFunction | None = None  # the one a ``_fresh`` wrapper shares
         self._configure_call_path()
 
@@ -391,7 +395,9 @@ class OptimizedFunction(_CallBase):
         """What the C call path reads (the same objects as the attributes above)."""
         if NATIVE:
             self._native_configure(  # pyright: ignore[reportAttributeAccessIssue]
-                1,
+                # (mode 0: straight to ``_call``, for static arguments, whose plans the C path
+                # cannot find: their keys hold the static values, ``_plans.static_key``)
+                0 if self._static_args is not None else 1,
                 self._sites,
                 self._auto_fast,
                 self._caches,
@@ -780,7 +786,14 @@ class OptimizedFunction(_CallBase):
                         # (a site that donates nothing: the signature's executable may donate)
                         plans = site.plans
                 if plans is not None:
-                    if plans and not kwargs:
+                    if self._static_args is not None:
+                        # (keyed by the static values too: ``_plans.static_key``)
+                        plan = lookup_static(plans, args, kwargs, *self._static_args)
+                        if plan is not None:
+                            out = plan(args, kwargs)  # (``_plans.static_plan``)
+                            if out is not MISS:
+                                return out
+                    elif plans and not kwargs:
                         plan = plans.get(flat_key(args))
                         if plan is None and STATIC_LEAF_PLANS in plans:
                             # (before the nested signature: with static leaves it reads

@@ -13,7 +13,10 @@ and kept per call site under ``"safe"`` (``Site.plans``) and per function under 
   NamedTuples of them at any depth (a model's parameters, an optax state, a batch of NumPy
   columns: ``callsite.nested_signature``), read off the containers without flattening;
 - anything else (a registered node: an equinox module, a flax struct): jax's treedef and one
-  type per leaf (``callsite.tree_signature``).
+  type per leaf (``callsite.tree_signature``);
+- for a function with static arguments, the dynamic arguments' key as above with the static
+  values (positional, and keywords, which such a plan passes on) beside it (``static_key``,
+  ``lookup_static``): the Python path's alone.
 
 What a plan re-checks is the run-time half of ``callsite.donation_checks`` for the arguments it
 donates: under ``"safe"`` that the call holds the only reference to each donated argument and
@@ -32,12 +35,12 @@ nested signature (``runner``: None to call ``jit`` directly, else the plan's pla
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
-from autoopt import _compat
+from autoopt import _compat, _trace
 from autoopt._errors import FitCheck
 from autoopt._jit import _fit
 from autoopt.passes.donation import callsite
@@ -52,8 +55,9 @@ _KEY_ARRAY = _compat.KEY_ARRAY
 # ``key_entry``), so it never finds the plan of a key and leaves it to ``_call``, whose checks
 # read the key's data array too (the C path's do not: keep it from finding such plans).
 _entry = callsite.non_array_entry
-_CALL_REFS = callsite.CALL_REFS
+_CALL_REFS, _CALL_REFS_KW = callsite.CALL_REFS, callsite.CALL_REFS_KW
 _getrefcount = sys.getrefcount
+_shared_parts, _weakly_held = callsite.shared_parts, callsite.weakly_held
 _DEBUG_STATES = _compat.DEBUG_NANS_STATES
 _nested_signature, _tree_signature = callsite.nested_signature, callsite.tree_signature
 
@@ -86,6 +90,62 @@ def lookup_nested(plans: dict, args: tuple) -> Callable | None:
         return plans.get(nested[0])
     tree = _tree_signature(args)
     return None if tree is None else plans.get(tree[0])
+
+
+# The first item of a key with static arguments' values (``static_key``): never an aval or a
+# type, so such a key never equals one of ``flat_key``'s (the C path's included).
+STATIC_ARGS: Any = object()
+
+
+def static_key(
+    args: tuple, kwargs: dict, static_argnums: Sequence[int], static_argnames: Sequence[str]
+) -> tuple[tuple, tuple] | None:
+    """For a function with static arguments: ``(key, dynamic positional arguments)``, the key
+    holding the static values as the general path's signature holds them (each with its type,
+    compared by ``==``: ``_trace.strict_statics``, as jax.jit's cache compares them) and the
+    dynamic arguments' own key (``flat_key``, else their nested or tree signature); or None,
+    where no plan can be kept: a keyword that is not a static argument, an unhashable static
+    value (jax.jit's error then comes from the general path), arguments with no signature."""
+    for k in kwargs:
+        if k not in static_argnames:
+            return None
+    static_pos = _trace.normalize_static(static_argnums, len(args))
+    dyn = tuple([a for i, a in enumerate(args) if i not in static_pos])
+    if callsite.is_flat(dyn):
+        base = flat_key(dyn)
+    else:
+        nested = _nested_signature(dyn)
+        if nested is None:
+            tree = _tree_signature(dyn)
+            if tree is None:
+                return None
+            base = tree[0]
+        else:
+            base = nested[0]
+    statics = (
+        tuple([(i, type(args[i]), args[i]) for i in sorted(static_pos) if 0 <= i < len(args)]),
+        tuple([(k, type(kwargs[k]), kwargs[k]) for k in sorted(kwargs)]),
+    )
+    key = (STATIC_ARGS, base, statics)
+    try:
+        hash(key)
+    except Exception:  # noqa: BLE001 - an unhashable (or raising) static value: no plan
+        return None
+    return key, dyn
+
+
+def lookup_static(
+    plans: dict, args: tuple, kwargs: dict, static_argnums: Sequence[int], static_argnames
+) -> Callable | None:
+    """The plan of a call of a function with static arguments (``static_key``), or None. (The
+    dynamic arguments' tuple is gone when this returns: the plan counts references.)"""
+    keyed = static_key(args, kwargs, static_argnums, static_argnames)
+    if keyed is None:
+        return None
+    try:
+        return plans.get(keyed[0])
+    except Exception:  # noqa: BLE001 - a static value's __eq__ raised: the general path's error
+        return None
 
 
 def signature_of(args: tuple) -> tuple[Any, str, bool] | None:
@@ -172,26 +232,11 @@ def donating(
         plan._native = (jit, positions, None)  # pyright: ignore[reportFunctionMemberAccess]
 
     elif check_refs:
-        shared_parts, weakly_held = callsite.shared_parts, callsite.weakly_held
 
         def plan(args):
-            # The reference counts alone prove each donated argument, and every container and
-            # array inside it, the call's only (an array also passed elsewhere, or held by a
-            # program, counts more): the signature fixed everything else the general path's
-            # ``leaf_problem`` looks at. A deleted array inside a container is not looked for:
-            # jax's call raises for it before it donates any input, as the general path's plan
-            # would.
-            for p in positions:
-                if getrefcount(args[p]) > base:
-                    return MISS
-                if type(args[p]) is _ARRAY_IMPL:
-                    if args[p].is_deleted() or weakly_held(args[p]):
-                        return MISS
-                elif shared_parts(args[p]):  # (a typed key: its data array's count; weakrefs)
-                    return MISS
-                elif type(args[p]) is _KEY_ARRAY and args[p].is_deleted():
-                    return MISS
-            return MISS if nans.value or infs.value else run(args)
+            if _shared_or_gone(args, positions, base) or nans.value or infs.value:
+                return MISS
+            return run(args)
 
         plan._native = (  # pyright: ignore[reportFunctionMemberAccess]
             jit,
@@ -211,17 +256,100 @@ def donating(
             return run(args)
 
     else:
-        leaf_problem, distinct = callsite.leaf_problem, callsite.distinct_arrays
-        tree_leaves = jax.tree_util.tree_leaves
 
         def plan(args):
-            if not distinct(tree_leaves(args), const_ids, True):
+            if _twice_or_gone(args, positions, const_ids) or nans.value or infs.value:
                 return MISS
-            seen: set[int] = set()
-            for p in positions:
-                if leaf_problem(args[p], seen, False) is not None:
-                    return MISS
-            return MISS if nans.value or infs.value else run(args)
+            return run(args)
+
+    return plan
+
+
+def _shared_or_gone(args: tuple, positions: tuple, base: int) -> bool:
+    """The run-time check of a plan donating ``positions`` under "safe": the reference counts
+    alone prove each donated argument, and every container and array inside it, the call's
+    only (an array also passed elsewhere, or held by a program, counts more): the signature
+    fixed everything else the general path's ``leaf_problem`` looks at. A deleted array inside a
+    container is not looked for: jax's call raises for it before it donates any input, as the
+    general path's plan would. True: refused. (``args`` is the call's own tuple: an argument
+    bound to a name here would count one more.)"""
+    for p in positions:
+        if _getrefcount(args[p]) > base:
+            return True
+        if type(args[p]) is _ARRAY_IMPL:
+            if args[p].is_deleted() or _weakly_held(args[p]):
+                return True
+        elif _shared_parts(args[p]):  # (a typed key: its data array's count; weakrefs)
+            return True
+        elif type(args[p]) is _KEY_ARRAY and args[p].is_deleted():
+            return True
+    return False
+
+
+def _twice_or_gone(args: tuple, positions: tuple, const_ids: frozenset) -> bool:
+    """The run-time check of a plan donating ``positions`` under "auto": an array passed twice
+    or a constant of the program, or a deleted one. True: refused."""
+    if not callsite.distinct_arrays(jax.tree_util.tree_leaves(args), const_ids, True):
+        return True
+    seen: set[int] = set()
+    return any(callsite.leaf_problem(args[p], seen, False) is not None for p in positions)
+
+
+def _static_runner(jit: Any, placer: Any) -> Callable:
+    """``_runner`` for a function with static arguments: ``run(args, kwargs)``, the call's own
+    keywords passed on."""
+    if placer is None:
+
+        def run(args, kwargs):
+            try:
+                return jit(*args, **kwargs)
+            except FitCheck as e:
+                return _fit.first_call(e, jit, None, args, kwargs)
+
+    else:
+
+        def run(args, kwargs):
+            try:
+                return placer(jit, args, kwargs)
+            except FitCheck as e:
+                return _fit.first_call(e, jit, placer, args, kwargs)
+
+    return run
+
+
+def static_plan(
+    jit: Any,
+    positions: tuple,
+    placer: Any,
+    const_ids: frozenset,
+    check_refs: bool,
+    keywords: bool,
+) -> Callable:
+    """The plan of a signature with static arguments (``static_key``): ``plan(args, kwargs)``,
+    with ``donating``'s checks. The call's own static values are passed on, never the first
+    call's: values that compare equal share a plan (``0.0`` and ``-0.0``), and where jax traces
+    again (``jax.disable_jit()``, ``jax_enable_x64`` switched) it must see the values passed.
+    ``keywords``: the signature passes static keywords, whose call holds one more reference to
+    each positional argument (``callsite.CALL_REFS_KW``). Only ``OptimizedFunction._call``
+    calls these (the C path never finds their keys)."""
+    run = _static_runner(jit, placer)
+    if not positions:
+        return run
+    base = _CALL_REFS_KW if keywords else _CALL_REFS
+    nans, infs = _DEBUG_STATES
+    if check_refs:
+
+        def plan(args, kwargs):
+            if _shared_or_gone(args, positions, base) or nans.value or infs.value:
+                return MISS
+            return run(args, kwargs)
+
+    else:
+
+        def plan(args, kwargs):
+            if _twice_or_gone(args, positions, const_ids) or nans.value or infs.value:
+                return MISS
+            return run(args, kwargs)
 
     return plan
 
@@ -230,5 +358,10 @@ def donating(
 # trace context, ``x64`` or dtype promotion, is a first call there): see ``_fit.CATCHERS``.
 _fit.CATCHERS.update(
     run.__code__
-    for run in (_runner(None, None), _runner(None, object()))  # both variants
+    for run in (  # every variant
+        _runner(None, None),
+        _runner(None, object()),
+        _static_runner(None, None),
+        _static_runner(None, object()),
+    )
 )

@@ -275,7 +275,11 @@ def call_signature(
         dyn_tree, statics = (args, kwargs), ()
     leaves, treedef = tree_util.tree_flatten(dyn_tree)
     return _trace.Signature(
-        treedef, statics, len(args), tuple(map(_call_leaf_type, leaves)), _compat.trace_context()
+        treedef,
+        _trace.strict_statics(statics),
+        len(args),
+        tuple(map(_call_leaf_type, leaves)),
+        _compat.trace_context(),
     )
 
 

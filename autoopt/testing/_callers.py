@@ -112,7 +112,14 @@ def _step_raise(v, w):
     return v * 0.5 + w + io_callback(_raise_on_host, jax.ShapeDtypeStruct(v.shape, v.dtype), v)
 
 
+def _step_flag(v, w, training=False):
+    return v * 0.5 + w if training else v - w
+
+
 _CALLEES = {"step": _step, "step2": _step2, "step_raise": _step_raise}
+# Callees with a static argument (as a training step takes its flag): their plans are keyed by
+# its value (``_plans.static_key``).
+_STATIC_CALLEES = {"step_flag": (_step_flag, "training")}
 
 # The outputs of the ``unpack_<kind>`` callees (defined in the program's source, so each is a
 # function of its own), of ``s``, the sum of the arguments: tuples, nested tuples, lists and
@@ -227,6 +234,10 @@ TEMPLATES: dict[str, str] = {
     # the rebinding calls the proof accepts (instrumented: ``_note`` counts donations)
     "call": "_p = _ptr({V})\n{V} = step({V}, {W})\n_note(_p, {V})",
     "call_kw": "_p = _ptr({V})\n{V} = step({V}, w={W})\n_note(_p, {V})",
+    "call_flag": "_p = _ptr({V})\n{V} = step_flag({V}, {W}, training=_flag)\n_note(_p, {V})",
+    "call_flag_pos": "_p = _ptr({V})\n{V} = step_flag({V}, {W}, not _flag)\n_note(_p, {V})",
+    "call_flag_w": "{V} = step_flag({V}, w={W}, training=True)",
+    "flag_flip": "_flag = not _flag",
     "call_tuple": "{V}, {W} = step2({V}, {W})",
     "call_same_twice": "{V} = step({V}, {V})",
     "call_local_alias": "s = step\n{V} = s({V}, {W})",
@@ -934,7 +945,7 @@ def _module_path() -> str:
 
 
 def run_caller_program(
-    source: str, wrap: Callable[[Callable], Callable], reference: bool = False
+    source: str, wrap: Callable[..., Callable], reference: bool = False
 ) -> CallerResult:
     """Run ``source`` in a fresh module whose callees are ``wrap(callee)`` (the ones it defines
     itself too: ``@_wrap``), then its ``main``. ``reference``: this is the jax.jit run, whose
@@ -968,6 +979,12 @@ def run_caller_program(
         "_nnx_check": functools.partial(_nnx_check, reference),
         "_wrap": wrap,
         **{name: wrap(fn) for name, fn in _CALLEES.items()},
+        # (only where the program calls them: a ``wrap`` may take no options)
+        **{
+            name: wrap(fn, static_argnames=s)
+            for name, (fn, s) in _STATIC_CALLEES.items()
+            if name in source
+        },
     }
     # jax logs a failing callback's traceback before raising: the raise is what is compared
     quiet = logging.getLogger("jax._src.callback")
@@ -989,10 +1006,10 @@ def run_caller_program(
     return CallerResult(values, error, donated[0], list(namespace.get("_watch_errors", [])))
 
 
-def _autoopt(fn: Callable) -> Callable:
+def _autoopt(fn: Callable, **options: Any) -> Callable:
     from autoopt._jit import optimize
 
-    return optimize(fn, donate="safe", fallback="raise")
+    return optimize(fn, donate="safe", fallback="raise", **options)
 
 
 def _deleted(error: str | None) -> bool:

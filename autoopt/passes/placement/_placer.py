@@ -462,7 +462,9 @@ class Placer:
         else:
             dyn, statics = (args, kwargs), ()
         leaves, treedef = tree_util.tree_flatten(dyn)
-        feed = self._feeds.get(treedef)
+        # (by the positional arguments' count too: with static positions, `f(d)` and
+        # `f(d, True)` share the dynamic tree, and a layout unpacks to its own count)
+        feed = self._feeds.get((treedef, len(args)))
         # One call in 64 takes the full scan anyway: it sweeps the constant cache and sees a
         # leaf that became a NumPy array where the feed had none.
         if feed is not None and (self.stats.calls_scanned + 1) & 63:
@@ -641,7 +643,7 @@ class Placer:
             n = len(types)
             args_jit = _arg_plan(args, set(), set(), n)
             args_pack = _arg_plan(args, set(pack), set(pack), n)
-        feed = self._feeds[treedef] = _Feed(
+        feed = self._feeds[(treedef, len(args))] = _Feed(
             arrays=tuple(arrays),
             types=types,
             shapes=[x.shape for x in xs],
