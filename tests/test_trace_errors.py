@@ -211,3 +211,39 @@ def test_no_autoopt_frames_aot(entry):
     ours = _error(lambda: getattr(autoopt.optimize(fn, **jit_kw), entry)(*args, **kwargs))
     assert _ours(_frames(ours)) == []
     _check_user_frames(ours, "step")
+
+
+# --- an equinox Module's traced flag -----------------------------------------------------------
+
+
+def test_a_traced_equinox_flag_raises_jax_jits_error_with_what_to_do():
+    """``autoopt.optimize(loss)(model, ...)`` with a Dropout in the model: jax.jit traces its
+    Python ``inference`` flag and raises TracerBoolConversionError, and so does autoopt (the
+    drop-in's semantics); eqx.filter_jit makes the flag static. autoopt's error is jax.jit's,
+    with a note saying what to do (a new user read the error as autoopt's bug)."""
+    eqx = pytest.importorskip("equinox")
+
+    class Model(eqx.Module):
+        lin: eqx.nn.Linear
+        drop: eqx.nn.Dropout
+
+    def loss(m, x, key):
+        return jnp.sum(m.drop(jax.nn.relu(m.lin(x)), key=key))
+
+    m = Model(eqx.nn.Linear(4, 4, key=jax.random.key(0)), eqx.nn.Dropout(0.1))
+    args = (m, jnp.ones(4), jax.random.key(1))
+    with pytest.raises(jax.errors.TracerBoolConversionError) as want:
+        jax.jit(loss)(*args)
+    with pytest.raises(jax.errors.TracerBoolConversionError) as got:
+        autoopt.optimize(loss)(*args)
+    assert str(got.value) == str(want.value)
+    notes = " ".join(getattr(got.value, "__notes__", ()))
+    assert "eqx.filter_jit" in notes and "eqx.field(static=True)" in notes, notes
+    assert float(eqx.filter_jit(loss)(*args)) == float(eqx.filter_jit(loss)(*args))
+
+    def plain(x, flag):  # no Module among the arguments: jax.jit's error as it is
+        return x * 2 if flag else x
+
+    with pytest.raises(jax.errors.TracerBoolConversionError) as bare:
+        autoopt.optimize(plain)(jnp.ones(2), True)
+    assert not any("equinox" in n for n in getattr(bare.value, "__notes__", ()))

@@ -826,6 +826,7 @@ class OptimizedFunction(_CallBase):
             # autoopt's frames and jax's left out of the traceback, as jax.jit leaves its own
             # (not a wrapper: the body reads its caller's frame)
             _compat.filter_traceback(e)
+            _static_leaves.note_traced_module_fields(e, args, kwargs)
             raise
         check.__traceback__ = None  # (a cycle through this frame: see _fit.first_call)
         try:
@@ -833,6 +834,7 @@ class OptimizedFunction(_CallBase):
             return self._run(self._dispatch(site, args, kwargs), args, kwargs)
         except Exception as e:
             _compat.filter_traceback(e)
+            _static_leaves.note_traced_module_fields(e, args, kwargs)
             raise
 
     if not NATIVE:
@@ -1462,6 +1464,7 @@ class _BoundOptimized:
             # autoopt's frames and jax's left out of the traceback, as jax.jit leaves its own
             # (not a wrapper: the body reads its caller's frame)
             _compat.filter_traceback(e)
+            _static_leaves.note_traced_module_fields(e, (self._instance, *args), kwargs)
             raise
 
     @_compat.api_boundary

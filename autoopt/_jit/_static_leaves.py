@@ -306,6 +306,36 @@ def structural_key(x: Any, _depth: int = 0) -> Hashable:
     return ("id", id(x))
 
 
+# What a traced Python flag or number raises when the function branches on it or uses it as a
+# size (``if self.inference:``, ``range(self.depth)``).
+_CONCRETE_ERRORS = (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError)
+_EQX_NOTE = (
+    "autoopt: an argument is an equinox Module. autoopt.optimize traces its Python bool and "
+    "number fields as jax.jit does (a Dropout's or BatchNorm's `inference`), where "
+    "eqx.filter_jit makes them static: decorate the function with eqx.filter_jit (which "
+    "autoopt.patch() routes through autoopt), mark the field static (eqx.field(static=True)), "
+    "or pass the flag as a static argument (static_argnames)."
+)
+
+
+def note_traced_module_fields(error: BaseException, args: tuple, kwargs: dict) -> None:
+    """Add to a trace error from a traced flag (``_CONCRETE_ERRORS``) what to do when an
+    argument holds an equinox Module (whose users expect eqx.filter_jit's static fields).
+    Never raises; the error's type and message stay jax's."""
+    eqx = sys.modules.get("equinox")
+    if eqx is None or not isinstance(error, _CONCRETE_ERRORS):
+        return
+    try:
+        if _EQX_NOTE in getattr(error, "__notes__", ()):
+            return
+        module = eqx.Module
+        leaves = tree_util.tree_leaves((args, kwargs), is_leaf=lambda x: isinstance(x, module))
+        if any(isinstance(x, module) for x in leaves):
+            error.add_note(_EQX_NOTE)
+    except Exception:  # noqa: BLE001 - a hint, never a second error
+        pass
+
+
 def split_tree(where, value) -> tuple[Any, tuple | None]:
     """``(value with its non-array leaves set to None, (where, treedef, ((index, Static), ...)))``;
     the second is None when every leaf is an array. A non-array leaf that may change under the
