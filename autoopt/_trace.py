@@ -19,7 +19,19 @@ from autoopt import _compat
 
 
 def normalize_static(argnums: Sequence[int], nargs: int) -> frozenset[int]:
-    return frozenset(i + nargs if i < 0 else i for i in argnums)
+    """The static positions of a call of ``nargs`` positional arguments: a negative index
+    counts from the end, one past the arguments is ignored (an optional argument not passed),
+    one before the first raises jax.jit's error."""
+    out = []
+    for i in argnums:
+        if i < -nargs:
+            raise ValueError(  # (jax's api_util._ensure_inbounds, word for word)
+                "Positional argument indices, e.g. for `static_argnums`, must have value "
+                "greater than or equal to -len(args) and less than len(args), but got value "
+                f"{i} for len(args) == {nargs}."
+            )
+        out.append(i + nargs if i < 0 else i)
+    return frozenset(out)
 
 
 def split_args(

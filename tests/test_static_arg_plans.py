@@ -185,3 +185,18 @@ def test_packed_host_arguments_keep_a_static_position_added_later():
     calls = [((), {})] * 3 + [((True,), {})] * 3 + [((), {"training": True})] * 2
     for extra, kw in calls:
         np.testing.assert_array_equal(f(batch(), *extra, **kw), g(batch(), *extra, **kw))
+
+
+def test_a_negative_static_position_before_the_first_argument_raises_jax_jits_error():
+    def step(x, a=1.0, b=2.0):
+        return x + a + b
+
+    f = autoopt.optimize(step, static_argnums=-3)
+    g = jax.jit(step, static_argnums=-3)
+    x = jnp.ones(2)
+    for args in [(x,), (x, 1.0)]:  # (b6538a5 raised IndexError)
+        with pytest.raises(ValueError) as want:
+            g(*args)
+        with pytest.raises(ValueError) as got:
+            f(*args)
+        assert str(got.value) == str(want.value)
