@@ -564,3 +564,24 @@ def test_a_saving_no_call_has_made_says_whose_it_is():
         head = _headline(report)
         assert "256.0 KiB saved (memory table)" in head, head
         assert ("where a call rebinds its arguments" in head) == conditional, head
+
+
+def test_a_tiny_argument_that_can_be_donated_is_left_to_verbose():
+    """A sampler's report showed five 15-line "can be donated" rows, three for a 4- or 8-byte
+    scalar (a new user, 2026-12-07): under 1 KiB such a row is left to ``verbose``."""
+
+    def can(arg, nbytes):
+        return autoopt.Finding(
+            "donate",
+            False,
+            f"`{arg}` (1 leaves, {nbytes:,} bytes) can be donated",
+            "s.py:3",
+            bytes_saved=nbytes,
+            details={"arg": arg, "name": arg, "aliasable": True},
+        )
+
+    report = autoopt.Report(findings=[can("lp", 4), can("key", 8), can("hist", 64_000)])
+    shown = [f.details["arg"] for f, _ in report.shown()]
+    assert shown == ["hist"], shown
+    assert len(report.shown(verbose=True)) == 3
+    assert "(2 that change nothing not shown" in _headline(report)

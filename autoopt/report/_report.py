@@ -84,9 +84,9 @@ class Report:
         """The findings the printed table shows, each with the locations of the findings it
         stands for (the same kind, outcome and message, e.g. once per layer: one row with a
         count). Unless ``verbose``, findings that changed nothing and teach nothing are left
-        out: an argument no output can reuse, a transfer scan that found no host value, and a
+        out: an argument no output can reuse, a transfer scan that found no host value, a
         function-level "can be donated" for an argument a recorded call site did donate (its
-        row says what happened at that call)."""
+        row says what happened at that call), or for one under 1 KiB."""
         findings = self.findings if verbose else [f for f in self.findings if not _noise(f, self)]
         groups: dict[tuple, tuple[Finding, list[str | None]]] = {}
         for f in findings:
@@ -428,12 +428,20 @@ def _memory_before_after(inspection, args: tuple, kwargs: dict) -> dict[str, dic
 # --- rendering ---------------------------------------------------------------------------------
 
 
+# Below this, a function-level "can be donated" row is left to verbose: donating a scalar or a
+# counter saves nothing a user would act on (a sampler's report had five 15-line rows, three of
+# them for 4- and 8-byte arguments).
+_SMALL_DONATION_BYTES = 1024
+
+
 def _noise(f: Finding, report: Report) -> bool:
     """A finding the default table leaves out (``Report.shown``)."""
     d = f.details or {}
     if f.kind == "donate" and not f.applied:
         if d.get("aliasable") is False:
             return True  # no output can reuse it: nothing to do, nothing to learn
+        if "site" not in d and f.bytes_saved is not None and f.bytes_saved < _SMALL_DONATION_BYTES:
+            return True
         if "site" not in d and "arg" in d:  # the function-level "can be donated"
             return any(
                 g.kind == "donate"
