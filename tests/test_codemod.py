@@ -1042,7 +1042,7 @@ def test_plan_for_a_library_function_says_it_is_a_library(tmp_path):
     try:
         import somelib_autoopt_test as somelib
 
-        report = autoopt.explain(somelib.g, jnp.zeros(4))
+        report = autoopt.explain(somelib.g, jnp.zeros(1024))  # (a row under 1 KiB: verbose only)
     finally:
         sys.path.remove(str(lib))
     [f] = [f for f in report.findings if f.kind == "donate" and f.details.get("aliasable")]
