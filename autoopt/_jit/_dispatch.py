@@ -569,24 +569,30 @@ def plan_kept(of: Planned, args: tuple, kwargs: dict, site: Any) -> CallPlan:
     plan = plan_for(of, program, program.decide(None if fresh else ((), ())), (), ())
     plans = site.plans
     if plan.direct and not program.lost_updates and len(plans) < FAST_ENTRIES:
-        policy = of._policy
-        if policy.has_static:  # (the key holds the static values: ``_plans.static_key``)
-            keyed = _plans.static_key(args, kwargs, policy.static_argnums, policy.static_argnames)
-            found = None if keyed is None else _plans.signature_of(keyed[1])
-            sig = None if keyed is None else keyed[0]
-            del keyed
-        else:
-            found = None if kwargs else _plans.signature_of(args)
-            sig = None if found is None else found[0]
+        found = _plan_key(of._policy, args, kwargs)
         if found is not None:
-            lean = not found[2] and not placer_needed(of, program)
+            sig, _, host = found
+            lean = not host and not placer_needed(of, program)
             placer = None if lean else plan.placer
             plans[sig] = (
                 _plans.static_plan(plan.jit, (), placer, frozenset(), True, bool(kwargs))
-                if policy.has_static
+                if of._policy.has_static
                 else _plans.kept(plan.jit, placer)
             )
     return plan
+
+
+def _plan_key(policy: Policy, args: tuple, kwargs: dict) -> tuple[Any, str, bool] | None:
+    """``(key, kind, host)`` a call's plan is kept under (``_plans.signature_of``; with static
+    arguments ``_plans.static_key``, the kind and host leaves those of the dynamic arguments),
+    or None where it can have none."""
+    if policy.has_static:
+        keyed = _plans.static_key(args, kwargs, policy.static_argnums, policy.static_argnames)
+        if keyed is None:
+            return None
+        found = _plans.signature_of(keyed[1])
+        return None if found is None else (keyed[0], found[1], found[2])
+    return None if kwargs else _plans.signature_of(args)
 
 
 # callsite's reason for an argument written as an expression (a fresh value, not a name)
@@ -636,22 +642,10 @@ def remember_fast(
     twice) on every call.
     """
     policy = of._policy
-    if policy.has_static:
-        keyed = _plans.static_key(args, kwargs or {}, policy.static_argnums, policy.static_argnames)
-        if keyed is None:
-            return
-        sig, found = keyed[0], _plans.signature_of(keyed[1])
-        del keyed  # (it holds the arguments)
-        if found is None:
-            return
-        _, kind, host = found
-    else:
-        if kwargs:
-            return
-        found = _plans.signature_of(args)
-        if found is None:
-            return
-        sig, kind, host = found
+    found = _plan_key(policy, args, kwargs or {})
+    if found is None:
+        return
+    sig, kind, host = found
     is_donatable: Callable = callsite.is_array if kind == "flat" else callsite.all_array_leaves
     program = program or of._program_for_call(args, kwargs or {})
     if program is None:

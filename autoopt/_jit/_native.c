@@ -1088,28 +1088,24 @@ typedef struct {
     PyObject *weakrefs; /* (jax keeps weak references to the functions it is given) */
 } HoldsSignals;
 
-static PyObject *
-hs_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
-{
-    HoldsSignals *self = (HoldsSignals *)op;
-    if (!deep_on && held_type == NULL && holding_here() && _PyRuntime.main_thread != 0)
-        deep_begin(); /* (main_thread 0 already: a fork's child, or another such hack) */
-    return PyObject_Vectorcall(self->inner, args, nargsf, kwnames);
-}
-
 static PyTypeObject HoldsSignalsType;
 
-/* What ``run_jit`` calls for ``jit`` (borrowed, valid while ``jit`` is): a ``HoldsSignals``'s
- * jit object, its hold begun as ``hs_vectorcall`` begins it (one call layer fewer), else
- * ``jit``. */
+/* What a call of ``jit`` calls (borrowed, valid while ``jit`` is): a ``HoldsSignals``'s jit
+ * object, the hold begun (``run_jit`` calls it directly: one call layer fewer), else ``jit``. */
 static PyObject *
 hs_target(PyObject *jit)
 {
     if (Py_TYPE(jit) != &HoldsSignalsType)
         return jit;
     if (!deep_on && held_type == NULL && holding_here() && _PyRuntime.main_thread != 0)
-        deep_begin();
+        deep_begin(); /* (main_thread 0 already: a fork's child, or another such hack) */
     return ((HoldsSignals *)jit)->inner;
+}
+
+static PyObject *
+hs_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    return PyObject_Vectorcall(hs_target(op), args, nargsf, kwnames);
 }
 
 /* ``suspend_deep()``: called as a trace of the wrapper starts: handlers run again on this

@@ -728,28 +728,26 @@ def _after_every_call(ref: cst.CSTNode, calls: list, scope: cst.CSTNode, cmd) ->
     """``ref`` can only run after every one of ``calls`` (the function's calls in ``scope``,
     the scope ``ref`` reads the name in): it comes after the last of them in the source, and
     no loop around it holds one (a loop is the only way back to an earlier line of a scope; a
-    new call of the scope's function has names of its own)."""
+    new call of the scope's function has names of its own). Positions tell both: a loop around
+    ``ref`` ends after every call, so it holds one exactly when it starts before the last."""
     if not calls:
         return False
-    at = cast(CodeRange, cmd.get_metadata(PositionProvider, ref)).start
-    for call in calls:
-        end = cast(CodeRange, cmd.get_metadata(PositionProvider, call)).end
-        if (at.line, at.column) <= (end.line, end.column):
-            return False
+
+    def span(node) -> CodeRange:
+        return cast(CodeRange, cmd.get_metadata(PositionProvider, node))
+
+    def at(p) -> tuple[int, int]:
+        return p.line, p.column
+
+    if at(span(ref).start) <= max(at(span(c).end) for c in calls):
+        return False
+    last_start = max(at(span(c).start) for c in calls)
     node = cmd.get_metadata(ParentNodeProvider, ref, None)
     while node is not None and node is not scope:
-        if isinstance(node, cst.For | cst.While) and any(_inside(c, node, cmd) for c in calls):
+        if isinstance(node, cst.For | cst.While) and at(span(node).start) <= last_start:
             return False
         node = cmd.get_metadata(ParentNodeProvider, node, None)
     return True
-
-
-def _inside(node: cst.CSTNode, outer: cst.CSTNode, cmd) -> bool:
-    while node is not None:
-        if node is outer:
-            return True
-        node = cmd.get_metadata(ParentNodeProvider, node, None)
-    return False
 
 
 def _nested(ref: cst.CSTNode, scope: cst.CSTNode, cmd) -> bool:
