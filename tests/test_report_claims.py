@@ -585,3 +585,65 @@ def test_a_tiny_argument_that_can_be_donated_is_left_to_verbose():
     assert shown == ["hist"], shown
     assert len(report.shown(verbose=True)) == 3
     assert "(2 that change nothing not shown" in _headline(report)
+
+
+def test_the_arguments_a_function_can_donate_are_one_row():
+    """The same sampler's report had one 5-line "can be donated" row per argument, each ending
+    with the same reason for no source edit (a new user, 2026-12-07): one row lists them all,
+    with their total bytes and the outputs each can reuse. The findings stay one per argument
+    (the codemod and the figures read them); a tiny argument stays left to ``verbose``."""
+
+    def sample(key, pos, mom, grad):
+        key, _ = jax.random.split(key)
+        mom = mom + 0.1 * grad
+        pos = pos + 0.1 * mom
+        return key, pos, mom, -pos
+
+    args = (jax.random.PRNGKey(0), jnp.ones((64, 32)), jnp.zeros((64, 32)), jnp.zeros((64, 32)))
+    report = autoopt.explain(sample, *args)
+    can = [f for f in report.findings if f.kind == "donate" and "can be donated" in f.message]
+    assert sorted(f.details["name"] for f in can) == ["grad", "key", "mom", "pos"], can
+    rows = [f for f, _ in report.shown() if f.kind == "donate"]
+    assert len(rows) == 1, [f.message for f in rows]
+    row = rows[0]
+    assert row.details["names"] == ("pos", "mom", "grad"), row.details
+    assert row.bytes_saved == 3 * 64 * 32 * 4
+    assert "`pos`, `mom` and `grad` (3 arguments, 24,576 bytes) can be donated" in row.message
+    assert "pos: out[1]" in row.message and "grad: out[3]" in row.message, row.message
+    note = row.details.get("source_edit")
+    assert note and row.message.count("No source edit") == 1, row.message
+    text = report.render(color=False, width=1000)
+    assert text.count("can be donated") == 1, text
+    assert "(1 that change nothing not shown" in _headline(report)
+    # verbose: the key's row too, and still one row for the three large ones
+    verbose = [f for f, _ in report.shown(verbose=True) if f.kind == "donate"]
+    assert [f.details["names"] for f in verbose] == [("key", "pos", "mom", "grad")], verbose
+
+
+def test_can_be_donated_rows_with_different_reasons_stay_apart():
+    """Merged only where the findings say the same about the source: a different reason for
+    no source edit is a row of its own."""
+
+    def can(name, arg, note):
+        return autoopt.Finding(
+            "donate",
+            False,
+            f"`{name}` (4,096 bytes) can be donated",
+            "s.py:3",
+            bytes_saved=4096,
+            details={
+                "arg": arg,
+                "name": name,
+                "aliasable": True,
+                "outputs": (f"out[{arg}]",),
+                "source_edit": note,
+            },
+        )
+
+    report = autoopt.Report(
+        findings=[can("a", 0, "reason one"), can("b", 1, "reason two"), can("c", 2, "reason one")]
+    )
+    rows = [f for f, _ in report.shown()]
+    assert len(rows) == 2, [f.message for f in rows]
+    assert rows[0].details["names"] == ("a", "c") and rows[0].bytes_saved == 8192
+    assert rows[1].details["name"] == "b"

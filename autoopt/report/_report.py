@@ -86,16 +86,34 @@ class Report:
         count). Unless ``verbose``, findings that changed nothing and teach nothing are left
         out: an argument no output can reuse, a transfer scan that found no host value, a
         function-level "can be donated" for an argument a recorded call site did donate (its
-        row says what happened at that call), or for one under 1 KiB."""
+        row says what happened at that call), or for one under 1 KiB. A function's "can be
+        donated" findings sharing a reason for no source edit are one row
+        (``donation.merged``)."""
+        from autoopt.passes.donation import mergeable, merged
+
         findings = self.findings if verbose else [f for f in self.findings if not _noise(f, self)]
         groups: dict[tuple, tuple[Finding, list[str | None]]] = {}
+        together: dict[tuple, list[Finding]] = {}
         for f in findings:
-            key = (f.kind, f.applied, f.message)
+            if mergeable(f):
+                key = ("merged", f.location, (f.details or {}).get("source_edit"))
+                together.setdefault(key, []).append(f)
+                if key in groups:
+                    continue
+            else:
+                key = (f.kind, f.applied, f.message)
             if key in groups:
                 groups[key][1].append(f.location)
             else:
                 groups[key] = (f, [f.location])
+        for key, fs in together.items():
+            if len(fs) > 1:
+                groups[key] = (merged(fs), [fs[0].location])
         return list(groups.values())
+
+    def hidden(self, verbose: bool = False) -> int:
+        """How many findings ``shown`` leaves out (none when ``verbose``)."""
+        return 0 if verbose else sum(1 for f in self.findings if _noise(f, self))
 
     # --- building ------------------------------------------------------------------------------
 
@@ -595,7 +613,7 @@ def _render_summary(report: Report, console: Any, verbose: bool = False) -> None
             head += f"; {format_bytes(saved)} saved (sum over findings and call sites)"
     if transfers:
         head += f"; {transfers} transfers avoided per call"
-    hidden = len(findings) - sum(len(locs) for _, locs in rows)
+    hidden = report.hidden(verbose)
     if hidden:
         head += f" ({hidden} that change nothing not shown: render(verbose=True) shows them)"
     console.print(head)

@@ -11,6 +11,16 @@ from autoopt.passes.donation._pass import (
     donation,
     host_callbacks,
     match_donations,
+    mergeable,
+    merged,
 )
 
-__all__ = ["PASS", "donatable_args", "donation", "host_callbacks", "match_donations"]
+__all__ = [
+    "PASS",
+    "donatable_args",
+    "donation",
+    "host_callbacks",
+    "match_donations",
+    "mergeable",
+    "merged",
+]

@@ -91,6 +91,56 @@ def host_callbacks(closed) -> tuple[str, ...]:
     return hit
 
 
+def _size(leaves: Sequence[int], total: int) -> str:
+    return f"{total:,} bytes" if len(leaves) == 1 else f"{len(leaves)} leaves, {total:,} bytes"
+
+
+def mergeable(f: Finding) -> bool:
+    """A function-level "can be donated" finding (``donation``'s, for one argument an output
+    can reuse, before any call site donated it): the report shows those of one function in one
+    row (``merged``)."""
+    d = f.details or {}
+    return (
+        f.kind == "donate"
+        and not f.applied
+        and d.get("aliasable") is True
+        and "arg" in d
+        and "outputs" in d
+        and "site" not in d
+        and not d.get("host_callbacks")
+    )
+
+
+def merged(findings: Sequence[Finding]) -> Finding:
+    """One finding standing for several ``mergeable`` ones of the same function (the report's
+    row: a sampler's report had one 5-line row per argument, each ending with the same reason
+    for no source edit, ``details["source_edit"]``, which the findings must share)."""
+    first = findings[0]
+    names = [f"`{f.details['name']}`" for f in findings]
+    listed = ", ".join(names[:-1]) + f" and {names[-1]}"
+    total = sum(f.bytes_saved or 0 for f in findings)
+    reuse = "; ".join(f"{f.details['name']}: {', '.join(f.details['outputs'])}" for f in findings)
+    message = (
+        f"{listed} ({len(findings)} arguments, {total:,} bytes) can be donated: each has an "
+        f"output of the same shape and dtype for every leaf ({reuse}). Donated when the caller "
+        "rebinds them (`a, b = f(a, b, ...)`) under donate='safe', always under donate='auto'."
+    )
+    note = first.details.get("source_edit")
+    if note:
+        message += f" No source edit: {note}."
+    return first.replace(
+        message=message,
+        bytes_saved=total,
+        details={
+            "args": tuple(f.details["arg"] for f in findings),
+            "names": tuple(f.details["name"] for f in findings),
+            "aliasable": True,
+            "merged": len(findings),
+            **({"source_edit": note} if note else {}),
+        },
+    )
+
+
 def _arg_label(arg) -> str:
     return f"argument {arg}" if isinstance(arg, int) else f"keyword argument {arg!r}"
 
@@ -126,7 +176,7 @@ def donation(closed, ctx: PassContext) -> PassResult:
                         location=ctx.fn_location,
                         bytes_saved=None,
                         message=(
-                            f"`{root}` ({len(leaves)} leaves, {total:,} bytes) has an output to "
+                            f"`{root}` ({_size(leaves, total)}) has an output to "
                             "reuse its buffer but is not donated under donate='safe': the "
                             f"program calls back into Python ({', '.join(callbacks)}), and a "
                             "callback that raises would leave the caller's variable bound to a "
@@ -152,16 +202,22 @@ def donation(closed, ctx: PassContext) -> PassResult:
                     location=ctx.fn_location,
                     bytes_saved=total,
                     message=(
-                        f"`{root}` ({len(leaves)} leaves, {total:,} bytes) donated at every "
+                        f"`{root}` ({_size(leaves, total)}) donated at every "
                         f"call (donate='auto'): every leaf has an output of the same shape and "
                         f"dtype ({outs})."
                         if auto
-                        else f"`{root}` ({len(leaves)} leaves, {total:,} bytes) can be donated: "
+                        else f"`{root}` ({_size(leaves, total)}) can be donated: "
                         f"every leaf has an output of the same shape and dtype ({outs}). "
                         f"Donated when the caller rebinds it (`{root} = f({root}, ...)`) under "
                         "donate='safe', always under donate='auto'."
                     ),
-                    details={"arg": arg, "name": root, "leaves": leaves, "aliasable": True},
+                    details={
+                        "arg": arg,
+                        "name": root,
+                        "leaves": leaves,
+                        "aliasable": True,
+                        "outputs": tuple(out_names),
+                    },
                 )
             )
         else:
