@@ -971,6 +971,70 @@ def test_adding_into_zeros_keeps_the_sign_of_zero_as_the_scatter_does():
             assert np.array_equal(np.signbit(want), np.signbit(got)), (fn.__name__, i)
 
 
+_ZEROS_NP = np.zeros(10, np.float32)
+_KNOWN_OPERANDS = {
+    "broadcast": lambda u: jnp.zeros(10),
+    "reshaped": lambda u: jnp.zeros((2, 5)).reshape(10),
+    "closed-over NumPy": lambda u: jnp.asarray(_ZEROS_NP),
+    "padding": lambda u: jnp.pad(u, (0, 7)),
+    "concatenated": lambda u: jnp.concatenate([u, jnp.zeros(7)]),
+    "updated zeros": lambda u: lax.dynamic_update_slice(jnp.zeros(10), u, (0,)),
+}
+
+
+@pytest.mark.parametrize("operand", list(_KNOWN_OPERANDS))
+def test_adding_into_values_xla_knows_keeps_the_sign_of_zero_as_jit_does(operand):
+    """Found in the fifth review: the window was read through a barrier only for an operand
+    that is a literal or a broadcast of one, so zeros reshaped or closed over (an HLO
+    constant) were folded (``0 + -0.0`` -> -0.0) where jit's block scatter gives +0.0; and
+    the barrier made ``jnp.zeros(n).at[i].add(-0.0)`` +0.0 where jit, whose one-point scatter
+    XLA folds the same way, gives -0.0. A write of several points reads through a barrier,
+    one point does not (``opaque_window``), at constant and computed starts alike."""
+    make = _KNOWN_OPERANDS[operand]
+    u = jnp.full((3,), -0.0, jnp.float32)
+    writes = {
+        "one point": lambda u, i: make(u).at[i % 7].add(u[0]),
+        "one point, constant": lambda u, i: make(u).at[4].add(u[0]),
+        "block": lambda u, i: make(u).at[(i % 7) + jnp.arange(3)].add(u),
+        "block, constant": lambda u, i: make(u).at[4 + jnp.arange(3)].add(u),
+        "subtract": lambda u, i: make(u).at[(i % 7) + jnp.arange(3)].subtract(-u),
+    }
+    for name, fn in writes.items():
+        for i in (0, 4, -1):
+            want = np.asarray(jax.jit(fn)(u, i)).view(np.uint32)
+            for opts in ({}, {"window_blend_min_bytes": 0}):
+                got = np.asarray(autoopt.optimize(fn, **opts)(u, i)).view(np.uint32)
+                assert np.array_equal(want, got), (name, i, opts, want, got)
+        blended = jax.jit(lambda u, i: autoopt.update_window(make(u), i, u, size=3, op="add"))
+        at = jax.jit(lambda u, i: make(u).at[i + jnp.arange(3)].add(u))
+        for i in (-2, 0, 4, 8):
+            assert np.array_equal(
+                np.asarray(blended(u, i)).view(np.uint32), np.asarray(at(u, i)).view(np.uint32)
+            ), i
+
+
+def test_a_reduction_over_an_empty_axis_is_its_identity_not_its_inputs():
+    """Found in the fifth review: ``jnp.max(empty, initial=-20)`` is -20 at run time (the max of
+    no values is the dtype's minimum), which range analysis took for the empty operand's (no)
+    values, so the index was "proven" in bounds and the out-of-bounds write, which ``.at``
+    drops, landed on row 0."""
+
+    def f(x):
+        return x.at[jnp.max(jnp.zeros((0,), jnp.int32), initial=-20)].set(-1.0)
+
+    def g(x):
+        return x.at[jnp.where(jnp.all(jnp.zeros((0,), bool)), 50, 3)].add(100)
+
+    assert_exact(f, jnp.arange(10.0))
+    assert_exact(g, jnp.arange(10))
+
+    def empty():  # zeros broadcast from a literal: range analysis knows them all to be 0
+        return jnp.zeros((3, 0), jnp.int32)
+
+    for reduce in (lax.reduce_max, lax.reduce_min, lax.reduce_and, lax.reduce_or):
+        assert _out_range(lambda i, r=reduce: r(empty(), (1,)) + 0 * i, 5) == I32, reduce
+
+
 def _range_analyses(fn, *args) -> int:
     """How many times an optimized first call runs the range analysis (counted by the
     profiler, by function name)."""

@@ -444,6 +444,25 @@ def _combiner(eqn: JaxprEqn):
     return combine
 
 
+def opaque_window(combine):
+    """``combine`` reading the window's current values through a barrier, for a write of more
+    than one point. XLA:CPU expands a scatter into a loop over its points; one point's loop
+    runs once and is inlined, and then, where XLA knows the operand's values (zeros, a
+    reshape of them, a closed-over NumPy array, padding), it folds ``0 + u`` to ``u`` in the
+    scatter as it does in ``DUS(x, DS(x) + u)``: a -0.0 update stays -0.0 either way. Over
+    several points the loop stays and nothing is folded (0 + -0.0 is +0.0), so the rewrite's
+    window must not be folded either: the transpose of a gather (``zeros.at[i +
+    arange(k)].add(g)``) is this case. (No cost measured: XLA still fuses the read into the
+    write, benchmarks/RESULTS.md.)"""
+    if combine is None:
+        return None
+
+    def opaque(cur, upd):
+        return combine(lax.optimization_barrier(cur), upd)
+
+    return opaque
+
+
 def _fallback(eqn: JaxprEqn, invals):
     with jax.named_scope(_FALLBACK_SCOPE):
         return _jaxpr._bind(eqn, invals)[0]
@@ -548,10 +567,6 @@ class _Decision:
     window: _Window
     guard: str  # "none" | "clamp" | "select" | "cond"
     combine: Any = None
-    # The operand is a broadcast constant that XLA could fold into the combiner (``0 + u`` ->
-    # ``u`` turns a -0.0 update into -0.0 where the scatter's 0 + -0.0 is +0.0): read it
-    # through a barrier. The transpose of a gather (``zeros.at[...].add(g)``) is this case.
-    opaque_operand: bool = False
     # In a loop body the blend's extra runs are unrolled passes: a nested while_loop there
     # makes XLA build the update every iteration and costs its own overhead each time.
     in_loop: bool = False
@@ -666,23 +681,11 @@ def _decide_gather(facts: _ranges.Facts, eqn: JaxprEqn) -> _Decision | None:
     return _Decision(w, "cond")
 
 
-def _broadcast_constant(facts: _ranges.Facts, atom) -> bool:
-    """``atom`` is a literal, or a broadcast of one (``jnp.zeros``), which XLA can fold."""
-    if isinstance(atom, Literal):
-        return True
-    eqn = facts.producer(atom)
-    while eqn is not None and eqn.primitive in (P.broadcast_in_dim_p, P.convert_element_type_p):
-        if isinstance(eqn.invars[0], Literal):
-            return True
-        eqn = facts.producer(eqn.invars[0])
-    return False
-
-
 def _emit_scatter(eqn: JaxprEqn, invals, plan: _Decision):
     w, guard, combine = plan.window, plan.guard, plan.combine
+    if w.n_points > 1:
+        combine = opaque_window(combine)
     x, idx, upd = (jax.numpy.asarray(v) for v in invals)
-    if plan.opaque_operand:
-        x = lax.optimization_barrier(x)
     shape = tuple(_jaxpr.shaped(eqn.invars[0]).shape)
     first, last = _first_values(idx, w)
     upd = _update_block(eqn, w, upd)
@@ -1061,8 +1064,6 @@ def scatter_to_dus(closed, ctx: PassContext) -> PassResult:
                     rounding_graph(), eqn, arith
                 ):
                     raise _Decline(_ROUNDING_WHY[arith])
-                if plan.combine is not None and _broadcast_constant(facts, eqn.invars[0]):
-                    plan = dataclasses.replace(plan, opaque_operand=True)
                 if plan.guard == "blend" and facts.in_loop(eqn):
                     plan = dataclasses.replace(plan, in_loop=True)
                 plans[eqn.outvars[0]] = plan

@@ -373,15 +373,25 @@ for _p in (
     P.slice_p,
     P.dynamic_slice_p,
     P.copy_p,
-    P.reduce_max_p,
-    P.reduce_min_p,
-    P.reduce_and_p,
-    P.reduce_or_p,
     P.cummax_p,
     P.cummin_p,
     P.stop_gradient_p,
 ):
     _TRANSFER[_p] = _same
+
+
+def _reduction(eqn, ins):
+    """A max, min, and or or over ``axes``: each output element is one of its inputs, except
+    over an empty axis, where it is the reduction's identity (the dtype's minimum for a max,
+    all ones for an and ...), which no input holds: unknown then."""
+    shape = eqn.invars[0].aval.shape
+    if any(shape[a] == 0 for a in eqn.params["axes"]):
+        return _out(eqn, None)
+    return _same(eqn, ins)
+
+
+for _p in (P.reduce_max_p, P.reduce_min_p, P.reduce_and_p, P.reduce_or_p):
+    _TRANSFER[_p] = _reduction
 for _p in (P.concatenate_p, P.pad_p):
     _TRANSFER[_p] = _join_all
 _TRANSFER[P.dynamic_update_slice_p] = lambda eqn, ins: _join_all(eqn, [ins[0], ins[1]])

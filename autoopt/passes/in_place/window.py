@@ -124,4 +124,6 @@ def _combiner(op: str, dtype, promoted):
 
 def _emit(x, upd, firsts, lasts, window, op):
     combine = _combiner(op, x.dtype, upd.dtype)
+    if window.n_points > 1:  # as ``.at``'s scatter of several points (``opaque_window``)
+        combine = _pass.opaque_window(combine)
     return _pass.blend_block(x, upd, firsts, lasts, window, combine)
