@@ -1013,6 +1013,42 @@ def test_adding_into_values_xla_knows_keeps_the_sign_of_zero_as_jit_does(operand
             ), i
 
 
+def test_a_conditional_xla_inlines_is_no_fusion_boundary_for_the_rounding_rule():
+    """Found in the fifth review: a ``lax.cond`` on a flag bound at trace time is inlined by
+    XLA, so the multiply before it and the add after a window read meet in one fusion; the
+    rule took the cond for a boundary, guarded the read by a cond of its own, and the last bit
+    of some elements differed from jit's. A predicate known only at run time stays one."""
+    rng = np.random.default_rng(0)
+    x, y = (jnp.asarray(rng.standard_normal(64).astype(np.float32)) for _ in range(2))
+    u = jnp.asarray(rng.standard_normal(8).astype(np.float32))
+
+    def flag(x, y, u, i):
+        t = lax.cond(True, lambda t: t, lambda t: -t, x * y)
+        return t[i + jnp.arange(8)] + u
+
+    def folded(x, y, u, i):  # a predicate XLA computes from constants
+        t = lax.cond(jnp.int32(5) > 2, lambda t: t, lambda t: -t, x * y)
+        return t[i + jnp.arange(8)] + u
+
+    def in_loop(x, y, u, i):  # a loop's constant flag, sunk into the body by XLA
+        def body(k, t):
+            return lax.cond(jnp.int32(1) > 0, lambda t: t * y, lambda t: -t, t)
+
+        return lax.fori_loop(0, 1, body, x)[i + jnp.arange(8)] + u
+
+    def runtime(x, y, u, i):
+        t = lax.cond(i > 0, lambda t: t, lambda t: -t, x * y)
+        return t[i + jnp.arange(8)] + u
+
+    for fn in (flag, folded, in_loop):
+        for i in range(0, 60, 7):
+            assert_exact(fn, x, y, u, jnp.int32(i))
+        _, result = run_pass(fn, x, y, u, jnp.int32(3))
+        assert [f.details.get("reason") for f in result.findings] == ["rounding"], fn.__name__
+    _, result = run_pass(runtime, x, y, u, jnp.int32(3))
+    assert [f.applied for f in result.findings] == [True], result.findings
+
+
 def test_a_reduction_over_an_empty_axis_is_its_identity_not_its_inputs():
     """Found in the fifth review: ``jnp.max(empty, initial=-20)`` is -20 at run time (the max of
     no values is the dtype's minimum), which range analysis took for the empty operand's (no)

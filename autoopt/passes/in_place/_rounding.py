@@ -126,15 +126,39 @@ def _moves(eqn: JaxprEqn) -> bool:
     return eqn.primitive.name in _MOVES
 
 
+def _operands_of(eqn: JaxprEqn, param: str) -> list:
+    """The operands outside that a body's first parameters are, as many as are the same value
+    every time the body runs: a branch's operands, a loop's constants."""
+    name, p = eqn.primitive.name, eqn.params
+    if name == "cond":
+        return list(eqn.invars[1:])
+    if name == "while":
+        nc, nb = p.get("cond_nconsts", 0), p.get("body_nconsts", 0)
+        if param == "cond_jaxpr":
+            return list(eqn.invars[:nc])
+        if param == "body_jaxpr":
+            return list(eqn.invars[nc : nc + nb])
+    if name == "scan":
+        return list(eqn.invars[: p.get("num_consts", 0)])
+    return []
+
+
 class Graph:
     """Producers and consumers of every ``Var`` of a program, calls inlined."""
 
     def __init__(self, closed: ClosedJaxpr) -> None:
         self.prod: dict[Var, tuple] = {}
         self.uses: dict[Var, list[tuple]] = {}
+        # For ``_runtime``: the equation making each value (control flow's too), the values
+        # known only at run time (the program's parameters, loop bodies' carries), and a
+        # branch's parameters' operands outside.
+        self.made_by: dict[Var, JaxprEqn] = {}
+        self.params: set[Var] = set()
+        self.outside: dict[Var, Any] = {}
         j = closed.jaxpr
         for v in (*j.invars, *j.constvars):
             self.prod[v] = _BOUND
+        self.params.update(j.invars)
         self._walk(j, top=True)
         for v in j.outvars:
             if isinstance(v, Var):
@@ -150,6 +174,9 @@ class Graph:
             # A scatter's ``update_jaxpr`` is its combiner, not a body: the scatter is one eqn
             # (``_moves`` says whether it computes).
             subs = () if name.startswith("scatter") else _jaxpr.subjaxprs(eqn)
+            for v in eqn.outvars:
+                if isinstance(v, Var):
+                    self.made_by[v] = eqn
             if not subs:
                 for v in eqn.invars:
                     self._use(v, ("eqn", eqn))
@@ -173,12 +200,20 @@ class Graph:
                     for _, _, other in subs[1:]:
                         self._opaque(other)
                     continue
-            what = _BOUND if name in _BOUNDARY and not _unrolled(eqn) else _UNKNOWN
+            # XLA inlines a conditional whose branch index it knows when it compiles (a flag
+            # bound at trace time, ``lax.cond(True, ...)``): no boundary then.
+            inlined = name == "cond" and not self._runtime(eqn.invars[0])
+            bound = name in _BOUNDARY and not _unrolled(eqn) and not inlined
+            what = _BOUND if bound else _UNKNOWN
             for v in eqn.invars:
                 self._use(v, what)
             for v in eqn.outvars:
                 self.prod[v] = what
-            for _, _, sub in subs:
+            for param, _, sub in subs:
+                inner = sub.jaxpr if isinstance(sub, ClosedJaxpr) else sub
+                outer = _operands_of(eqn, param)
+                self.outside.update(zip(inner.invars, outer))
+                self.params.update(inner.invars[len(outer) :])  # a loop's carry and slices
                 self._body(sub, what)
 
     def _body(self, sub, what: tuple) -> None:
@@ -191,6 +226,33 @@ class Graph:
 
     def _opaque(self, sub) -> None:
         self._body(sub, _UNKNOWN)
+
+    def _runtime(self, atom: Any) -> bool:
+        """XLA cannot know ``atom`` when it compiles: it depends on a parameter of the program
+        or a loop's carry. Constants, literals and what the walk cannot follow (past its limit)
+        count as known, so that a conditional on them is no boundary (the cautious side)."""
+        seen: set = set()
+        todo = [atom]
+        while todo:
+            a = todo.pop()
+            if not isinstance(a, Var) or id(a) in seen:
+                continue
+            seen.add(id(a))
+            if len(seen) > _LIMIT:
+                return False
+            if a in self.params:
+                return True
+            if a in self.outside:
+                todo.append(self.outside[a])
+                continue
+            p = self.prod.get(a)
+            if p is not None and p[0] == "alias":
+                todo.append(p[1])
+                continue
+            eqn = self.made_by.get(a)
+            if eqn is not None:
+                todo.extend(eqn.invars)
+        return False
 
     # --- questions ----------------------------------------------------------------------------
 
