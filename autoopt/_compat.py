@@ -457,6 +457,21 @@ def eager_autodiff(tree) -> bool:
     return found
 
 
+def is_jit_object(fn: Any) -> bool:
+    """``fn`` is a function ``jax.jit`` (or ``pjit``) returned, whose options ``jit_options``
+    reads."""
+    info = getattr(fn, "_jit_info", None)
+    return info is not None and hasattr(info, "in_shardings_leaves")
+
+
+def resolves_specs_in_mesh_context(fn: Any) -> bool:
+    """``fn`` is a ``pjit``-made function (``PjitInfo.use_resource_env``): its PartitionSpecs
+    are resolved against the legacy ``with Mesh(...)`` context when called, which a ``jax.jit``
+    rebuilt from its options does not do."""
+    info = getattr(fn, "_jit_info", None)
+    return bool(getattr(info, "use_resource_env", False))
+
+
 def jit_options(fn: Any) -> dict[str, Any] | None:
     """The keywords ``jax.jit`` was given for ``fn`` (one of its wrappers), as ``jax.jit`` keeps
     them, or None for anything else: only what differs from jax.jit's defaults.

@@ -53,6 +53,7 @@ from typing import Any
 import jax
 from jax import monitoring
 
+from autoopt import _compat
 from autoopt._jit import RECENT as _RECENT
 from autoopt._jit import WrapperCache, options_key
 
@@ -153,9 +154,14 @@ def _jit_through_optimize(fun: Any, *, kwargs: dict, options: dict):
         return _fresh(cached, row)
     plain = real_jit(fun, **kwargs)  # jax.jit's own errors for bad input, unchanged
     from autoopt._jit import optimize
+    from autoopt._jit._function import nested_call
 
+    # ``jax.jit(g)`` of a function jax.jit wrapped before the patch began: under jax.jit, g's
+    # options act inside the outer program (its donation deletes nothing), so g is traced as
+    # the nested call it is, where ``optimize(g)`` would take its options over.
+    subject = nested_call(fun) if _compat.is_jit_object(fun) else fun
     try:
-        result = optimize(fun, **kwargs, **options)
+        result = optimize(subject, **kwargs, **options)
         refused = None
     except Exception as e:  # noqa: BLE001 - optimize refuses these options: plain jax.jit
         result, refused = plain, e

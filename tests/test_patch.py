@@ -299,3 +299,49 @@ def test_a_rebinding_loop_after_a_warm_up_call_says_why_it_donates_nothing():
     (why,) = [n["reason"] for n in row["not_applied"] if n["what"] == "`x`"]
     assert "fixed by an earlier call that could not donate it" in why
     assert "make the rebinding call first" in why
+
+
+def test_jit_of_a_function_jitted_before_the_patch_nests_it_as_jax_jit_does():
+    """Found running jax's own tests under ``autoopt run`` (the fifth review): ``jax.jit(g)`` of
+    a g jitted with ``donate_argnums`` before the patch began took g's options over, so the
+    caller's array was deleted, where jax.jit nests g and its donation deletes nothing."""
+
+    def f(x):
+        return x * 2
+
+    donating = jax.jit(f, donate_argnums=0)
+    with autoopt.patch():
+        x = jnp.arange(4.0)
+        y = jax.jit(donating)(x)
+        assert not x.is_deleted()
+        np.testing.assert_array_equal(y, np.arange(4.0) * 2)
+        x = jnp.arange(4.0)
+        x = jax.jit(donating)(x)  # a rebinding call may donate: autoopt's own proof decides
+        np.testing.assert_array_equal(x, np.arange(4.0) * 2)
+    # optimize() of a jitted function runs it as calling it would (documented): its donation
+    x = jnp.arange(4.0)
+    autoopt.optimize(donating)(x)
+    assert x.is_deleted()
+
+
+def test_the_optimized_function_has_the_functions_attributes_and_a_safe_repr():
+    """jax's own jit tests (``test_jit_wrapped_attributes``, ``test_jit_repr_errors``):
+    jax.jit copies the function's attributes (``functools.wraps``), and its repr does not
+    raise for a callable whose repr raises."""
+
+    def f(x):
+        return x + 1
+
+    f.some_value = 4
+    assert autoopt.optimize(f).some_value == 4
+    f.some_value = 5  # as each jax.jit(f) copies them then
+    assert autoopt.optimize(f).some_value == 5
+
+    class Loud:
+        def __call__(self, x):
+            return x
+
+        def __repr__(self):
+            raise ValueError("no repr")
+
+    assert repr(autoopt.optimize(Loud())) == "<autoopt.optimize>"

@@ -66,14 +66,43 @@ def fn_location_of(fn: Callable) -> str | None:
         return None
 
 
+_NESTED_CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def nested_call(jitted: Callable) -> Callable:
+    """A plain function calling ``jitted`` (a jax.jit object), for ``optimize`` to trace as
+    ``jax.jit`` traces ``jax.jit(jitted)``: the call is a nested jit in the program, whose own
+    options act as they do there (its donation does nothing, its shardings constrain, a
+    legacy mesh resolves its PartitionSpecs). One per jit object, so that ``optimize`` finds
+    the programs of the first (``_reuse``)."""
+    try:
+        found = _NESTED_CALLS.get(jitted)
+    except TypeError:  # not weakly referenceable: a new one each time
+        found = None
+    if found is not None:
+        return found
+
+    @functools.wraps(jitted)
+    def call(*args, **kwargs):
+        return jitted(*args, **kwargs)
+
+    with contextlib.suppress(TypeError):
+        _NESTED_CALLS[jitted] = call
+    return call
+
+
 def _unwrap_jit(fn: Callable) -> tuple[Callable, list[dict[str, Any]]]:
     """``(function, the keywords of each jax.jit wrapping it, outermost first)``. An
-    OptimizedFunction is unwrapped too; its options are not kept (the ones given now apply)."""
+    OptimizedFunction is unwrapped too; its options are not kept (the ones given now apply).
+    A ``pjit``-made function is not: its PartitionSpecs need the mesh context of its call,
+    which a jax.jit rebuilt from its options would not read (``nested_call``)."""
     jitted_with: list[dict[str, Any]] = []
     while isinstance(fn, jax.stages.Wrapped) or type(fn).__name__ in ("PjitFunction", "JitWrapped"):
         inner = getattr(fn, "__wrapped__", None)
         if inner is None:
             break
+        if _compat.resolves_specs_in_mesh_context(fn):
+            return nested_call(fn), jitted_with
         kw = _compat.jit_options(fn)
         if kw:
             jitted_with.append(kw)
@@ -410,6 +439,11 @@ class OptimizedFunction(_CallBase):
         a flag) stay its own. It keeps this one alive (``_reuse``'s cache may hold it weakly)."""
         new = type(self).__new__(type(self))
         new.__dict__.update(self.__dict__)
+        # The function's own attributes as they are now, as ``functools.wraps`` copies them
+        # into each jax.jit object (never over this object's own, nor ``_reuse``'s holder).
+        for name, value in getattr(self.__wrapped__, "__dict__", {}).items():
+            if name not in new.__dict__ and name != _reuse.HOLDER:
+                new.__dict__[name] = value
         new._shares = self
         new._configure_call_path()
         return new
@@ -1411,9 +1445,11 @@ class OptimizedFunction(_CallBase):
         )
 
     def __repr__(self) -> str:
-        return (
-            f"<autoopt.optimize of {getattr(self.__wrapped__, '__qualname__', self.__wrapped__)!r}>"
-        )
+        fn = self.__wrapped__
+        try:  # (a callable whose own repr raises: jax.jit's repr does not raise either)
+            return f"<autoopt.optimize of {getattr(fn, '__qualname__', fn)!r}>"
+        except Exception:  # noqa: BLE001
+            return "<autoopt.optimize>"
 
 
 class _BoundOptimized:
