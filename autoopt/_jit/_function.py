@@ -440,9 +440,10 @@ class OptimizedFunction(_CallBase):
         new = type(self).__new__(type(self))
         new.__dict__.update(self.__dict__)
         # The function's own attributes as they are now, as ``functools.wraps`` copies them
-        # into each jax.jit object (never over this object's own, nor ``_reuse``'s holder).
+        # into each jax.jit object: its public ones (a private name could be one this class
+        # sets later; ``_reuse``'s holder is one), never over this object's own.
         for name, value in getattr(self.__wrapped__, "__dict__", {}).items():
-            if name not in new.__dict__ and name != _reuse.HOLDER:
+            if not name.startswith("_") and name not in new.__dict__:
                 new.__dict__[name] = value
         new._shares = self
         new._configure_call_path()
