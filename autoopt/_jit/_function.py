@@ -439,12 +439,15 @@ class OptimizedFunction(_CallBase):
         a flag) stay its own. It keeps this one alive (``_reuse``'s cache may hold it weakly)."""
         new = type(self).__new__(type(self))
         new.__dict__.update(self.__dict__)
-        # The function's own attributes as they are now, as ``functools.wraps`` copies them
+        # A function's own attributes as they are now, as ``functools.wraps`` copies them
         # into each jax.jit object: its public ones (a private name could be one this class
-        # sets later; ``_reuse``'s holder is one), never over this object's own.
-        for name, value in getattr(self.__wrapped__, "__dict__", {}).items():
-            if not name.startswith("_") and name not in new.__dict__:
-                new.__dict__[name] = value
+        # sets later; ``_reuse``'s holder is one), never over this object's own. Not a callable
+        # object's: its attributes are its state (a module's arrays and Variables), which a
+        # copy here would hold, and which the call's proofs count as held elsewhere.
+        if isinstance(self.__wrapped__, types.FunctionType):
+            for name, value in self.__wrapped__.__dict__.items():
+                if not name.startswith("_") and name not in new.__dict__:
+                    new.__dict__[name] = value
         new._shares = self
         new._configure_call_path()
         return new
