@@ -83,17 +83,22 @@ class HoistedConst:
             # then see the user's later writes. Place a private copy instead.
             if is_aligned(src):
                 src = np.array(src, copy=True)
-        elif (
-            isinstance(host, jax.Array)
-            and host.is_fully_addressable
-            and not jax.numpy.issubdtype(host.dtype, jax.dtypes.extended)
-        ):
+        elif isinstance(host, jax.Array) and host.is_fully_addressable:
             # jax.jit embeds a closed-over array's value: its executable holds neither the
             # array's buffer (another jit may donate it, or the user delete it) nor its
             # sharding or device (the outputs land where jax puts uncommitted values). A
-            # private host copy placed uncommitted does the same.
-            src = np.array(host, copy=True)
-        with jax.ensure_compile_time_eval():
+            # private host copy placed uncommitted does the same; a typed PRNG key array's
+            # is a copy of its data, wrapped again.
+            if jax.numpy.issubdtype(host.dtype, jax.dtypes.extended):
+                impl = jax.random.key_impl(host)
+                data = np.array(jax.random.key_data(host), copy=True)
+                with jax.ensure_compile_time_eval():
+                    src = jax.random.wrap_key_data(data, impl=impl)
+            else:
+                src = np.array(host, copy=True)
+        # (jax.jit loads an embedded constant with its executable, which no transfer guard
+        # sees: nor does this placement, made in its stead)
+        with jax.ensure_compile_time_eval(), jax.transfer_guard("allow"):
             dev = jax.device_put(src, device)
         dev.block_until_ready()  # the transfer reads the host bytes: complete it now
         return cls(host, dev)
@@ -166,11 +171,24 @@ def _large_and_splat(closed) -> tuple[tuple[int, ...], tuple[int, ...]]:
                 getattr(c, "ndim", 0) > 0
                 and int(getattr(c, "nbytes", 0) or 0) >= HOIST_MIN_BYTES
                 and not isinstance(c, Tracer)
+                and not _spans_devices(c)
             ):
                 (splat if is_splat(c) else large).append(i)
         with _BINDINGS_LOCK:
             decided = _LARGE.setdefault(closed, (tuple(large), tuple(splat)))
     return decided
+
+
+def _spans_devices(c) -> bool:
+    """A jax array sharded over several devices: stays embedded, as jax.jit embeds it. Passed
+    as an argument it took part in sharding propagation, which gave an output computed from it
+    alone the input's sharding where jax.jit's (from a constant) is replicated."""
+    if not isinstance(c, jax.Array):
+        return False
+    try:
+        return len(c.sharding.device_set) > 1
+    except Exception:  # noqa: BLE001 - unknown: embedded, as jax.jit does
+        return True
 
 
 def is_splat(c, chunk: int = 1 << 20) -> bool:

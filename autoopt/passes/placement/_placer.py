@@ -282,7 +282,8 @@ class Placer:
         # Large closed-over constants passed as device arguments (see _hoist.with_hoisted_consts):
         # id(host const) -> HoistedConst (it holds the host const: the id stays its own); the node
         # every call passes, or None.
-        self._hoist_on = on
+        # (not under in_shardings, which makes jit refuse the keyword they travel under)
+        self._hoist_on = self._pack
         self._hoist_consts: dict[int, HoistedConst] = {}
         self._hoisted: Hoisted | None = None
         # treedef -> _Feed: what the last full scan of that argument structure decided

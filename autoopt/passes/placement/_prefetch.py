@@ -38,7 +38,7 @@ import jax
 import numpy as np
 from jax import tree_util
 
-from autoopt.passes.placement._host_arrays import NDARRAY_TYPES, aligned_empty
+from autoopt.passes.placement._host_arrays import aligned_empty
 from autoopt.passes.placement._packing import POOL_MAX_BYTES, Pool
 
 __all__ = ["prefetch", "Prefetch", "place_batch"]
@@ -180,6 +180,33 @@ _PREFETCH_PACK_MIN_LEAVES = 16
 _PREFETCH_PACK_MAX_MEAN_BYTES = 8 * 1024
 
 
+_JAX_DTYPES: dict = {}
+
+
+def _jax_dtype(dtype) -> bool:
+    """A jax array can hold this dtype (numbers, bool, bfloat16 and the other ml_dtypes)."""
+    known = _JAX_DTYPES.get(dtype)
+    if known is None:
+        try:
+            jax.dtypes.canonicalize_dtype(dtype)
+            known = dtype.kind in "biufc" or dtype.type.__module__.startswith("ml_dtypes")
+        except Exception:  # noqa: BLE001 - strings, objects, datetimes, structured
+            known = False
+        _JAX_DTYPES[dtype] = known
+    return known
+
+
+def _may_share_host_memory(x) -> bool:
+    """A jax array on XLA:CPU that is not a typed PRNG key (keys are made by jax, never from
+    a host buffer)."""
+    if not isinstance(x, jax.Array) or jax.numpy.issubdtype(x.dtype, jax.dtypes.extended):
+        return False
+    try:
+        return x.is_fully_addressable and all(d.platform == "cpu" for d in x.sharding.device_set)
+    except Exception:  # noqa: BLE001 - a tracer or an array whose sharding is unknown
+        return False
+
+
 def place_batch(batch, sharding=None, process_local: bool = False):
     """``batch`` with every NumPy leaf on the device (or split over ``sharding``), in one batched
     placement, from host copies private to it (the caller may overwrite its arrays as soon as
@@ -187,13 +214,25 @@ def place_batch(batch, sharding=None, process_local: bool = False):
     each leaf is this process's part of a global array over ``sharding``
     (``jax.make_array_from_process_local_data``)."""
     leaves, treedef = tree_util.tree_flatten(batch)
+    # Every NumPy array, subclasses too (jax.jit takes a recarray or a loader's own array
+    # type as the array it is), of a dtype jax can hold: a batch's file names (a `<U` array)
+    # or an object array stay as they are, as plain iteration leaves them.
     host = [
-        i for i, x in enumerate(leaves) if type(x) in NDARRAY_TYPES or isinstance(x, np.generic)
+        i
+        for i, x in enumerate(leaves)
+        if isinstance(x, np.ndarray | np.generic) and _jax_dtype(x.dtype)
     ]
+    # On XLA:CPU a jax array the loader made with ``jax.device_put(buf)`` may share ``buf``'s
+    # memory, which the loader refills while this runs ahead: copied (device to device).
+    shared = [i for i, x in enumerate(leaves) if _may_share_host_memory(x)]
+    for i in shared:
+        leaves[i] = jax.device_put(leaves[i], may_alias=False)
+    if shared:  # (complete before the loader runs again and refills what they read)
+        jax.block_until_ready([leaves[i] for i in shared])
     if not host:
-        return batch
+        return tree_util.tree_unflatten(treedef, leaves) if shared else batch
     # NumPy scalars are immutable; every array is copied, unless packed (the packing copies it).
-    xs = [leaves[i] for i in host]
+    xs = [x if isinstance(x, np.generic) else np.asarray(x) for x in (leaves[i] for i in host)]
     batch_bytes = sum(x.nbytes for x in xs)
 
     packed = (
