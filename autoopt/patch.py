@@ -153,8 +153,7 @@ def _jit_through_optimize(fun: Any, *, kwargs: dict, options: dict):
         row.jit_calls += 1
         return _fresh(cached, row)
     plain = real_jit(fun, **kwargs)  # jax.jit's own errors for bad input, unchanged
-    from autoopt._jit import optimize
-    from autoopt._jit._function import nested_call
+    from autoopt._jit import nested_call, optimize
 
     # ``jax.jit(g)`` of a function jax.jit wrapped before the patch began: under jax.jit, g's
     # options act inside the outer program (its donation deletes nothing), so g is traced as

@@ -7,6 +7,7 @@ from autoopt._jit._function import (
     OptimizedFunction,
     explain,
     forget_wrappers,
+    nested_call,
     optimize,
 )
 from autoopt._jit._inspect import Inspection
@@ -23,6 +24,7 @@ __all__ = [
     "WrapperCache",
     "explain",
     "forget_wrappers",
+    "nested_call",
     "nnx_routable",
     "optimize",
     "options_key",
