@@ -77,6 +77,7 @@ class HoistedConst:
     @classmethod
     def place(cls, host, device) -> HoistedConst:
         src = host
+        impl = None  # a typed PRNG key array's: ``src`` is a copy of its data
         if isinstance(host, np.ndarray):
             src = np.asarray(host)  # a jax TypedNdArray: a view of the user's array
             # XLA:CPU aliases an aligned host buffer instead of copying it: the "copy" would
@@ -91,15 +92,15 @@ class HoistedConst:
             # is a copy of its data, wrapped again.
             if jax.numpy.issubdtype(host.dtype, jax.dtypes.extended):
                 impl = jax.random.key_impl(host)
-                data = np.array(jax.random.key_data(host), copy=True)
-                with jax.ensure_compile_time_eval():
-                    src = jax.random.wrap_key_data(data, impl=impl)
+                src = np.array(jax.random.key_data(host), copy=True)
             else:
                 src = np.array(host, copy=True)
         # (jax.jit loads an embedded constant with its executable, which no transfer guard
         # sees: nor does this placement, made in its stead)
         with jax.ensure_compile_time_eval(), jax.transfer_guard("allow"):
             dev = jax.device_put(src, device)
+            if impl is not None:
+                dev = jax.random.wrap_key_data(dev, impl=impl)
         dev.block_until_ready()  # the transfer reads the host bytes: complete it now
         return cls(host, dev)
 
