@@ -482,9 +482,9 @@ def jit_options(fn: Any) -> dict[str, Any] | None:
     ``static_argnames=("n",)``). Layouts given through ``in_shardings``/``out_shardings``
     (``jax.sharding.Format``) raise ValueError: they cannot be passed back as shardings.
     """
-    info = getattr(fn, "_jit_info", None)
-    if info is None or not hasattr(info, "in_shardings_leaves"):
+    if not is_jit_object(fn):
         return None
+    info = fn._jit_info
     from jax._src import sharding_impls
 
     def given(leaves) -> bool:

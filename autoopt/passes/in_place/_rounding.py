@@ -31,11 +31,12 @@ Integer, boolean and key windows never round.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Var
 
 from autoopt import _jaxpr
 
@@ -124,6 +125,23 @@ def _moves(eqn: JaxprEqn) -> bool:
     if eqn.primitive.name in ("scatter-min", "scatter-max"):
         return True  # ``.min``/``.max`` choose values, as ``min``/``max`` do
     return eqn.primitive.name in _MOVES
+
+
+def _visit(atom: Any) -> Iterator[tuple[Var | None, list]]:
+    """Each ``Var`` reached from ``atom`` once, with the work list the caller adds the next ones
+    to; ``(None, ...)`` once ``_LIMIT`` are visited, where the walk ends (each question then
+    answers its cautious side)."""
+    seen: set = set()
+    todo = [atom]
+    while todo:
+        a = todo.pop()
+        if not isinstance(a, Var) or id(a) in seen:
+            continue
+        seen.add(id(a))
+        if len(seen) > _LIMIT:
+            yield None, todo
+            return
+        yield a, todo
 
 
 def _operands_of(eqn: JaxprEqn, param: str) -> list:
@@ -231,14 +249,8 @@ class Graph:
         """XLA cannot know ``atom`` when it compiles: it depends on a parameter of the program
         or a loop's carry. Constants, literals and what the walk cannot follow (past its limit)
         count as known, so that a conditional on them is no boundary (the cautious side)."""
-        seen: set = set()
-        todo = [atom]
-        while todo:
-            a = todo.pop()
-            if not isinstance(a, Var) or id(a) in seen:
-                continue
-            seen.add(id(a))
-            if len(seen) > _LIMIT:
+        for a, todo in _visit(atom):
+            if a is None:
                 return False
             if a in self.params:
                 return True
@@ -258,14 +270,8 @@ class Graph:
 
     def upstream_arith(self, atom: Any) -> bool:
         """``atom`` is (through data movement) computed by floating-point arithmetic."""
-        seen: set = set()
-        todo = [atom]
-        while todo:
-            a = todo.pop()
-            if isinstance(a, Literal) or not isinstance(a, Var) or id(a) in seen:
-                continue
-            seen.add(id(a))
-            if len(seen) > _LIMIT:
+        for a, todo in _visit(atom):
+            if a is None:
                 return True
             p = self.prod.get(a, _UNKNOWN)
             if p is _BOUND:
@@ -286,14 +292,8 @@ class Graph:
 
     def downstream_arith(self, atom: Any) -> bool:
         """``atom`` is (through data movement) consumed by floating-point arithmetic."""
-        seen: set = set()
-        todo = [atom]
-        while todo:
-            a = todo.pop()
-            if not isinstance(a, Var) or id(a) in seen:
-                continue
-            seen.add(id(a))
-            if len(seen) > _LIMIT:
+        for a, todo in _visit(atom):
+            if a is None:
                 return True
             for u in self.uses.get(a, ()):
                 if u is _BOUND:
