@@ -67,6 +67,10 @@ def test_prefetch_leaves_leaves_jax_cannot_hold_as_they_are():
 
     out = [(float(jnp.sum(b["x"])), str(b["names"][0])) for b in autoopt.prefetch(loader())]
     assert out == [(0.0, "img0.png"), (4.0, "img1.png"), (8.0, "img2.png")]
+    # a masked array, which jax.jit refuses, is handed out as it is (not copied without its mask)
+    masked = np.ma.masked_array(np.arange(4, dtype=np.float32), mask=[0, 1, 0, 0])
+    (b,) = list(autoopt.prefetch([{"m": masked}]))
+    assert b["m"] is masked
 
 
 def test_a_large_closed_over_key_array_is_copied_as_jax_jit_embeds_it():

@@ -214,13 +214,16 @@ def place_batch(batch, sharding=None, process_local: bool = False):
     each leaf is this process's part of a global array over ``sharding``
     (``jax.make_array_from_process_local_data``)."""
     leaves, treedef = tree_util.tree_flatten(batch)
-    # Every NumPy array, subclasses too (jax.jit takes a recarray or a loader's own array
-    # type as the array it is), of a dtype jax can hold: a batch's file names (a `<U` array)
-    # or an object array stay as they are, as plain iteration leaves them.
+    # Every NumPy array, subclasses too (jax.jit takes a loader's own array type as the array
+    # it is), of a dtype jax can hold: a batch's file names (a `<U` array) or an object array
+    # stay as they are, as plain iteration leaves them; so does a masked array, which jax.jit
+    # refuses (a copy would drop its mask without a word).
     host = [
         i
         for i, x in enumerate(leaves)
-        if isinstance(x, np.ndarray | np.generic) and _jax_dtype(x.dtype)
+        if isinstance(x, np.ndarray | np.generic)
+        and not isinstance(x, np.ma.MaskedArray)
+        and _jax_dtype(x.dtype)
     ]
     # On XLA:CPU a jax array the loader made with ``jax.device_put(buf)`` may share ``buf``'s
     # memory, which the loader refills while this runs ahead: copied (device to device).
