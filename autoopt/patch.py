@@ -41,6 +41,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import os
 import re
 import sys
 import textwrap
@@ -544,17 +545,28 @@ def _attribute_compile(fun_name: str) -> None:
         _state.other_compiles[fun_name] += 1
         return
     own = _own_call_codes(OptimizedFunction)
+    by_autoopt = _compiled_by_autoopt(frame)
     while frame is not None:
         if frame.f_code in own:
             local = frame.f_locals
             owner = local.get("self")
             row = _state.row_of.get(owner) if isinstance(owner, OptimizedFunction) else None
             if row is not None:
-                row.compiles += 1
-                args, kwargs = local.get("args"), local.get("kwargs")
-                if isinstance(args, tuple) and isinstance(kwargs, dict):
-                    _record_program(row, owner, args, kwargs)
-                return
+                if fun_name in _compiled_names(owner):
+                    row.compiles += 1
+                    args, kwargs = local.get("args"), local.get("kwargs")
+                    if isinstance(args, tuple) and isinstance(kwargs, dict):
+                        _record_program(row, owner, args, kwargs)
+                    return
+                if by_autoopt:  # (remat's candidates, measured for this function's program)
+                    row.compiles += 1
+                    return
+                # Made while the call traced the user's function: an eager op of the user's
+                # code or a library's (``jax.ensure_compile_time_eval``), which plain jax.jit
+                # compiles as well; not the function's program, whose report must not be made
+                # here either: its trace has not finished, and a report's trace would run the
+                # user's function again inside this one (each eager op of it compiling again).
+                break
         frame = frame.f_back
     # A call the C path ran (no frame of ours): the function jit traced last on this thread,
     # when the compile is of its name.
@@ -578,6 +590,43 @@ def _attribute_compile(fun_name: str) -> None:
 @functools.cache
 def _own_call_codes(cls: type) -> frozenset:
     return frozenset({cls._call.__code__, cls._run.__code__})
+
+
+def _compiled_names(fn: Any) -> tuple[str, ...]:
+    """The names jax's compile events give ``fn``'s own programs: its jit objects trace a
+    wrapper named as the user's function (``functools.update_wrapper``; equinox's route names
+    its ``fun_wrapped`` so), whose name jax reports bare or as ``jit(name)``."""
+    names = []
+    for f in (getattr(fn, "_wrapper", None), getattr(fn, "__wrapped__", None)):
+        name = getattr(f, "__name__", None)
+        if isinstance(name, str):
+            names += [name, f"jit({name})"]
+    return tuple(names)
+
+
+# Where jax's and autoopt's own code lives: a compile event's first frame outside jax (and
+# outside this module's listener) says who asked for the compile.
+_JAX_DIRS = tuple(
+    os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+    for m in (jax, sys.modules.get("jaxlib"))
+    if m is not None and getattr(m, "__file__", None)
+)
+_AUTOOPT_DIR = os.path.dirname(os.path.abspath(_compat.__file__)) + os.sep
+
+
+def _compiled_by_autoopt(frame: Any) -> bool:
+    """Whether the compile whose event listener runs above ``frame`` was asked for by autoopt's
+    own code (remat's measured candidates, a report's compile), not by the user's code or a
+    library's: the first frame outside jax and jaxlib is autoopt's (its bundled examples are
+    user code)."""
+    while frame is not None:
+        file = frame.f_code.co_filename
+        if not file.startswith(_JAX_DIRS):
+            return file.startswith(_AUTOOPT_DIR) and not file.startswith(
+                os.path.join(_AUTOOPT_DIR, "examples")
+            )
+        frame = frame.f_back
+    return False
 
 
 def _record_program(row: FunctionSummary, fn: Any, args: tuple, kwargs: dict) -> None:
@@ -648,7 +697,16 @@ def _not_applied_of(fn: Any, out: dict) -> None:
                 if shift and names and isinstance(arg, int) and 0 <= arg - shift < len(names):
                     name = names[arg - shift]
                 what = f"`{name}`" if name else f"argument {arg}"
-                reason = _donation_reason(proofs, arg, shift, program.donates is None, nested)
+                if d.get("host_callbacks"):  # never donated under "safe"
+                    reason = (
+                        f"the program calls back into Python ({', '.join(d['host_callbacks'])}"
+                        "), so donate='safe' donates nothing: a callback that raises would "
+                        "leave the caller's variable bound to a deleted array (jax.jit keeps "
+                        "it); donate explicitly (donate_argnums, or equinox's donate=) if no "
+                        "call raises"
+                    )
+                else:
+                    reason = _donation_reason(proofs, arg, shift, program.donates is None, nested)
             elif f.applied:
                 continue
             else:

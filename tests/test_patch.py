@@ -345,3 +345,46 @@ def test_the_optimized_function_has_the_functions_attributes_and_a_safe_repr():
             raise ValueError("no repr")
 
     assert repr(autoopt.optimize(Loud())) == "<autoopt.optimize>"
+
+
+def test_an_eager_op_compiled_while_the_call_traces_is_not_the_functions_compile():
+    # diffrax and equinox compute some values at trace time (``jax.ensure_compile_time_eval``):
+    # each such op compiles once, as under jax.jit. The summary's listener counted that compile
+    # as the traced function's and made its report there, mid-trace: the report traced the
+    # user's function again inside the trace (a diffrax solve's first call took 4x jax.jit's,
+    # with 40 compiles for jax.jit's 4).
+    traces = []
+    with autoopt.patch():
+
+        @jax.jit
+        def eager_inside(x):
+            traces.append(1)
+            with jax.ensure_compile_time_eval():
+                k = jnp.arange(3.0) * 7.0  # eager: compiles outside the traced program
+            return x + k
+
+        out = eager_inside(jnp.ones(3))
+    np.testing.assert_array_equal(out, np.ones(3) + np.arange(3.0) * 7.0)
+    assert len(traces) == 1  # (a report made mid-trace traced it again)
+    row = _row("is_not_the_functions_compile.<locals>.eager_inside")
+    assert row["compiles"] == 1 and row["signatures"] == 1
+    assert summary()["other_compiles"]
+
+
+def test_the_summary_says_a_program_calling_back_into_python_is_not_donated_and_why():
+    # (it said the executable "was fixed by an earlier call", and to make the rebinding call
+    # first: an equinox program with runtime error checks, which call back, never donates)
+    with autoopt.patch():
+
+        @jax.jit
+        def checked_step(s):
+            jax.debug.callback(lambda v: None, s[0])
+            return s * 2.0
+
+        s = jnp.ones(256)
+        for _ in range(2):
+            s = checked_step(s)
+    row = _row("calling_back_into_python_is_not_donated_and_why.<locals>.checked_step")
+    reasons = [n["reason"] for n in row["not_applied"] if n["kind"] == "donate"]
+    assert reasons and all("calls back into Python" in r for r in reasons), row
+    assert not any("fixed by an earlier call" in r for r in reasons)
