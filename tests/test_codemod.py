@@ -128,14 +128,67 @@ def test_row_set_becomes_guarded_dynamic_update():
     )
 
 
-def test_proven_in_bounds_update_has_no_guard():
+def test_an_update_proven_for_the_traced_shapes_keeps_its_guard_in_the_source(tmp_path):
+    # The pass proved `buf.at[3].set(row)` in bounds for the 8-row buf it traced; the source
+    # serves every shape, and a 2-row buf drops the row where a bare dynamic_update_slice
+    # clamps it into row 1 (and `buf.at[n]` with a static n proven for one n).
+    before = """\
+import jax.numpy as jnp
+
+
+def put(buf, row):
+    return buf.at[3].set(row)
+
+
+def put_n(buf, row, n):
+    return buf.at[n].set(row)
+
+
+def put_block(buf, block, i):
+    return buf.at[i + jnp.arange(2)].set(block)
+
+
+def take(buf, i):
+    return buf[i + jnp.arange(2)]
+"""
+    proven = [F("scatter_to_dus", n, guard="none") for n in (5, 9, 13)]
+    proven.append(
+        Finding(
+            "scatter_to_dus",
+            True,
+            "gather rewritten",
+            location="snippet.py:17",
+            details={"op": "gather", "guard": "none", "window": (2, 4)},
+        )
+    )
+    new = rewrite_code(before, proven).code
+    assert new.count("lax.cond(") == 4 and ".at[" in new and "dynamic_slice_in_dim" in new
+    ref, got = _load(before, "proven_before", tmp_path), _load(new, "proven_after", tmp_path)
+    for rows in (8, 2, 4, 1):
+        buf = jnp.arange(rows * 4, dtype=jnp.float32).reshape(rows, 4)
+        row, block = jnp.full((4,), -1.0), jnp.full((2, 4), -2.0)
+        np.testing.assert_array_equal(jax.jit(ref.put)(buf, row), jax.jit(got.put)(buf, row))
+        for n in (-9, -3, -1, 0, 1, 3, 7, 9):
+            args = (buf, row, n)
+            np.testing.assert_array_equal(
+                jax.jit(ref.put_n, static_argnums=2)(*args),
+                jax.jit(got.put_n, static_argnums=2)(*args),
+                err_msg=f"{rows} rows, n={n}",
+            )
+            np.testing.assert_array_equal(
+                jax.jit(ref.put_block)(buf, block, n), jax.jit(got.put_block)(buf, block, n)
+            )
+            np.testing.assert_array_equal(jax.jit(ref.take)(buf, n), jax.jit(got.take)(buf, n))
+
+
+def test_an_update_the_source_promises_in_bounds_has_no_guard():
     assert_codemod(
         ScatterToDUSCommand,
         """\
         import jax
 
         def f(x, i, row):
-            return x.at[i].set(row)
+            return x.at[i].set(row, mode="promise_in_bounds")
         """,
         """\
         import jax
@@ -186,7 +239,7 @@ def test_window_update_keeps_the_scatter_for_out_of_bounds_starts():
         def f(x, i, b):
             return lax.cond(
                 (0 <= i) & (i + 3 <= x.shape[0]),
-                lambda: lax.dynamic_update_slice_in_dim(x, jnp.broadcast_to(b, (3, *x.shape[1:])).astype(x.dtype), i, 0),
+                lambda: lax.dynamic_update_slice_in_dim(x, jnp.broadcast_to(b, (3, *x.shape[1:])).astype(x.dtype), i, 0) if 3 <= x.shape[0] else x.at[i + jnp.arange(3)].set(b),
                 lambda: x.at[i + jnp.arange(3)].set(b),
             )
         """,
@@ -241,7 +294,8 @@ def test_a_blended_tile_becomes_one_update_window_call_with_a_start_per_axis():
     assert cmd.outcomes == {0: None, 1: None}
 
 
-def test_a_proven_tile_becomes_one_dynamic_update_slice_and_a_transposed_one_is_left():
+def test_a_tile_becomes_one_update_window_call_and_a_transposed_one_is_left():
+    # (a tile proven in bounds for the traced shapes too: the blend is exact for every shape)
     cmd = assert_codemod(
         ScatterToDUSCommand,
         """\
@@ -253,14 +307,10 @@ def test_a_proven_tile_becomes_one_dynamic_update_slice_and_a_transposed_one_is_
         """,
         """\
         import jax.numpy as jnp
-        from jax import lax
+        import autoopt
 
         def f(x, i, j, b):
-            x = lax.dynamic_update_slice(
-                x,
-                jnp.broadcast_to(b, (8, 16, *x.shape[2:])).astype(x.dtype),
-                (i, j),
-            )
+            x = autoopt.update_window(x, (i, j), b, size=(8, 16))
             return x.at[i + jnp.arange(8), j + jnp.arange(16)[:, None]].set(b)
         """,
         [F("scatter_to_dus", 4, guard="none"), F("scatter_to_dus", 5, guard="none")],
@@ -283,11 +333,10 @@ def test_scalar_fill_is_broadcast_to_the_row_and_cast_to_the_array_dtype():
         from jax import lax
 
         def f(x):
-            return lax.dynamic_update_index_in_dim(
-                x,
-                jnp.broadcast_to(0, x.shape[1:]).astype(x.dtype),
-                2,
-                0,
+            return lax.cond(
+                (-x.shape[0] <= 2) & (2 < x.shape[0]),
+                lambda: lax.dynamic_update_index_in_dim(x, jnp.broadcast_to(0, x.shape[1:]).astype(x.dtype), 2, 0),
+                lambda: x,
             )
         """,
         [F("scatter_to_dus", 5, guard="none")],
@@ -422,15 +471,20 @@ def test_proven_window_read_becomes_dynamic_slice():
         """\
         import jax.numpy as jnp
         from jax import lax
-        y = lax.dynamic_slice_in_dim(x, i, 3, 0) * 2
+        y = lax.cond(
+            (0 <= i) & (i + 3 <= x.shape[0]),
+            lambda: lax.dynamic_slice_in_dim(x, i, 3, 0) if 3 <= x.shape[0] else x[i + jnp.arange(3)],
+            lambda: x[i + jnp.arange(3)],
+        ) * 2
         """,
         [gather],
     )
+    # (guarded so, the read is exact at any bounds: one the pass did not prove is written alike)
     unproven = gather.replace(details={"op": "gather", "guard": "select"})
-    cmd = assert_unchanged(
+    result, cmd = run_command(
         ScatterToDUSCommand, "import jax.numpy as jnp\n\ny = x[i + jnp.arange(3)]\n", [unproven]
     )
-    assert "not proven" in cmd.outcomes[0]
+    assert "lambda: x[i + jnp.arange(3)]" in result.code and cmd.outcomes[0] is None
 
 
 # --- donate -------------------------------------------------------------------------------------

@@ -1,26 +1,27 @@
-"""``x.at[i].set(v)`` -> ``lax.dynamic_update_index_in_dim(x, v, i, 0)``, guarded unless proven.
+"""``x.at[i].set(v)`` -> ``lax.dynamic_update_index_in_dim(x, v, i, 0)`` behind an exact guard.
 
-The expert's in-place update, in the form the scatter_to_dus pass chose (``details["guard"]``):
-``"none"``/``"clamp"`` (bounds proven, or CLIP mode on one row) is a bare update; ``"cond"``
-keeps a ``lax.cond`` bounds guard, since ``.at[i]`` drops an out-of-bounds update (mode
+The expert's in-place update, in the form the scatter_to_dus pass chose (``details["guard"]``),
+for every shape: the source serves every call, where the pass's bounds proof holds for the
+shapes and static values it traced (``_guard_kind``). ``"cond"`` (and a proof) keeps a
+``lax.cond`` bounds guard, since ``.at[i]`` drops an out-of-bounds update (mode
 ``FILL_OR_DROP``) where ``dynamic_update_slice`` clamps the start; ``"select"`` (inside loop
 bodies and off CPU, where a cond copies the buffer every iteration) writes
 ``jnp.where(in_bounds, v, x[i])`` back, a no-op when out of bounds; ``"blend"`` (a block
 ``i + jnp.arange(k)`` whose bounds are not proven) becomes ``autoopt.update_window(x, i, v,
-size=k, op=...)``, the pass's own branch-free form behind one call. Negative indices need no
-care: ``dynamic_update_*`` normalizes them exactly as ``.at`` does. A finding without a guard
-kind gets the cond (always exact). The written value is broadcast to the window and cast to the
-array's dtype as ``.at`` does it (``_new_value``): ``dynamic_update_slice`` does neither.
+size=k, op=...)``, the pass's own branch-free form behind one call. Only an update the source
+itself says is in bounds (``mode="promise_in_bounds"``, or ``mode="clip"`` on one row) is bare.
+Negative indices need no care: ``dynamic_update_*`` normalizes them exactly as ``.at`` does.
+The written value is broadcast to the window and cast to the array's dtype as ``.at`` does it
+(``_new_value``): ``dynamic_update_slice`` does neither.
 
 Handled: ``set``, ``add``, ``subtract``, ``multiply``, ``min``, ``max`` at a single index, at a
 window ``i + jnp.arange(k)`` / ``jnp.arange(i, i + k)``, and at a static slice ``a:b``; on the
-read side, a proven window ``x[i + jnp.arange(k)]`` -> ``lax.dynamic_slice_in_dim(x, i, k, 0)``.
-A tile ``x.at[i + jnp.arange(k)[:, None], j + jnp.arange(m)]`` becomes one
-``lax.dynamic_update_slice`` when proven, ``autoopt.update_window(x, (i, j), v, size=(k, m))``
-when blended. Left as they are, with the reason in the finding: several scalar axes
-(``x.at[i, j]``), other modes,
-and updates already inside a ``lax.cond`` branch (which is where the guarded form puts the
-original scatter, so a second run changes nothing).
+read side, a window ``x[i + jnp.arange(k)]`` -> ``lax.dynamic_slice_in_dim(x, i, k, 0)`` under
+a cond whose else is the original read. A tile ``x.at[i + jnp.arange(k)[:, None], j +
+jnp.arange(m)]`` becomes ``autoopt.update_window(x, (i, j), v, size=(k, m))``. Left as they
+are, with the reason in the finding: several scalar axes (``x.at[i, j]``), other modes, and
+updates already inside a ``lax.cond`` branch (which is where the guarded form puts the original
+scatter, so a second run changes nothing).
 """
 
 from __future__ import annotations
@@ -42,11 +43,14 @@ _OPS = {
 
 
 def _guard_kind(details: dict) -> str:
-    """``"none"``, ``"select"``, ``"blend"`` or ``"cond"``: the guard the pass used (cond when
-    unknown)."""
+    """``"select"``, ``"blend"`` or ``"cond"``: the guard the source form keeps, from the one the
+    pass used. A bounds proof (``"none"``, ``"clamp"``) holds for the shapes and static values
+    the pass traced, and the source serves every call: ``buf.at[3].set(row)``, proven for an
+    8-row ``buf``, drops the row of a 2-row one, where a bare ``dynamic_update_slice`` clamps
+    it into row 1. So a proven update keeps the exact cond guard in the source (which XLA folds
+    away where the bounds are known when it compiles); only ``mode="promise_in_bounds"``,
+    written in the source, drops it (``_replacement``)."""
     guard = details.get("guard")
-    if guard in ("none", "clamp"):
-        return "none"
     return guard if guard in ("select", "blend") else "cond"
 
 
@@ -193,7 +197,8 @@ class ScatterToDUSCommand(FindingCommand):
     DESCRIPTION = (
         "Rewrite `x.at[i].set(v)` (and add, subtract, multiply, min, max) where the "
         "scatter_to_dus pass applied as `lax.dynamic_update_*`, keeping a `lax.cond` "
-        "bounds guard unless the pass proved the index in bounds."
+        "bounds guard (the pass's proof holds for the shapes it traced; the source serves "
+        "every shape) unless the update says mode='promise_in_bounds'."
     )
     KIND = "scatter_to_dus"
     HINT = (
@@ -244,7 +249,7 @@ class ScatterToDUSCommand(FindingCommand):
     def leave_Subscript(
         self, original_node: cst.Subscript, updated_node: cst.Subscript
     ) -> cst.BaseExpression:
-        """The read side: a proven window ``x[i + jnp.arange(k)]`` -> ``dynamic_slice_in_dim``."""
+        """The read side: a window ``x[i + jnp.arange(k)]`` -> ``dynamic_slice_in_dim``, guarded."""
         hits = [i for i in self.targets_within(original_node) if _is_gather(self.targets[i])]
         if (
             not hits
@@ -255,24 +260,35 @@ class ScatterToDUSCommand(FindingCommand):
         window = _arange_window(original_node.slice[0].slice.value, self.imports)
         if window is None:
             return updated_node
-        if any(_guard_kind(self.targets[i].details) != "none" for i in hits):
-            reason = (
-                "a read whose bounds are not proven has no short exact source form "
-                "(out-of-bounds rows are filled or clamped one by one)"
-            )
-            for i in hits:
-                self.outcomes[i] = reason
-            return updated_node
         start, size = window
+        x = updated_node.value
+        if not (_simple(x) and _simple(start) and _simple(size)):
+            for i in hits:
+                self.outcomes[i] = "the array, window start or size is an expression; name it first"
+            return updated_node
         for i in hits:
             self.outcomes[i] = None
-        return template(
-            "{f}({x}, {i}, {k}, 0)",
-            f=self.ref("jax.lax.dynamic_slice_in_dim"),
-            x=updated_node.value,
-            i=start,
-            k=size,
+        # Out of bounds, a read's rows are clamped or filled one by one where dynamic_slice
+        # shifts the whole window: the original read stays the else, for every shape the
+        # source serves (the pass's proof holds for the shapes it traced only, ``_guard_kind``),
+        # and both branches for an array of fewer rows than the window.
+        new = template(
+            "{cond}((0 <= {i}) & ({i} + {k} <= {x}.shape[0]), "
+            "lambda: {ds} if {k} <= {x}.shape[0] else {orig}, lambda: {orig})",
+            cond=self.ref("jax.lax.cond"),
+            i=_paren(start),
+            k=_paren(size),
+            x=x,
+            ds=template(
+                "{f}({x}, {i}, {k}, 0)",
+                f=self.ref("jax.lax.dynamic_slice_in_dim"),
+                x=x,
+                i=start,
+                k=size,
+            ),
+            orig=updated_node,
         )
+        return self.fit(original_node, new)
 
     # --- building the replacement -------------------------------------------------------------
 
@@ -396,9 +412,12 @@ class ScatterToDUSCommand(FindingCommand):
         if guard == "none":
             return dus
         # A window that is partly out of bounds writes only its in-bounds rows, and a negative
-        # start wraps row by row: only the original scatter does that, so it stays the else.
+        # start wraps row by row: only the original scatter does that, so it stays the else;
+        # and for an array of fewer rows than the window, both branches (a dynamic_update_slice
+        # larger than its operand does not trace, and cond traces both).
         return template(
-            "{cond}((0 <= {i}) & ({i} + {k} <= {x}.shape[0]), lambda: {dus}, lambda: {orig})",
+            "{cond}((0 <= {i}) & ({i} + {k} <= {x}.shape[0]), "
+            "lambda: {dus} if {k} <= {x}.shape[0] else {orig}, lambda: {orig})",
             cond=self.ref("jax.lax.cond"),
             x=x,
             i=_paren(start),
@@ -440,24 +459,10 @@ class ScatterToDUSCommand(FindingCommand):
             return None, "a tile start or size is an expression; name it first"
         starts = cst.Tuple([cst.Element(a[0]) for a in axes])
         sizes = cst.Tuple([cst.Element(a[1]) for a in axes])
-        guard = _guard_kind(details)
-        if guard == "blend":
+        if _guard_kind(details) != "select":  # (a proof is the traced shapes': the blend is
+            # exact for every shape; a select-guarded tile the pass writes alone)
             return self._blended_window(at, starts, sizes), None
-        if guard != "none":
-            return None, "a tile whose bounds are not proven is written by the pass only"
-        old = template(
-            "{f}({x}, {i}, {k})", f=self.ref("jax.lax.dynamic_slice"), x=at.base, i=starts, k=sizes
-        )
-        shape = cst.parse_expression(
-            f"({', '.join(self.code(a[1]) for a in axes)}, *{self.code(at.base)}.shape[{rank}:])"
-        )
-        return template(
-            "{f}({x}, {v}, {i})",
-            f=self.ref("jax.lax.dynamic_update_slice"),
-            x=at.base,
-            v=self._new_value(at, old, shape),
-            i=starts,
-        ), None
+        return None, "a tile whose bounds are not proven is written by the pass only"
 
     def _static_slice(self, at: _AtUpdate, slc: cst.Slice):
         def const(n):
