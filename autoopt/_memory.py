@@ -194,8 +194,17 @@ def _mem_available() -> int | None:
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-    """An out-of-memory error of XLA's (compiling or running): RESOURCE_EXHAUSTED."""
-    return isinstance(error, RuntimeError) and "RESOURCE_EXHAUSTED" in str(error)
+    """An out-of-memory error of XLA's (compiling or running): jax's runtime error whose status
+    is RESOURCE_EXHAUSTED. Only the status, which leads the message: a host callback's own
+    exception that mentions RESOURCE_EXHAUSTED (a quota error of some service) reaches the
+    caller inside an INTERNAL status, and is the user's error to see, raised once, as jax.jit
+    raises it (taking it for an out-of-memory error re-planned the program and ran the whole
+    step, callbacks included, again)."""
+    import jax
+
+    return isinstance(error, jax.errors.JaxRuntimeError) and str(error).lstrip().startswith(
+        "RESOURCE_EXHAUSTED"
+    )
 
 
 def bytes_named_in(error: BaseException) -> int | None:

@@ -118,7 +118,7 @@ def _read(path: str) -> Any:
     try:
         with open(path, encoding="utf-8") as fh:
             return json.load(fh)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # (a deeply nested file: not ours)
         return None
 
 

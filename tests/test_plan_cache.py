@@ -177,17 +177,32 @@ def test_without_a_compilation_cache_nothing_is_kept(tmp_path):
     assert "pp_jaxpr" not in first["calls"], first["calls"]
 
 
-def test_an_entry_this_process_cannot_use_is_measured_again(tmp_path):
+def _unproposed(stored: dict) -> str:
+    if "recompute" in stored:  # the joint plan, kept whole: equations it does not have
+        stored["recompute"] = [10**9]
+    else:  # the candidates' decision: a plan this process does not propose
+        stored["chosen"] = "a plan nobody proposed"
+    return json.dumps(stored)
+
+
+def _malformed(stored: dict) -> str:
+    # (fields of other types: these raised TypeError, AttributeError or RecursionError out of
+    # the pass, so a process skipped remat, and every later one, the entry never replaced)
+    stored.update(chosen=None, base=None, tried=[], reason=None, floor="abc")
+    return json.dumps(stored)
+
+
+@pytest.mark.parametrize(
+    "spoil",
+    [_unproposed, _malformed, lambda stored: "[" * 100000 + "]" * 100000],
+    ids=["a plan it does not propose", "fields of other types", "nested too deep"],
+)
+def test_an_entry_this_process_cannot_use_is_measured_again(tmp_path, spoil):
     cache = tmp_path / "jax-cache"
     first = _process(tmp_path, str(cache), {"remat": "auto"})
     folder = cache / "autoopt-plans"
     for entry in folder.iterdir():
-        stored = json.loads(entry.read_text())
-        if "recompute" in stored:  # the joint plan, kept whole: equations it does not have
-            stored["recompute"] = [10**9]
-        else:  # the candidates' decision: a plan this process does not propose
-            stored["chosen"] = "a plan nobody proposed"
-        entry.write_text(json.dumps(stored))
+        entry.write_text(spoil(json.loads(entry.read_text())))
     second = _process(tmp_path, str(cache), {"remat": "auto"})
     assert second["messages"] == first["messages"] and second["out"] == first["out"]
     assert [n for n in second["compiles"] if n != "jit(train_step)"]  # measured again

@@ -160,6 +160,34 @@ def test_where_no_plan_fits_jaxs_own_error_names_the_largest_live_values(reporte
     assert "test_remat_fit.py" in message
 
 
+def test_a_callbacks_error_that_mentions_resource_exhausted_is_raised_as_jax_jit_raises_it():
+    # A quota error of some service, raised in a host callback, reads "RESOURCE_EXHAUSTED ...
+    # (limit: N bytes)" inside jax's INTERNAL status. It was taken for an out-of-memory error:
+    # the program was re-planned with N as the budget and the whole step (its callback too)
+    # ran again, returning where jax.jit raises.
+    ws, x = _args(layers=2)
+    calls = []
+
+    def host(v):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("RESOURCE_EXHAUSTED: quota exceeded (limit: 100000 bytes)")
+        return v
+
+    def step(ps, x):
+        x = jax.pure_callback(host, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+        return train_step(ps, x)
+
+    for fn in (jax.jit(step), autoopt.optimize(step, fallback="raise")):
+        calls.clear()
+        with pytest.raises(jax.errors.JaxRuntimeError, match="quota exceeded") as info:
+            fn(ws, x)
+        assert len(calls) == 1, fn
+        assert "Largest values live" not in str(info.value)
+    # (and the next call runs as jax.jit's does)
+    assert_trees_equivalent(jax.jit(step)(ws, x), autoopt.optimize(step)(ws, x))
+
+
 def test_explain_shows_what_remat_auto_would_apply_without_applying_it():
     ws, x = _args()
     fast = autoopt.optimize(train_step, fallback="raise")

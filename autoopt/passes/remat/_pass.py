@@ -387,14 +387,26 @@ def _backend_of() -> str | None:
 
 
 def _decision_from(v: dict, by_name: dict[str, Candidate]) -> Decision:
+    """The decision ``_decision_to`` stored, or an exception for an entry of any other form (a
+    truncated, hand-edited or foreign file: its readers take that for a miss and measure
+    again, which writes a good entry over it)."""
     chosen = v["chosen"]
+    reason, floor, tried = v["reason"], v["floor"], v["tried"]
+    if not (
+        (chosen is None or isinstance(chosen, str))
+        and isinstance(reason, str)
+        and (floor is None or (isinstance(floor, int) and not isinstance(floor, bool)))
+        and isinstance(tried, list)
+        and all(isinstance(t, list) and len(t) == 2 and isinstance(t[0], str) for t in tried)
+    ):
+        raise ValueError("a stored remat decision of another form")
     return Decision(
         by_name[chosen] if chosen is not None else None,
         _measured_from(v["base"]),
         _measured_from(v["after"]),
-        v["reason"],
-        [(n, _measured_from(m)) for n, m in v["tried"]],
-        v["floor"],
+        reason,
+        [(n, _measured_from(m)) for n, m in tried],
+        floor,
     )
 
 
@@ -426,6 +438,8 @@ def _measured_to(m: Measured | None) -> list | None:
 def _measured_from(v: list | None) -> Measured | None:
     if v is None:
         return None
+    if not (isinstance(v, list) and len(v) == 6):
+        raise ValueError("a stored measurement of another form")
     return Measured(CompiledMemory(*(int(x) for x in v[:4])), float(v[4]), float(v[5]))
 
 
