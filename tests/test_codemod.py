@@ -1026,6 +1026,52 @@ def test_prefetch_is_not_offered_where_the_batches_depend_on_the_loop_body(loop,
     assert why is not None and f"changes `{fed}`" in why, cmd.outcomes
 
 
+@pytest.mark.parametrize(
+    "loop, why",
+    [
+        # the rest of the iterator is read after the loop: batches taken ahead would be lost
+        (
+            "for obs in source:\n        w = step(w, obs)\n        if w is None:\n"
+            "            break",
+            "can end before its batches do",
+        ),
+        ("for obs in source:\n        w = step(w, obs)\n        return w", "can end before"),
+        # the body draws from the random stream the batches are drawn from
+        (
+            "for obs in noisy():\n        w = step(w, obs + np.random.rand())",
+            "changes `np`",
+        ),
+        (
+            "for obs in shuffled():\n        w = step(w, obs * random.random())",
+            "changes `random`",
+        ),
+    ],
+)
+def test_prefetch_is_not_offered_where_running_ahead_changes_what_the_loop_sees(loop, why):
+    # (a hostile review: a loop with `break` lost the items the prefetch thread took from an
+    # iterator read after it; a body drawing np.random changed the batches' draws)
+    before = (
+        "import random\n\nimport numpy as np\n\ndef noisy():\n    while True:\n"
+        "        yield np.random.rand(8)\n\ndef shuffled():\n    while True:\n"
+        "        yield np.arange(8) * random.random()\n\ndef train(w, source):\n"
+        f"    {loop}\n    return w\n"
+    )
+    line = before.splitlines().index(next(ln for ln in before.splitlines() if "step(" in ln)) + 1
+    cmd = assert_unchanged(PlacementCommand, before, [F("placement", line, arg=1)], function="step")
+    [got] = cmd.outcomes.values()
+    assert got is not None and why in got, cmd.outcomes
+
+
+def test_prefetch_is_offered_where_a_break_belongs_to_an_inner_loop_and_numpy_is_pure():
+    before = (
+        "import numpy as np\n\ndef train(w, source):\n    for obs in source:\n"
+        "        w = step(w, obs)\n        for k in range(3):\n            if k:\n"
+        "                break\n        print(np.mean(obs))\n    return w\n"
+    )
+    result, cmd = run_command(PlacementCommand, before, [F("placement", 5, arg=1)], function="step")
+    assert "autoopt.prefetch(source)" in result.code, (cmd.outcomes, result.code)
+
+
 def test_placement_finding_at_a_call_site_names_leaves_by_parameter():
     """The pass names leaves by the function's parameters (`batch['x']`); the caller passes
     `b`: ``params`` (added from the signature) maps them to positions."""

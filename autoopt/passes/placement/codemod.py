@@ -141,10 +141,69 @@ class _Touched(_Assigned):
         if isinstance(target, cst.Attribute | cst.Subscript):
             self._root(target)
 
+    def __init__(self) -> None:
+        super().__init__()
+        # Imported modules the block draws random numbers from (``np.random.rand()``,
+        # ``random.random()``): a call of one changes the module's own state, which a batch
+        # made ahead of the body would have drawn from first.
+        self.stateful: set[str] = set()
+
     def visit_Call(self, node: cst.Call) -> bool:
         if isinstance(node.func, cst.Attribute):
             self._root(node.func.value)
+            attrs, root = [], node.func
+            while isinstance(root, cst.Attribute):
+                attrs.append(root.attr.value)
+                root = root.value
+            if (
+                isinstance(root, cst.Name)
+                and root.value != "jax"
+                and (root.value == "random" or "random" in attrs[1:])
+            ):
+                self.stateful.add(root.value)  # (jax.random is functional: keys, no state)
         return True
+
+
+class _EarlyExit(cst.CSTVisitor):
+    """Whether a loop's body can leave it before its iterable is exhausted: a ``break`` of
+    this loop, a ``return`` or ``yield`` of its function (nested functions and loops are their
+    own)."""
+
+    def __init__(self) -> None:
+        self.found = False
+        self._loops = 0
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        return False
+
+    def visit_Lambda(self, node: cst.Lambda) -> bool:
+        return False
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> bool:
+        return False
+
+    def visit_For(self, node: cst.For) -> bool:
+        self._loops += 1
+        return True
+
+    def leave_For(self, original_node: cst.For) -> None:
+        self._loops -= 1
+
+    def visit_While(self, node: cst.While) -> bool:
+        self._loops += 1
+        return True
+
+    def leave_While(self, original_node: cst.While) -> None:
+        self._loops -= 1
+
+    def visit_Break(self, node: cst.Break) -> None:
+        self.found = self.found or self._loops == 0
+
+    def visit_Return(self, node: cst.Return) -> None:
+        self.found = True
+
+    def visit_Yield(self, node: cst.Yield) -> None:
+        self.found = True
 
 
 def _names_in(node: cst.CSTNode) -> set[str]:
@@ -275,10 +334,19 @@ class PlacementCommand(FindingCommand):
     def _fed_back(self, loop: cst.For) -> str | None:
         """Why the loop's batches may depend on what its body does (prefetching would make
         them from an earlier state: an RL loop stepping its environment, a sampler reading the
-        last parameters), or None when the file shows they cannot. The iterable's names (and,
-        for a call of a function of this file, every name that function reads) must be neither
-        rebound in the body nor mutated there: no ``x.attr = ``, ``x[i] = `` or method call
-        ``x.method(...)`` on them."""
+        last parameters, a body drawing from the random stream the batches draw from), or why
+        the loop may stop before they end (a batch made ahead is then taken from an iterable
+        the code after the loop may read); None when the file shows neither. The iterable's
+        names (and, for a call of a function of this file, every name that function reads)
+        must be neither rebound in the body nor mutated there: no ``x.attr = ``, ``x[i] = `` or
+        method call ``x.method(...)`` on them, nor a random draw from a module they use."""
+        exits = _EarlyExit()
+        loop.body.visit(exits)
+        if exits.found:
+            return (
+                "the loop can end before its batches do (a break or return): prefetching "
+                "would take batches past that point from the iterable"
+            )
         reads = _names_in(loop.iter)
         if isinstance(loop.iter, cst.Call) and isinstance(loop.iter.func, cst.Name):
             for stmt in self.module.body if self.module is not None else ():
@@ -286,7 +354,7 @@ class PlacementCommand(FindingCommand):
                     reads |= _names_in(stmt.body)
         touched = _Touched()
         loop.body.visit(touched)
-        fed = sorted((reads & touched.names) - self._imported())
+        fed = sorted((reads & touched.names) - (self._imported() - touched.stateful))
         if fed:
             return (
                 f"the loop body changes `{fed[0]}`, which the batches are made from: a "
