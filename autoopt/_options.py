@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import numbers
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -55,6 +56,10 @@ def parse_bytes(value: Any, name: str = "memory_budget") -> int | None:
         raise TypeError(
             f"{name}={value!r} is not a size; pass bytes (an int) or a string like '2GB'."
         )
+    if isinstance(value, numbers.Integral) and not isinstance(value, int):
+        value = int(value)  # a NumPy integer (np.int64(2**30), a size computed with NumPy)
+    elif isinstance(value, numbers.Real) and not isinstance(value, int | float):
+        value = float(value)
     if isinstance(value, int | float):
         if value != value or value in (float("inf"), float("-inf")):
             raise ValueError(

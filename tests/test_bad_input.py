@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import autoopt
@@ -203,3 +204,10 @@ def test_a_non_array_leaf_is_static_when_immutable_and_refused_clearly_when_not(
     assert len(traces) == 1
     with pytest.raises(TypeError, match="not a valid JAX type.*static_argnums"):
         fast(X, {"tag": bytearray(b"x")})  # mutable: a static copy would go stale
+
+
+@pytest.mark.parametrize("budget", [np.int64(2**30), np.float32(2**30)], ids=["int64", "float32"])
+def test_a_numpy_number_is_a_memory_budget_as_the_python_number_is(budget):
+    # (a size computed with NumPy was refused: "got int64")
+    fast = autoopt.optimize(scale, memory_budget=budget)
+    np.testing.assert_array_equal(fast(X), X * 2.0)
