@@ -607,9 +607,9 @@ def _compiled_names(fn: Any) -> tuple[str, ...]:
 # Where jax's and autoopt's own code lives: a compile event's first frame outside jax (and
 # outside this module's listener) says who asked for the compile.
 _JAX_DIRS = tuple(
-    os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+    os.path.dirname(os.path.abspath(file)) + os.sep
     for m in (jax, sys.modules.get("jaxlib"))
-    if m is not None and getattr(m, "__file__", None)
+    if isinstance(file := getattr(m, "__file__", None), str)
 )
 _AUTOOPT_DIR = os.path.dirname(os.path.abspath(_compat.__file__)) + os.sep
 

@@ -179,6 +179,7 @@ def test_the_key_safety_tests_pass_with_the_c_path_off():
             "tests/test_donation_adversarial.py",
             "tests/test_fast_path_trees.py",
             "tests/test_nested_signatures.py",
+            "tests/test_bounded_twin.py",
         ],
         env=env,
         capture_output=True,

@@ -57,7 +57,7 @@ class Planned(Protocol):
 
     def _program_for_call(self, args: tuple, kwargs: dict) -> Program | None: ...
 
-    def _jit_for(self, positions: tuple, names: tuple) -> Any: ...
+    def _jit_for(self, positions: tuple, names: tuple, bounded: bool = False) -> Any: ...
 
     def _static_leaf_fn(self, key: tuple) -> Planned: ...
 
@@ -411,7 +411,7 @@ def plan_donating(
         # Under "safe", nothing is donated into a program that calls back into Python
         # (``host_callbacks`` says why): its one executable donates nothing.
         if check_refs and host_callbacks(program.final):
-            return plan_for(of, program, program.decide(((), ())), (), ())
+            return plan_for(of, program, program.decide(((), ())), (), (), args)
         d = program.decide((positions, names))
         if program.unpacks_to(unpack):
             pos, nms = (
@@ -433,7 +433,7 @@ def plan_donating(
     except Exception as e:  # noqa: BLE001 - donation is an optimization; never break the call
         of._fall_back(e, "donation")
         d, pos, nms = program.decide((positions, names)), (), ()
-    return plan_for(of, program, d, pos, nms)
+    return plan_for(of, program, d, pos, nms, args)
 
 
 def _without_self_keeping(
@@ -566,7 +566,8 @@ def plan_kept(of: Planned, args: tuple, kwargs: dict, site: Any) -> CallPlan:
         return of._plain_plan
     fresh = any(why.startswith(_PASSED_FRESH) for _, why in site.proof.reasons)
     fresh = fresh and not host_callbacks(program.final)  # "safe" never donates into callbacks
-    plan = plan_for(of, program, program.decide(None if fresh else ((), ())), (), ())
+    d = program.decide(None if fresh else ((), ()))
+    plan = plan_for(of, program, d, (), (), args)
     plans = site.plans
     if plan.direct and not program.lost_updates and len(plans) < FAST_ENTRIES:
         found = _plan_key(of._policy, args, kwargs)
@@ -574,11 +575,18 @@ def plan_kept(of: Planned, args: tuple, kwargs: dict, site: Any) -> CallPlan:
             sig, _, host = found
             lean = not host and not placer_needed(of, program)
             placer = None if lean else plan.placer
-            plans[sig] = (
-                _plans.static_plan(plan.jit, (), placer, frozenset(), True, bool(kwargs))
-                if of._policy.has_static
-                else _plans.kept(plan.jit, placer)
-            )
+            general = of._jit_for(*d) if d[0] or d[1] else of._plain
+            if of._policy.has_static:
+                plans[sig] = _plans.static_plan(
+                    general, (), placer, frozenset(), True, bool(kwargs)
+                )
+            elif program.bounded is not None:
+                special = _plans.kept(of._jit_for(*d, True), placer)
+                plans[sig] = _plans.bounded(
+                    _plans.kept(general, placer), special, program.bounded[0]
+                )
+            else:
+                plans[sig] = _plans.kept(general, placer)
     return plan
 
 
@@ -600,18 +608,30 @@ _PASSED_FRESH = "it is passed as an expression"
 
 
 def plan_for(
-    of: Planned, program: Program, d: tuple[tuple, tuple], pos: tuple, nms: tuple
+    of: Planned,
+    program: Program,
+    d: tuple[tuple, tuple],
+    pos: tuple,
+    nms: tuple,
+    args: tuple | None = None,
 ) -> CallPlan:
     """The plan running the executable donating ``d``, of which the call donates ``pos`` and
-    ``nms`` and passes copies of the rest."""
+    ``nms`` and passes copies of the rest; with ``args`` (the call's positional arguments),
+    that of the program's ``bounded`` twin where they are in its bounds, so a signature's first
+    call compiles the executable the next calls in bounds run (``_plans.bounded``)."""
+    twin = (
+        args is not None
+        and program.bounded is not None
+        and _plans.in_bounds(args, program.bounded[0])
+    )
     if not (d[0] or d[1]):
-        return of._plain_plan
+        return of._plain_plan._replace(jit=of._jit_for((), (), True)) if twin else of._plain_plan
     policy = of._policy
     copies = (tuple(p for p in d[0] if p not in pos), tuple(n for n in d[1] if n not in nms))
     if not (copies[0] or copies[1]):
         copies = ()
     return CallPlan(
-        of._jit_for(*d),
+        of._jit_for(*d, twin),
         pos,
         of._placer,
         program.const_ids,
@@ -671,6 +691,11 @@ def remember_fast(
         fast[sig] = _plans.static_plan(
             jitted, pos, placer, program.const_ids, check_refs, bool(kwargs)
         )
+    elif program.bounded is not None:
+        general = _plans.donating(jitted, pos, placer, program.const_ids, check_refs, kind)
+        twin = of._jit_for(*d, True)
+        special = _plans.donating(twin, pos, placer, program.const_ids, check_refs, kind)
+        fast[sig] = _plans.bounded(general, special, program.bounded[0])
     else:
         fast[sig] = _plans.donating(jitted, pos, placer, program.const_ids, check_refs, kind)
 

@@ -485,7 +485,7 @@ def _donated_by(of: OptimizedFunction, program: Program, jit: Any) -> tuple[int,
         found = [key for key, j in list(of._caches.jits.items()) if j is jit]
         if not found:
             return None
-        positions, names = found[0]
+        positions, names = found[0][:2]  # (the key's third item: ``bounded``)
     chosen = set(positions) | set(names)
     return tuple(i for i, a in enumerate(program.ctx.in_arg_of_leaf) if a in chosen)
 

@@ -35,6 +35,7 @@ from jax import tree_util
 
 from autoopt import _compat, _jaxpr, _multiprocess, _trace
 from autoopt._errors import AutooptWarning, FitCheck, PassError, ProcessMismatchError
+from autoopt._finding import Finding
 from autoopt._jit import _fit, _mutations, _plans, _reuse, _static_leaves
 from autoopt._jit._dispatch import Caches, CallPlan, Policy, make_dispatch, with_copies
 from autoopt._jit._inspect import Inspection
@@ -50,7 +51,14 @@ from autoopt._jit._program import (
 from autoopt._jit._static_leaves import PLAIN_TYPES, STATIC_LEAF_PLANS, run_static_leaf_plan
 from autoopt._options import Options
 from autoopt._reporting import REPORTING, report_tracing
-from autoopt.passes import PassContext, make_options, option_names, run_pipeline
+from autoopt.passes import (
+    PassContext,
+    PipelineResult,
+    make_options,
+    option_names,
+    run_pipeline,
+    value_specialized,
+)
 from autoopt.passes.donation import callsite, host_callbacks
 
 log = logging.getLogger("autoopt")
@@ -366,6 +374,42 @@ _NATIVE = _native_call_path()
 NATIVE = _NATIVE is not None
 
 
+def _twin_finding(traced: _trace.TracedProgram, ctx: PassContext, program: Program) -> Finding:
+    """What the report says of a ``Program.bounded`` twin (its writes, its bounds)."""
+    assert program.bounded is not None
+    checks, twin = program.bounded
+    names = {a: n for n, a in zip(traced.in_leaf_names, traced.in_arg_of_leaf)}
+    said = " and ".join(
+        f"`{names.get(arg, f'argument {arg}')}` in [{lo}, {hi}]" for arg, lo, hi in checks
+    )
+    bare = sum(
+        1 for site in _jaxpr.iter_eqns(twin) if site.eqn.primitive.name == "dynamic_update_slice"
+    )
+    return Finding(
+        kind="scatter_to_dus",
+        applied=True,
+        message=(
+            f"a second program, for calls passing Python ints {said} (checked on the host "
+            f"at each call), writes with {bare} bare dynamic_update_slice what this one must "
+            "guard (a block, window or tile whose start is not proven); other values, and jax "
+            "arrays there, run this one. Compiled when first called: a loop whose values stay "
+            "in the bounds compiles one program, as jax.jit does."
+        ),
+        location=ctx.fn_location,
+        pass_name="scatter_to_dus",
+        details={
+            "op": "twin",
+            "bounds": {names.get(arg, str(arg)): (lo, hi) for arg, lo, hi in checks},
+        },
+    )
+
+
+def _donated_sets(jits: dict) -> frozenset:
+    """The (positions, names) sets the jit objects ``Caches.jits`` keys donate (its keys'
+    third item says whether the object runs a ``Program.bounded`` program)."""
+    return frozenset(key[:2] for key in list(jits))
+
+
 def call_holding_signals(body: Callable[[], Any], frame: Any = None, proof: Any = None) -> Any:
     """``body()`` for a call path written in Python (``_BoundOptimized``, equinox's, nnx's), as
     the C call path runs every call under "safe" (``_native.c``): a signal handler's exception
@@ -396,6 +440,7 @@ class OptimizedFunction(_CallBase):
         self._policy = policy = policy or Policy.build(options, fn_location_of(fn))
         self._caches = Caches(policy)
         self._wrapper = self._make_wrapper()
+        self._bounded_wrapper = self._make_wrapper(bounded=True)
         from autoopt.passes.placement import placer_for
 
         # Host inputs (packing, cached constants), scalar canonicalization, transfer guard; None
@@ -462,7 +507,9 @@ class OptimizedFunction(_CallBase):
 
     # --- jit objects ---------------------------------------------------------------------------
 
-    def _make_wrapper(self, eager_autodiff: bool = False, inlined: bool = False) -> Callable:
+    def _make_wrapper(
+        self, eager_autodiff: bool = False, inlined: bool = False, bounded: bool = False
+    ) -> Callable:
         """The function jax.jit traces: while jit traces it, it traces the user's function once
         per signature to a jaxpr, runs the passes, and evaluates the optimized jaxpr into jit's
         trace. So JAX's own C++ dispatch keeps the signature cache, and a cached call costs what
@@ -470,7 +517,9 @@ class OptimizedFunction(_CallBase):
         jit, whose programs are planned for a caller that differentiates them eagerly.
         ``inlined``: the wrapper of calls inside another trace, which evaluates the original
         program (the signature's program is found or built as for any call, so the user's
-        function is traced once per signature either way)."""
+        function is traced once per signature either way). ``bounded``: the wrapper of the jit
+        objects a call runs only after checking its Python int argument on the host
+        (``Program.bounded``), which evaluate the program built for values in those bounds."""
         fn = self.__wrapped__
 
         def wrapper(*args, **kwargs):
@@ -505,18 +554,20 @@ class OptimizedFunction(_CallBase):
             if inlined:
                 outs = _jaxpr.stage_closed(program.traced.closed, *leaves)
             else:
-                outs = self._evaluate(program, leaves, hoisted)
+                outs = self._evaluate(program, leaves, hoisted, bounded)
             return tree_util.tree_unflatten(program.traced.out_tree, outs)
 
         # jax.jit reads the signature (static_argnames, donate_argnames) through __wrapped__.
         functools.update_wrapper(wrapper, fn, updated=())
         return wrapper
 
-    def _jit_for(self, positions: tuple, names: tuple):
+    def _jit_for(self, positions: tuple, names: tuple, bounded: bool = False):
         """The jit object donating these arguments (one per donated set: donation varies per
-        call, and each jit object traces the wrapper, which finds the program cached)."""
+        call, and each jit object traces the wrapper, which finds the program cached).
+        ``bounded``: the one running ``Program.bounded``'s program, which only a call whose
+        argument was checked in bounds may call (``_plans.bounded``, ``_dispatch.plan_for``)."""
         caches = self._caches
-        key = (positions, names)
+        key = (positions, names, bounded)
         j = caches.jits.get(key)
         if j is not None:
             return j
@@ -528,7 +579,7 @@ class OptimizedFunction(_CallBase):
             if self._policy.donate != "explicit":
                 kw["donate_argnums"] = positions
                 kw["donate_argnames"] = names
-            j = jax.jit(self._wrapper, **kw)
+            j = jax.jit(self._bounded_wrapper if bounded else self._wrapper, **kw)
             if _NATIVE is not None and self._policy.donate == "safe" and (positions or names):
                 # From its call until the call site's names are bound to the result, signal
                 # handlers wait (``_native.c``): one raising there would keep the statement
@@ -703,10 +754,44 @@ class OptimizedFunction(_CallBase):
         else:
             program = Program(traced, pipeline, None)
             program.value_guards = value_guards_of(traced.closed, program.final)
+            if not (several or eager_autodiff):
+                program.bounded = self._bounded_program(traced, ctx, pipeline)
+                if program.bounded is not None:
+                    program.pipeline = dataclasses.replace(
+                        pipeline,
+                        findings=(*pipeline.findings, _twin_finding(traced, ctx, program)),
+                    )
         program.ctx = ctx
         if several:  # and build the same program from it (_multiprocess)
             program.fingerprint = _multiprocess.check_program(fn_id, str(program.final))
         return program
+
+    def _bounded_program(
+        self, traced: _trace.TracedProgram, ctx: PassContext, pipeline: PipelineResult
+    ) -> tuple[tuple[tuple[int, int, int], ...], Any] | None:
+        """``Program.bounded``: ``(((argument position, lo, hi), ...), program)`` where Python
+        int arguments in those bounds prove writes the program for any value blends or leaves
+        a scatter (``passes.value_specialized``), for positional calls of a function without
+        static arguments (the plans check them); else None. A failure here costs the second
+        program only: the first is exact for every value."""
+        policy = self._policy
+        if policy.has_static or policy.verify or traced.captures_tracers:
+            return None
+        try:
+            found = value_specialized(traced.closed, ctx, pipeline)
+        except PassError as e:
+            log.debug("autoopt: no bounded program for %s: %s", ctx.fn_name, e)
+            return None
+        if found is None:
+            return None
+        bounds, special = found
+        checks = []
+        for leaf, lo, hi in bounds:
+            arg = traced.in_arg_of_leaf[leaf]
+            if not isinstance(arg, int) or traced.in_arg_of_leaf.count(arg) != 1:
+                return None  # (a keyword, or a leaf of a container: never a Python int argument)
+            checks.append((arg, lo, hi))
+        return tuple(checks), special.jaxpr
 
     def _note_aliasing(self, program: Program) -> None:
         """Under "safe": whether calls that donate nothing must look up their signature's
@@ -740,8 +825,12 @@ class OptimizedFunction(_CallBase):
                 program.guarded_choice = chosen
         return chosen
 
-    def _evaluate(self, program: Program, leaves: list, hoisted=None) -> list:
+    def _evaluate(self, program: Program, leaves: list, hoisted=None, bounded=False) -> list:
         final = self._guarded(program) if program.value_guards else program.final
+        if bounded and final is program.final and program.bounded is not None:
+            # (a call checked its argument in the bounds: ``Program.bounded``; where there is
+            # none, or the original runs, the program for any value is exact for these too)
+            final = program.bounded[1]
         # (outside the fallback: the placer's HoistConstants, raised while embedding, is its
         # signal to pass the large constants and call again, not a failure of the passes)
         embedded = self._embedded(program, final, hoisted)
@@ -1400,7 +1489,7 @@ class OptimizedFunction(_CallBase):
                 "inspect() and explain() cannot run on arguments traced by an "
                 "enclosing transformation; call them with concrete arrays."
             )
-        variants = frozenset(calls._caches.jits)  # before inspect() itself makes one
+        variants = _donated_sets(calls._caches.jits)  # before inspect() itself makes one
         jit, donated = self._aot_choice(program, args, kwargs, shift)
         if calls is not self and not compiles:
             # (the jit object a call uses: lowering it traces for the caller, as lower() does)
@@ -1437,7 +1526,7 @@ class OptimizedFunction(_CallBase):
             jit=jit if _NATIVE is None else _NATIVE.unwrap_held(jit),
             donated=donated,
             programs=types.MappingProxyType(dict(caches.programs)),
-            donation_variants=frozenset(caches.jits) if variants is None else variants,
+            donation_variants=_donated_sets(caches.jits) if variants is None else variants,
             call_sites=tuple(caches.site_proofs.values()),
             fast_entries=(
                 sum(len(s.plans or {}) for s in list(caches.sites.values()) if s.donates)

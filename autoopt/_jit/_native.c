@@ -627,8 +627,45 @@ run_jit(CallPath *self, PyObject *site, PyObject *jit, PyObject *args)
     return out;
 }
 
+/* ``_plans.in_bounds``: 1 when every ``(position, lo, hi)`` of ``checks`` names a Python int
+ * argument (exactly ``int``: never a bool, never a jax array) in ``[lo, hi]``, else 0; -1 on
+ * error. Values that do not fit a C long long are out of every bound a program can have. */
+static int
+in_bounds(PyObject *checks, PyObject *args)
+{
+    if (!PyTuple_Check(checks))
+        return 0;
+    Py_ssize_t nargs = PyTuple_GET_SIZE(args);
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(checks); i++) {
+        PyObject *check = PyTuple_GET_ITEM(checks, i);
+        if (!PyTuple_Check(check) || PyTuple_GET_SIZE(check) != 3)
+            return 0;
+        Py_ssize_t p = PyLong_AsSsize_t(PyTuple_GET_ITEM(check, 0));
+        if (p < 0 || p >= nargs)
+            return PyErr_Occurred() ? -1 : 0;
+        PyObject *a = PyTuple_GET_ITEM(args, p);
+        if (!PyLong_CheckExact(a))
+            return 0;
+        int overflow = 0;
+        long long v = PyLong_AsLongLongAndOverflow(a, &overflow);
+        if (overflow != 0)
+            return 0;
+        if (v == -1 && PyErr_Occurred())
+            return -1;
+        long long lo = PyLong_AsLongLong(PyTuple_GET_ITEM(check, 1));
+        long long hi = PyLong_AsLongLong(PyTuple_GET_ITEM(check, 2));
+        if ((lo == -1 || hi == -1) && PyErr_Occurred())
+            return -1;
+        if (v < lo || v > hi)
+            return 0;
+    }
+    return 1;
+}
+
 /* 1: ran (``*out`` the result, or NULL with an exception set), 0: MISS (nothing ran, no
- * reference kept), -1: an error before anything ran. */
+ * reference kept), -1: an error before anything ran. A plan marked ``(jit, positions, runner,
+ * checks, twin)`` (``_plans.bounded``) runs ``twin`` instead of ``jit`` for arguments
+ * ``in_bounds`` of ``checks``, with the same checks. */
 static int
 run_plan(CallPath *self, PyObject *site, PyObject *plan, PyObject *args, PyObject **out)
 {
@@ -641,9 +678,19 @@ run_plan(CallPath *self, PyObject *site, PyObject *plan, PyObject *args, PyObjec
                 return -1;
         }
     }
-    if (native != NULL && PyTuple_Check(native) && PyTuple_GET_SIZE(native) == 3) {
+    if (native != NULL && PyTuple_Check(native) &&
+        (PyTuple_GET_SIZE(native) == 3 || PyTuple_GET_SIZE(native) == 5)) {
         PyObject *jit = PyTuple_GET_ITEM(native, 0), *positions = PyTuple_GET_ITEM(native, 1);
         PyObject *runner = PyTuple_GET_ITEM(native, 2);
+        if (PyTuple_GET_SIZE(native) == 5) {
+            if (runner != Py_None)
+                goto python_plan;
+            int in = in_bounds(PyTuple_GET_ITEM(native, 3), args);
+            if (in < 0)
+                return -1;
+            if (in)
+                jit = PyTuple_GET_ITEM(native, 4);
+        }
         Py_ssize_t nargs = PyTuple_GET_SIZE(args);
         Py_INCREF(jit);
         Py_INCREF(positions);

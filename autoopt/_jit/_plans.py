@@ -265,6 +265,50 @@ def donating(
     return plan
 
 
+def in_bounds(args: tuple, checks: tuple[tuple[int, int, int], ...]) -> bool:
+    """Whether ``args`` may run a ``Program.bounded`` program: each argument a check names is
+    a Python int (never a jax array, whose value lives on the device) in its ``[lo, hi]``."""
+    n = len(args)
+    for p, lo, hi in checks:
+        if not (p < n and type(args[p]) is int and lo <= args[p] <= hi):
+            return False
+    return True
+
+
+def bounded(
+    general: Callable, special: Callable, checks: tuple[tuple[int, int, int], ...]
+) -> Callable:
+    """The plan of a signature whose program has a ``Program.bounded`` twin: ``special`` (the
+    same plan over the jit objects running the twin) for a call ``in_bounds``, ``general`` for
+    any other. (The arguments are read in place, never bound to a name: the plans count
+    references.) One check, the common case, is written out."""
+    if len(checks) != 1:
+
+        def plan(args):
+            return special(args) if in_bounds(args, checks) else general(args)
+
+        return _marked(plan, general, special, checks)
+    ((p, lo, hi),) = checks
+
+    def plan_one(args):
+        if p < len(args) and type(args[p]) is int and lo <= args[p] <= hi:
+            return special(args)
+        return general(args)
+
+    return _marked(plan_one, general, special, checks)
+
+
+def _marked(plan: Callable, general: Callable, special: Callable, checks: tuple) -> Callable:
+    """``plan``, marked for the C call path when both halves are plans it runs itself with the
+    same checks (``_native``: ``(jit, positions, None)``): ``(jit, positions, None, checks,
+    twin jit)``, whose twin it runs for arguments in bounds (``_native.c``'s ``in_bounds``,
+    which reads Python ints as ``in_bounds`` here does)."""
+    g, t = getattr(general, "_native", None), getattr(special, "_native", None)
+    if g is not None and t is not None and g[1] == t[1] and g[2] is None and t[2] is None:
+        plan._native = (g[0], g[1], None, checks, t[0])  # pyright: ignore[reportFunctionMemberAccess]
+    return plan
+
+
 def _shared_or_gone(args: tuple, positions: tuple, base: int) -> bool:
     """The run-time check of a plan donating ``positions`` under "safe": the reference counts
     alone prove each donated argument, and every container and array inside it, the call's

@@ -64,6 +64,7 @@ class Program:
         "_host_bytes",
         "value_guards",
         "guarded_choice",
+        "bounded",
         "__weakref__",
     )
 
@@ -113,6 +114,12 @@ class Program:
         # evaluation into a call's jit (``OptimizedFunction._guarded``).
         self.value_guards: tuple = ()
         self.guarded_choice: Any = None
+        # ``(((argument position, lo, hi), ...), program)``: a second program for calls whose
+        # Python int arguments at those positions lie in those bounds, which prove writes this
+        # one blends or leaves a scatter (``passes.value_specialized``); the call path checks
+        # the values on the host and runs it through its own jit objects
+        # (``_plans.bounded``). None: none.
+        self.bounded: tuple[tuple[tuple[int, int, int], ...], Any] | None = None
 
     def frozen_host_consts(self, closed, skip=()) -> dict[int, Any]:
         """``{index: bytes}`` for each NumPy constant of ``closed`` (this program's ``final`` or

@@ -45,6 +45,7 @@ __all__ = [
     "registered_pass_names",
     "report_sections",
     "run_pipeline",
+    "value_specialized",
 ]
 
 log = logging.getLogger("autoopt")
@@ -310,6 +311,48 @@ def run_pipeline(closed: ClosedJaxpr, ctx: PassContext) -> PipelineResult:
             current = result.jaxpr
             log.debug("pass %s changed the program", name)
     return PipelineResult(closed, current, tuple(findings), tuple(results))
+
+
+def value_specialized(
+    closed: ClosedJaxpr, ctx: PassContext, general: PipelineResult
+) -> tuple[tuple[tuple[int, int, int], ...], PipelineResult] | None:
+    """``(((input index, lo, hi), ...), the pipeline run assuming those inputs in those
+    ranges)``, where the assumption proves writes ``general`` (the program for any value) had
+    to guard, blend or leave a scatter (``in_place.value_bounds``: a row, block, window or tile
+    written at Python ints the caller passes). The caller runs the second program only for
+    calls whose arguments it checked on the host. None where nothing more would be proven, or
+    scatter_to_dus is off."""
+    if not any(p.name == "scatter_to_dus" for p in enabled_passes(ctx.options)):
+        return None
+    if not any(
+        f.kind == "scatter_to_dus"
+        and (
+            (f.applied and (f.details or {}).get("guard") in ("blend", "cond", "select"))
+            or (not f.applied and "bounds are not proven" in f.message)
+        )
+        for f in general.findings
+    ):
+        return None  # (no write to prove: no analysis, a first call costs nothing more)
+    from autoopt.passes.in_place import value_bounds
+
+    try:
+        found = value_bounds(closed, ctx)
+    except Exception as e:  # noqa: BLE001 - the manager adds context; the API decides fallback
+        raise PassError("scatter_to_dus", [], ctx.fn_location, e) from e
+    if found is None:
+        return None
+    ranges = {k: (lo, hi) for k, lo, hi in found}
+    assumed = dataclasses.replace(ctx, extra={**ctx.extra, "assume_ranges": ranges})
+    special = run_pipeline(closed, assumed)
+
+    def proven(result: PipelineResult) -> int:
+        return sum(
+            1
+            for f in result.findings
+            if f.kind == "scatter_to_dus" and f.applied and (f.details or {}).get("guard") == "none"
+        )
+
+    return (found, special) if proven(special) > proven(general) else None
 
 
 def _register_builtins() -> None:

@@ -1019,8 +1019,13 @@ def scatter_to_dus(closed, ctx: PassContext) -> PassResult:
         for site in _jaxpr.iter_eqns(closed)
     ):
         return PassResult.unchanged(closed, ())
-    # (the key is set by autoopt's ``trace()``: see ``_ranges.analyze``)
-    facts = _ranges.analyze(closed, numpy_values=ctx.extra.get("numpy_values", True))
+    # (the key is set by autoopt's ``trace()``: see ``_ranges.analyze``; ``assume_ranges`` by
+    # the build of a program run only on inputs in those ranges, ``value_bounds``)
+    facts = _ranges.analyze(
+        closed,
+        numpy_values=ctx.extra.get("numpy_values", True),
+        assume=ctx.extra.get("assume_ranges", {}),
+    )
     consumes = _consuming_scatters(closed)
     plans: dict[Var, _Decision] = {}
     findings: dict[Var, Finding] = {}
@@ -1133,6 +1138,89 @@ def scatter_to_dus(closed, ctx: PassContext) -> PassResult:
     rules[P.gather_p] = gather_rule
     new, changed = _jaxpr.rewrite(closed, rules)
     return PassResult(jaxpr=new, changed=changed, findings=tuple(findings.values()))
+
+
+def value_bounds(closed, ctx: PassContext) -> tuple[tuple[int, int, int], ...] | None:
+    """``((input index, lo, hi), ...)``: scalar integer inputs (Python int arguments, weakly
+    typed) whose values, when each lies in its ``[lo, hi]``, prove every write of ``closed``
+    that is guarded, blended or left a scatter only because its bounds are not proven
+    (``_decide_scatter``): a program built assuming them (``scatter_to_dus`` with
+    ``assume_ranges``) writes those with a bare ``dynamic_update_slice``, and a call whose
+    arguments the caller checks on the host runs it (``autoopt._jit``). None where no such
+    write exists or the inputs cannot prove them all.
+
+    Each ``lo`` is 0. An input the proof does not need is left out; each ``hi`` is found by
+    bisection, one input after the other, the others at their bounds found so far (interval
+    analysis is monotone: narrower input ranges never prove less), so the bounds returned
+    were proven together."""
+    numpy_values = ctx.extra.get("numpy_values", True)
+    blend_min = ctx.options.window_blend_min_bytes
+    facts = _ranges.analyze(closed, numpy_values=numpy_values)
+    consumes = _consuming_scatters(closed)
+    graph = None
+    costly = []
+    for site in _jaxpr.iter_eqns(closed):
+        eqn = site.eqn
+        if eqn.primitive not in _SCATTERS or _is_fallback(eqn):
+            continue
+        try:
+            plan = _decide_scatter(facts, consumes, ctx.backend, eqn, blend_min)
+        except _Decline as why:
+            if "bounds are not proven" not in str(why):
+                continue
+        else:
+            if plan.guard in ("none", "clamp"):
+                continue  # (proven already)
+        if _rounding.floating_window(eqn):
+            graph = graph or _rounding.Graph(closed)
+            arith = eqn.primitive in (P.scatter_add_p, P.scatter_mul_p)
+            if _rounding.write_risk(graph, eqn, arith):
+                continue  # (left a scatter either way)
+        costly.append(eqn)
+    if not costly:
+        return None
+    inputs = [
+        k
+        for k, v in enumerate(closed.jaxpr.invars)
+        if getattr(v.aval, "shape", None) == ()
+        and getattr(v.aval, "weak_type", False)
+        and np.issubdtype(v.aval.dtype, np.integer)
+    ][:_TWIN_INPUTS]
+    top = max(max(x_shape(eqn)) for eqn in costly) - 1
+
+    def proves(bounds: dict[int, int]) -> bool:
+        f = _ranges.analyze(
+            closed, numpy_values=numpy_values, assume={k: (0, hi) for k, hi in bounds.items()}
+        )
+        for eqn in costly:
+            try:
+                if _decide_scatter(f, consumes, ctx.backend, eqn, blend_min).guard != "none":
+                    return False
+            except _Decline:
+                return False
+        return True
+
+    bounds = dict.fromkeys(inputs, 0)
+    if top < 0 or not bounds or not proves(bounds):
+        return None
+    for k in list(bounds):  # (an input the proof does not need is never checked)
+        without = {j: hi for j, hi in bounds.items() if j != k}
+        if proves(without):
+            bounds = without
+    for k in bounds:
+        lo, hi = bounds[k], top  # proves(bounds) holds with bounds[k] == lo
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if proves({**bounds, k: mid}):
+                lo = mid
+            else:
+                hi = mid - 1
+        bounds[k] = lo
+    return tuple((k, 0, hi) for k, hi in bounds.items())
+
+
+# At most this many Python int inputs are considered for a bounded twin (a tile's starts).
+_TWIN_INPUTS = 4
 
 
 PASS = Pass(

@@ -25,7 +25,7 @@ so facts stay sound for every call site.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -989,15 +989,22 @@ def _join_env(a: Env | None, b: Env | None) -> Env | None:
 NUMPY_VALUE_MAX_BYTES = 1 << 20
 
 
-def analyze(closed: ClosedJaxpr, numpy_values: bool = True) -> Facts:
+def analyze(
+    closed: ClosedJaxpr, numpy_values: bool = True, assume: Mapping[int, tuple[int, int]] = {}
+) -> Facts:
     """Ranges and forms for every value of ``closed`` and all its sub-jaxprs.
 
     ``numpy_values=False``: a NumPy constant (a closed-over array the caller can refill) counts
     as unknown, for a program traced now and lowered later (``jax.jit(f).trace``): jax reads
-    its bytes when it lowers, and a rewrite proven from its value now could be wrong then."""
+    its bytes when it lowers, and a rewrite proven from its value now could be wrong then.
+    ``assume``: ``{input index: (lo, hi)}``, ranges the inputs are known to hold (a program
+    only ever run on such values, which its caller checks: ``value_bounds``)."""
     facts = Facts()
     facts.numpy_values = numpy_values
-    _walk(facts, closed.jaxpr, closed.consts, [None] * len(closed.jaxpr.invars), False)
+    ins: list = [None] * len(closed.jaxpr.invars)
+    for k, (lo, hi) in assume.items():
+        ins[k] = Interval(lo, hi)
+    _walk(facts, closed.jaxpr, closed.consts, ins, False)
     return facts
 
 
