@@ -407,10 +407,12 @@ def cmd_run(argv: Sequence[str]) -> int:
         return 2
 
     # As python: argv[0] is the script (or, under -m, the module's file, which runpy sets);
-    # sys.path[0] is the script's folder, or under -m the current directory.
+    # sys.path[0] is the script's folder (symbolic links resolved), or under -m the current
+    # directory. The report's path is the one given here, whatever folder the script moves to.
+    report = os.path.abspath(ns.report) if ns.report else None
     saved_argv, saved_path0 = sys.argv, sys.path[0] if sys.path else None
     sys.argv = [ns.script or "-m", *ns.args]
-    path0 = os.path.dirname(os.path.abspath(ns.script)) if ns.script else os.getcwd()
+    path0 = os.path.dirname(os.path.realpath(ns.script)) if ns.script else os.getcwd()
     if sys.path:
         sys.path[0] = path0
     else:
@@ -418,18 +420,23 @@ def cmd_run(argv: Sequence[str]) -> int:
     status = 0
     handle = patch(**options)
     try:
-        if ns.module is not None:
-            runpy.run_module(ns.module, run_name="__main__", alter_sys=True)
-        elif os.path.isfile(ns.script):
-            _run_script(ns.script)
-        else:  # a folder or zip with __main__.py
-            runpy.run_path(ns.script, run_name="__main__")
+        with _jax_environment_read_at_import():
+            if ns.module is not None:
+                runpy.run_module(ns.module, run_name="__main__", alter_sys=True)
+            elif os.path.isfile(ns.script):
+                _run_script(ns.script)
+            else:  # a folder or zip with __main__.py
+                runpy.run_path(ns.script, run_name="__main__")
     except SystemExit as e:
         status = _exit_status(e.code)
-    except BaseException as e:  # noqa: BLE001 - the program's own exception, printed as python does
-        traceback.print_exception(type(e), e, _user_traceback(e.__traceback__))
+    except BaseException as e:  # noqa: BLE001 - the program's own exception, reported as python does
+        try:  # (its own hook, if it set one: rich's, absl's)
+            sys.excepthook(type(e), e, _user_traceback(e.__traceback__))
+        except BaseException:  # noqa: BLE001 - a hook that fails: python prints the exception
+            traceback.print_exception(type(e), e, _user_traceback(e.__traceback__))
         status = 130 if isinstance(e, KeyboardInterrupt) else 1
     finally:
+        _join_threads()  # (python waits for them before it exits; their jits count too)
         handle.undo()
         sys.argv = saved_argv
         if saved_path0 is not None and sys.path:
@@ -437,22 +444,104 @@ def cmd_run(argv: Sequence[str]) -> int:
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
-            except (OSError, ValueError):
+            except (AttributeError, OSError, ValueError):
                 pass
     data = summary()
-    sys.stderr.write(format_summary(data))
-    if ns.report:
+    try:
+        sys.stderr.write(format_summary(data))
+    except (AttributeError, OSError, ValueError):  # the script closed or dropped stderr
+        pass
+    if report:
         import json
 
         data = {**data, "command": [*(["-m", ns.module] if ns.module else [ns.script]), *ns.args]}
         data["exit_status"] = status
         try:
-            with open(ns.report, "w") as fh:
+            with open(report, "w") as fh:
                 json.dump(data, fh, indent=1, default=str)
         except OSError as e:
-            print(f"autoopt run: error: cannot write {ns.report}: {_one_line(e)}", file=sys.stderr)
+            print(f"autoopt run: error: cannot write {report}: {_one_line(e)}", file=sys.stderr)
             return status or 1
     return status
+
+
+def _join_threads() -> None:
+    """Wait for the script's non-daemon threads, as python does before it exits."""
+    import threading
+
+    me = threading.current_thread()
+    for thread in threading.enumerate():
+        if thread is not me and not thread.daemon and thread.is_alive():
+            try:
+                thread.join()
+            except RuntimeError:  # (a thread that never started, or the main one)
+                pass
+
+
+class _jax_environment_read_at_import:
+    """While the script runs: at its first ``import jax`` (its own, or a library's), the
+    ``JAX_*`` environment variables it set or changed before it are applied to jax's
+    configuration, as if jax read them then. ``autoopt run`` imported jax before the script
+    ran, so under plain python a script's ``os.environ["JAX_ENABLE_X64"] = "1"`` before ``import
+    jax`` takes effect and here it would not: float64 results became float32. A variable set
+    after that import is left alone there as here (jax has read its environment)."""
+
+    def __enter__(self):
+        import builtins
+
+        self._environ = {k: v for k, v in os.environ.items() if k.startswith("JAX_")}
+        self._import = builtins.__import__
+        outer = self._import
+
+        def importing(name, *args, **kwargs):
+            if name == "jax" or name.startswith("jax."):
+                self.__exit__()
+                _apply_jax_environment(self._environ)
+            return outer(name, *args, **kwargs)
+
+        builtins.__import__ = importing
+        self._installed = importing
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import builtins
+
+        if getattr(self, "_installed", None) is not None:
+            if builtins.__import__ is self._installed:
+                builtins.__import__ = self._import
+            self._installed = None
+
+
+def _apply_jax_environment(before: dict) -> None:
+    """``jax.config.update`` for each ``JAX_*`` variable set or changed since ``before``, read
+    as jax reads its environment at import (``jax._src.config``'s ``bool_env``/``int_env``);
+    one jax does not know, or a value it refuses, is left as jax would have left it unread."""
+    import jax
+
+    known = jax.config.values
+    for var, value in os.environ.items():
+        if not var.startswith("JAX_") or before.get(var) == value:
+            continue
+        name = var.lower()
+        if name not in known:
+            continue
+        current = known[name]
+        try:
+            if isinstance(current, bool):
+                flag = value.lower()
+                if flag in ("y", "yes", "t", "true", "on", "1"):
+                    parsed: Any = True
+                elif flag in ("n", "no", "f", "false", "off", "0"):
+                    parsed = False
+                else:
+                    continue
+            elif isinstance(current, int):
+                parsed = int(value)
+            else:
+                parsed = value
+            jax.config.update(name, parsed)
+        except Exception:  # noqa: BLE001 - as jax would have refused it at import
+            continue
 
 
 def _run_script(path: str) -> None:
@@ -474,13 +563,10 @@ def _run_script(path: str) -> None:
         __spec__=None,
         __builtins__=builtins,
     )
-    saved = sys.modules.get("__main__")
+    # (left as the script's after it ends, as python leaves it: its atexit handlers and
+    # threads still pickle its classes by ``__main__.Name``)
     sys.modules["__main__"] = main
-    try:
-        exec(code, main.__dict__)
-    finally:
-        if saved is not None:
-            sys.modules["__main__"] = saved
+    exec(code, main.__dict__)
 
 
 def _exit_status(code) -> int:

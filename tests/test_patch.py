@@ -388,3 +388,24 @@ def test_the_summary_says_a_program_calling_back_into_python_is_not_donated_and_
     reasons = [n["reason"] for n in row["not_applied"] if n["kind"] == "donate"]
     assert reasons and all("calls back into Python" in r for r in reasons), row
     assert not any("fixed by an earlier call" in r for r in reasons)
+
+
+def test_the_frameworks_wrappers_keep_their_public_attributes_under_the_patch():
+    # (equinox's `.fn`, `.donate_first`; nnx's `.jitted_fn`, `.static_argnums` raised
+    # AttributeError: code reading them broke under `autoopt run`)
+    eqx = pytest.importorskip("equinox")
+    nnx = pytest.importorskip("flax.nnx")
+
+    def f(x):
+        return x * 2
+
+    plain_e, plain_n = eqx.filter_jit(f), nnx.jit(f, static_argnums=())
+    with autoopt.patch():
+        e, n = eqx.filter_jit(f), nnx.jit(f, static_argnums=())
+    assert type(e).__name__ == "EquinoxJit" and type(n).__name__ == "NnxJit"
+    for name in ("fn", "donate_first", "filter_warning"):
+        assert getattr(e, name) == getattr(plain_e, name), name
+    assert n.static_argnums == plain_n.static_argnums and n.in_shardings == plain_n.in_shardings
+    with pytest.raises(AttributeError):
+        e.no_such_attribute  # noqa: B018
+    np.testing.assert_array_equal(e(jnp.ones(3)), plain_e(jnp.ones(3)))

@@ -128,3 +128,60 @@ def test_the_report_holds_each_jitted_function(script):
     # the same figures on stderr, after the program's own output
     assert "step" in out.stderr and "donate x1" in out.stderr
     assert os.path.basename(sys.executable)  # the run used this interpreter
+
+
+# --- as python runs the script, at its edges (a hostile review of `autoopt run`) ----------------
+
+EDGES = textwrap.dedent(
+    """
+    import atexit, dataclasses, os, pickle, sys, threading
+
+    os.environ["JAX_ENABLE_X64"] = "1"  # before jax is imported: jax reads it then
+    import jax
+    import jax.numpy as jnp
+
+    print("dtype", (jax.jit(lambda x: x / 3)(jnp.arange(4))).dtype)
+
+    @dataclasses.dataclass
+    class Cfg:
+        n: int
+
+    atexit.register(lambda: print("at exit", len(pickle.dumps(Cfg(3))) > 0))
+
+    def late():  # a thread still running when the script's code ends
+        f = jax.jit(lambda x: x * 2)
+        for _ in range(3):
+            f(jnp.ones(3))
+
+    threading.Thread(target=late).start()
+    if sys.argv[1:] == ["hook"]:
+        sys.excepthook = lambda t, e, tb: print("own hook:", t.__name__, e, file=sys.stderr)
+        raise ValueError("boom")
+    os.chdir(os.path.join(os.path.dirname(os.path.realpath(__file__)), "elsewhere"))
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["plain", "under autoopt"])
+def test_a_script_runs_as_under_python_at_its_edges(tmp_path, how):
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "elsewhere").mkdir()
+    (real / "edges.py").write_text(EDGES)
+    (tmp_path / "link.py").symlink_to(real / "edges.py")
+    head = () if how == "plain" else ("-m", "autoopt", "run", "--report", "r.json")
+    out = run(*head, "link.py", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    # the environment it set before importing jax (float32 when jax had read it before)
+    assert out.stdout.splitlines()[0] == "dtype float64", out.stdout
+    # its classes still pickle at exit (`__main__` left as its own)
+    assert out.stdout.splitlines()[-1] == "at exit True", out.stdout
+    if how == "plain":
+        return
+    # the report where it was asked for, not where the script moved to; the thread's jit ran
+    # (the script's threads are waited for, as python waits) under the patch
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert sum(r["jit_calls"] for r in data["functions"]) == 2, data["functions"]
+    hooked = run("-m", "autoopt", "run", "link.py", "hook", cwd=tmp_path)
+    assert hooked.returncode == 1 and "own hook: ValueError boom" in hooked.stderr, hooked.stderr
+    assert "Traceback" not in hooked.stderr

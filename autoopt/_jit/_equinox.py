@@ -647,6 +647,14 @@ class EquinoxJit:
         """As equinox's ``lower``: nothing donated (equinox's default)."""
         return self._plain.lower(*args, **kwargs)
 
+    def __getattr__(self, name: str):
+        # (only for names this object lacks) equinox's own wrapper's public attributes, as a caller
+        # of the plain wrapper reads them (``f.fn``, ``f.static_argnums``); its private ones
+        # (a cache whose size would not count autoopt's compiles) are not forwarded
+        if name.startswith("_") or "_plain" not in self.__dict__:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(self.__dict__["_plain"], name)
+
     def __get__(self, instance, owner=None):
         if instance is None:
             return self
