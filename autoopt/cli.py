@@ -430,10 +430,12 @@ def cmd_run(argv: Sequence[str]) -> int:
     except SystemExit as e:
         status = _exit_status(e.code)
     except BaseException as e:  # noqa: BLE001 - the program's own exception, reported as python does
+        tb = _user_traceback(e.__traceback__)
+        e.with_traceback(tb)  # (python's own hook prints the exception's traceback, not tb)
         try:  # (its own hook, if it set one: rich's, absl's)
-            sys.excepthook(type(e), e, _user_traceback(e.__traceback__))
+            sys.excepthook(type(e), e, tb)
         except BaseException:  # noqa: BLE001 - a hook that fails: python prints the exception
-            traceback.print_exception(type(e), e, _user_traceback(e.__traceback__))
+            traceback.print_exception(type(e), e, tb)
         status = 130 if isinstance(e, KeyboardInterrupt) else 1
     finally:
         _join_threads()  # (python waits for them before it exits; their jits count too)
