@@ -160,3 +160,19 @@ def test_the_codemod_makes_no_source_edit_of_the_twin():
 
     twin = _twin(block_set, jnp.zeros((64, 4)), 3, jnp.ones((8, 4)))
     assert twin is not None and not ScatterToDUSCommand.wants(twin)
+
+
+def test_no_twin_for_a_program_reading_a_closed_over_numpy_array():
+    # (its bytes are read when each program is lowered: refilled between the two lowerings,
+    # the twin wrote rows 16-19 where jax.jit, which read the array once, writes rows 5-8)
+    off = np.array([0], np.int32)
+
+    def shifted(x, i, b):
+        return x.at[i + jnp.asarray(off)[0] + jnp.arange(4)].set(b)
+
+    x, b = jnp.zeros((20, 2)), jnp.ones((4, 2))
+    assert _twin(shifted, x, 3, b) is None
+    ref, fast = jax.jit(shifted), autoopt.optimize(shifted)
+    np.testing.assert_array_equal(fast(x, 30, b), ref(x, 30, b))
+    off[0] = 100
+    np.testing.assert_array_equal(fast(x, 5, b), ref(x, 5, b))

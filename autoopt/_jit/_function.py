@@ -777,6 +777,11 @@ class OptimizedFunction(_CallBase):
         policy = self._policy
         if policy.has_static or policy.verify or traced.captures_tracers:
             return None
+        if any(isinstance(c, np.ndarray) for c in traced.closed.consts):
+            # A closed-over NumPy array is read when each program is lowered, and the caller
+            # may refill it in between: the signature's one set of bytes (jax.jit's, kept by
+            # ``Program.frozen_host_consts`` and ``value_guards``) holds for one program only.
+            return None
         try:
             found = value_specialized(traced.closed, ctx, pipeline)
         except PassError as e:
