@@ -417,7 +417,7 @@ def cmd_run(argv: Sequence[str]) -> int:
         sys.path[0] = path0
     else:
         sys.path.insert(0, path0)
-    status = 0
+    status, interrupted = 0, False
     handle = patch(**options)
     try:
         with _jax_environment_read_at_import():
@@ -437,6 +437,7 @@ def cmd_run(argv: Sequence[str]) -> int:
         except BaseException:  # noqa: BLE001 - a hook that fails: python prints the exception
             traceback.print_exception(type(e), e, tb)
         status = 130 if isinstance(e, KeyboardInterrupt) else 1
+        interrupted = isinstance(e, KeyboardInterrupt)
     finally:
         _join_threads()  # (python waits for them before it exits; their jits count too)
         handle.undo()
@@ -464,7 +465,25 @@ def cmd_run(argv: Sequence[str]) -> int:
         except OSError as e:
             print(f"autoopt run: error: cannot write {report}: {_one_line(e)}", file=sys.stderr)
             return status or 1
+    if interrupted:
+        _die_of_sigint()
     return status
+
+
+def _die_of_sigint() -> None:
+    """End as python ends on an uncaught KeyboardInterrupt: killed by SIGINT (a parent sees
+    the signal, not an exit status), once the summary is written."""
+    import signal
+
+    if not hasattr(signal, "SIGINT") or os.name != "posix":
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
 
 
 def _join_threads() -> None:

@@ -185,3 +185,19 @@ def test_a_script_runs_as_under_python_at_its_edges(tmp_path, how):
     hooked = run("-m", "autoopt", "run", "link.py", "hook", cwd=tmp_path)
     assert hooked.returncode == 1 and "own hook: ValueError boom" in hooked.stderr, hooked.stderr
     assert "Traceback" not in hooked.stderr
+
+
+@pytest.mark.skipif(os.name != "posix", reason="a process killed by a signal: POSIX")
+def test_an_interrupted_script_ends_killed_by_sigint_as_under_python(tmp_path):
+    import signal
+
+    (tmp_path / "stop.py").write_text(
+        "import os, signal, jax, jax.numpy as jnp\n"
+        "print(jax.jit(lambda x: x * 2)(jnp.ones(2)), flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "import time; time.sleep(5)\n"
+    )
+    plain = run("stop.py", cwd=tmp_path)
+    under = run("-m", "autoopt", "run", "stop.py", cwd=tmp_path)
+    assert plain.returncode == under.returncode == -signal.SIGINT, (plain, under.stderr)
+    assert "KeyboardInterrupt" in under.stderr and "autoopt:" in under.stderr
