@@ -42,11 +42,7 @@ FUNCTIONS = [block_set, window_add, strided_max, row_after_block, row_set]
 
 
 def _twin(fn, *args):
-    found = [
-        f
-        for f in autoopt.optimize(fn).inspect(*args).findings
-        if (f.details or {}).get("op") == "twin"
-    ]
+    found = [f for f in autoopt.optimize(fn).inspect(*args).findings if f.kind == "bounded_twin"]
     return found[0] if found else None
 
 
@@ -156,10 +152,11 @@ def test_no_twin_where_nothing_would_be_proven():
 
 
 def test_the_codemod_makes_no_source_edit_of_the_twin():
-    from autoopt.passes.in_place.codemod import ScatterToDUSCommand
+    from autoopt.codemod import COMMANDS
 
     twin = _twin(block_set, jnp.zeros((64, 4)), 3, jnp.ones((8, 4)))
-    assert twin is not None and not ScatterToDUSCommand.wants(twin)
+    assert twin is not None
+    assert not any(c.KIND == twin.kind and c.wants(twin) for c in COMMANDS)
 
 
 def test_no_twin_for_a_program_reading_a_closed_over_numpy_array():

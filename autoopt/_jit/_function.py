@@ -386,7 +386,7 @@ def _twin_finding(traced: _trace.TracedProgram, ctx: PassContext, program: Progr
         1 for site in _jaxpr.iter_eqns(twin) if site.eqn.primitive.name == "dynamic_update_slice"
     )
     return Finding(
-        kind="scatter_to_dus",
+        kind="bounded_twin",
         applied=True,
         message=(
             f"a second program, for calls passing Python ints {said} (checked on the host "
@@ -398,7 +398,6 @@ def _twin_finding(traced: _trace.TracedProgram, ctx: PassContext, program: Progr
         location=ctx.fn_location,
         pass_name="scatter_to_dus",
         details={
-            "op": "twin",
             "bounds": {names.get(arg, str(arg)): (lo, hi) for arg, lo, hi in checks},
         },
     )

@@ -1226,7 +1226,8 @@ _TWIN_INPUTS = 4
 PASS = Pass(
     name="scatter_to_dus",
     run=scatter_to_dus,
-    kinds=("scatter_to_dus",),
+    # ("bounded_twin": the second program the call path builds from ``value_bounds``)
+    kinds=("scatter_to_dus", "bounded_twin"),
     options=(
         Option(
             "window_blend_min_bytes",

@@ -206,11 +206,6 @@ class ScatterToDUSCommand(FindingCommand):
         "`x = x.at[i].set(v)`, inside `lax.cond(in_bounds, ...)` unless i is known in bounds"
     )
 
-    @classmethod
-    def wants(cls, finding) -> bool:
-        # (a bounded twin program, ``_jit._twin_finding``: the call path's, no source edit)
-        return finding.applied and (finding.details or {}).get("op") != "twin"
-
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._cond_depth = 0
