@@ -142,6 +142,26 @@ def test_eval_shape_is_jax_jits_and_compiles_nothing():
     assert all(isinstance(s, jax.ShapeDtypeStruct) for s in jax.tree_util.tree_leaves(got))
 
 
+def test_eval_shape_after_a_call_does_not_run_the_function_again():
+    # (as jax.jit answers from its trace: a print in the function ran twice)
+    runs = []
+
+    def counted(x, i):
+        runs.append(1)
+        return {"a": x * 2, "b": i + 1}
+
+    def same(x, i):  # (jax.jit's trace cache is per function: another one, for the answer)
+        return {"a": x * 2, "b": i + 1}
+
+    fast = autoopt.optimize(counted, fallback="raise")
+    fast(jnp.ones(3), 2)
+    runs.clear()
+    want = jax.jit(same).eval_shape(jnp.ones(3), 2)
+    assert fast.eval_shape(jnp.ones(3), 2) == want and runs == []
+    # another signature is traced, as jax.jit traces it
+    assert fast.eval_shape(jnp.ones(4), 2)["a"] == jax.ShapeDtypeStruct((4,), jnp.float32)
+
+
 def test_eval_shape_puts_back_non_array_leaves():
     def f(config, x):
         return {**_model(config, x, config["act"])[0], "act": config["act"]}

@@ -1331,12 +1331,44 @@ class OptimizedFunction(_CallBase):
             args, kwargs, policy.static_argnums, policy.static_argnames
         )
         if split is None:
+            known = self._known_output_shapes(args, kwargs)
+            if known is not None:
+                return known
             return self._original_jit().eval_shape(*args, **kwargs)
         sub = self._static_leaf_fn(split.key)
         out = sub._original_jit().eval_shape(*split.args, **split.kwargs)
         return _static_leaves.outputs_put_back(
             sub.__wrapped__, split, out, policy.static_argnums, policy.static_argnames
         )
+
+    def _known_output_shapes(self, args: tuple, kwargs: dict):
+        """``eval_shape``'s answer from the program a call of this signature already traced
+        (jax.jit answers from its trace too: the user's function is not run again, nor its
+        prints), or None: no such program, or outputs whose placement jax would report
+        (shardings given, or an aval carrying one)."""
+        policy = self._policy
+        if any(k in policy.jit_kwargs for k in ("in_shardings", "out_shardings")):
+            return None
+        try:
+            key = call_signature(args, kwargs, policy.static_argnums, policy.static_argnames)
+            program = self._caches.by_call.get(key)
+        except Exception:  # noqa: BLE001 - unhashable statics: jax.jit's own route says so
+            return None
+        if program is None or program.untouched is not None:
+            return None
+        avals = program.traced.closed.out_avals
+        for a in avals:
+            mesh = getattr(getattr(a, "sharding", None), "mesh", None)
+            if mesh is not None and not getattr(mesh, "empty", True):
+                return None
+        try:
+            structs = [
+                jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
+                for a in avals
+            ]
+        except Exception:  # noqa: BLE001 - an aval of another kind (a token): jax's route
+            return None
+        return tree_util.tree_unflatten(program.traced.out_tree, structs)
 
     def _original_jit(self):
         caches = self._caches
