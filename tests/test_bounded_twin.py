@@ -173,3 +173,24 @@ def test_no_twin_for_a_program_reading_a_closed_over_numpy_array():
     np.testing.assert_array_equal(fast(x, 30, b), ref(x, 30, b))
     off[0] = 100
     np.testing.assert_array_equal(fast(x, 5, b), ref(x, 5, b))
+
+
+def test_a_twin_runs_only_for_the_bounds_its_call_checked():
+    # (a site's plan keys on the arguments' types, not on the trace context: a call under
+    # another context, jax_enable_x64 switched, finds the plan that checked the first
+    # program's bounds and traces its jit object again; that trace must not run a twin built
+    # for other bounds)
+    fast, ref = autoopt.optimize(block_set), jax.jit(block_set)
+    b = jnp.ones((8, 4))
+    x = jnp.zeros((64, 4))
+    for i in (3, 50, 56, 57):
+        x = fast(x, i, b)
+    want = jnp.zeros((64, 4))
+    for i in (3, 50, 56, 57):
+        want = ref(want, i, b)
+    np.testing.assert_array_equal(x, want)
+    with jax.enable_x64(True):
+        x64, w64 = jnp.zeros((64, 4)), jnp.zeros((64, 4))
+        for i in (3, 56, 57, -1):
+            x64, w64 = fast(x64, i, b), ref(w64, i, b)
+        np.testing.assert_array_equal(x64, w64)

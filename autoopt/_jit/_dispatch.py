@@ -57,7 +57,7 @@ class Planned(Protocol):
 
     def _program_for_call(self, args: tuple, kwargs: dict) -> Program | None: ...
 
-    def _jit_for(self, positions: tuple, names: tuple, bounded: bool = False) -> Any: ...
+    def _jit_for(self, positions: tuple, names: tuple, bounded: tuple = ()) -> Any: ...
 
     def _static_leaf_fn(self, key: tuple) -> Planned: ...
 
@@ -581,7 +581,7 @@ def plan_kept(of: Planned, args: tuple, kwargs: dict, site: Any) -> CallPlan:
                     general, (), placer, frozenset(), True, bool(kwargs)
                 )
             elif program.bounded is not None:
-                special = _plans.kept(of._jit_for(*d, True), placer)
+                special = _plans.kept(of._jit_for(*d, program.bounded[0]), placer)
                 plans[sig] = _plans.bounded(
                     _plans.kept(general, placer), special, program.bounded[0]
                 )
@@ -620,12 +620,14 @@ def plan_for(
     that of the program's ``bounded`` twin where they are in its bounds, so a signature's first
     call compiles the executable the next calls in bounds run (``_plans.bounded``)."""
     twin = (
-        args is not None
+        program.bounded[0]
+        if args is not None
         and program.bounded is not None
         and _plans.in_bounds(args, program.bounded[0])
+        else ()
     )
     if not (d[0] or d[1]):
-        return of._plain_plan._replace(jit=of._jit_for((), (), True)) if twin else of._plain_plan
+        return of._plain_plan._replace(jit=of._jit_for((), (), twin)) if twin else of._plain_plan
     policy = of._policy
     copies = (tuple(p for p in d[0] if p not in pos), tuple(n for n in d[1] if n not in nms))
     if not (copies[0] or copies[1]):
@@ -693,7 +695,7 @@ def remember_fast(
         )
     elif program.bounded is not None:
         general = _plans.donating(jitted, pos, placer, program.const_ids, check_refs, kind)
-        twin = of._jit_for(*d, True)
+        twin = of._jit_for(*d, program.bounded[0])
         special = _plans.donating(twin, pos, placer, program.const_ids, check_refs, kind)
         fast[sig] = _plans.bounded(general, special, program.bounded[0])
     else:

@@ -439,7 +439,8 @@ class OptimizedFunction(_CallBase):
         self._policy = policy = policy or Policy.build(options, fn_location_of(fn))
         self._caches = Caches(policy)
         self._wrapper = self._make_wrapper()
-        self._bounded_wrapper = self._make_wrapper(bounded=True)
+        # checks -> the wrapper of the jit objects running ``Program.bounded`` twins with them
+        self._bounded_wrappers: dict[tuple, Callable] = {}
         from autoopt.passes.placement import placer_for
 
         # Host inputs (packing, cached constants), scalar canonicalization, transfer guard; None
@@ -507,7 +508,7 @@ class OptimizedFunction(_CallBase):
     # --- jit objects ---------------------------------------------------------------------------
 
     def _make_wrapper(
-        self, eager_autodiff: bool = False, inlined: bool = False, bounded: bool = False
+        self, eager_autodiff: bool = False, inlined: bool = False, bounded: tuple = ()
     ) -> Callable:
         """The function jax.jit traces: while jit traces it, it traces the user's function once
         per signature to a jaxpr, runs the passes, and evaluates the optimized jaxpr into jit's
@@ -516,9 +517,9 @@ class OptimizedFunction(_CallBase):
         jit, whose programs are planned for a caller that differentiates them eagerly.
         ``inlined``: the wrapper of calls inside another trace, which evaluates the original
         program (the signature's program is found or built as for any call, so the user's
-        function is traced once per signature either way). ``bounded``: the wrapper of the jit
-        objects a call runs only after checking its Python int argument on the host
-        (``Program.bounded``), which evaluate the program built for values in those bounds."""
+        function is traced once per signature either way). ``bounded``: the checks a call of its jit
+        objects made of its Python int arguments on the host; they evaluate the twin built with
+        exactly those bounds (``Program.bounded``, ``_evaluate``)."""
         fn = self.__wrapped__
 
         def wrapper(*args, **kwargs):
@@ -560,11 +561,12 @@ class OptimizedFunction(_CallBase):
         functools.update_wrapper(wrapper, fn, updated=())
         return wrapper
 
-    def _jit_for(self, positions: tuple, names: tuple, bounded: bool = False):
+    def _jit_for(self, positions: tuple, names: tuple, bounded: tuple = ()):
         """The jit object donating these arguments (one per donated set: donation varies per
         call, and each jit object traces the wrapper, which finds the program cached).
-        ``bounded``: the one running ``Program.bounded``'s program, which only a call whose
-        argument was checked in bounds may call (``_plans.bounded``, ``_dispatch.plan_for``)."""
+        ``bounded``: the checks of a ``Program.bounded`` twin: the one running the twin built
+        with those bounds, which only a call whose arguments were checked against them may call
+        (``_plans.bounded``, ``_dispatch.plan_for``)."""
         caches = self._caches
         key = (positions, names, bounded)
         j = caches.jits.get(key)
@@ -578,7 +580,13 @@ class OptimizedFunction(_CallBase):
             if self._policy.donate != "explicit":
                 kw["donate_argnums"] = positions
                 kw["donate_argnames"] = names
-            j = jax.jit(self._bounded_wrapper if bounded else self._wrapper, **kw)
+            if bounded:
+                wrapper = self._bounded_wrappers.get(bounded)
+                if wrapper is None:
+                    wrapper = self._bounded_wrappers[bounded] = self._make_wrapper(bounded=bounded)
+            else:
+                wrapper = self._wrapper
+            j = jax.jit(wrapper, **kw)
             if _NATIVE is not None and self._policy.donate == "safe" and (positions or names):
                 # From its call until the call site's names are bound to the result, signal
                 # handlers wait (``_native.c``): one raising there would keep the statement
@@ -829,12 +837,15 @@ class OptimizedFunction(_CallBase):
                 program.guarded_choice = chosen
         return chosen
 
-    def _evaluate(self, program: Program, leaves: list, hoisted=None, bounded=False) -> list:
+    def _evaluate(self, program: Program, leaves: list, hoisted=None, bounded: tuple = ()) -> list:
         final = self._guarded(program) if program.value_guards else program.final
         if bounded and final is program.final and program.bounded is not None:
-            # (a call checked its argument in the bounds: ``Program.bounded``; where there is
-            # none, or the original runs, the program for any value is exact for these too)
-            final = program.bounded[1]
+            # A call checked its arguments against ``bounded``: the twin built for exactly
+            # those bounds runs. Anything else (none, or one for other bounds: the program of
+            # another trace context for the same site's plan, ``jax_enable_x64`` switched)
+            # runs the program for any value, exact for these arguments too.
+            if program.bounded[0] == bounded:
+                final = program.bounded[1]
         # (outside the fallback: the placer's HoistConstants, raised while embedding, is its
         # signal to pass the large constants and call again, not a failure of the passes)
         embedded = self._embedded(program, final, hoisted)
