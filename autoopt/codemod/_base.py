@@ -105,6 +105,20 @@ def dotted_name(node: cst.CSTNode) -> str | None:
     return None
 
 
+class OwnScopeVisitor(cst.CSTVisitor):
+    """A visitor of one function body's own statements: it does not descend into nested
+    functions, lambdas or classes, whose names, returns and loops are their own."""
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        return False
+
+    def visit_Lambda(self, node: cst.Lambda) -> bool:
+        return False
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> bool:
+        return False
+
+
 class ModuleImports:
     """Module-level imports: what each local name refers to, and how to spell a new reference.
 

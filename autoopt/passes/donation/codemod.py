@@ -34,7 +34,7 @@ import libcst as cst
 from libcst.metadata import CodeRange, ParentNodeProvider, PositionProvider
 
 from autoopt._finding import Finding
-from autoopt.codemod import FindingCommand, comma_separated
+from autoopt.codemod import FindingCommand, OwnScopeVisitor, comma_separated
 
 __all__ = ["DonateCommand"]
 
@@ -622,22 +622,13 @@ def _walk(node: cst.CSTNode):
         yield from _walk(child)
 
 
-class _Returns(cst.CSTVisitor):
+class _Returns(OwnScopeVisitor):
     """The values of a function body's ``return`` statements (None for a bare ``return``),
     outside nested functions; ``other`` when it yields or declares a global/nonlocal."""
 
     def __init__(self) -> None:
         self.values: list[cst.BaseExpression | None] = []
         self.other = False
-
-    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
-        return False
-
-    def visit_Lambda(self, node: cst.Lambda) -> bool:
-        return False
-
-    def visit_ClassDef(self, node: cst.ClassDef) -> bool:
-        return False
 
     def visit_Return(self, node: cst.Return) -> None:
         self.values.append(node.value)
@@ -779,7 +770,7 @@ def _assigned_by(ref: cst.Name, parent, cmd) -> cst.Assign | None:
     return None
 
 
-class _LocalBinding(cst.CSTVisitor):
+class _LocalBinding(OwnScopeVisitor):
     """Whether a function body binds ``name`` itself (an assignment, augmented or annotated, a
     ``for``, ``with ... as``, ``import ... as``, a walrus or ``del`` target), outside nested
     functions and classes, and declares it neither ``global`` nor ``nonlocal``: then every use
@@ -789,15 +780,6 @@ class _LocalBinding(cst.CSTVisitor):
         self.name = name
         self.binds = False
         self.declared = False
-
-    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
-        return False
-
-    def visit_ClassDef(self, node: cst.ClassDef) -> bool:
-        return False
-
-    def visit_Lambda(self, node: cst.Lambda) -> bool:
-        return False
 
     def visit_Global(self, node: cst.Global) -> None:
         self.declared |= any(n.name.value == self.name for n in node.names)

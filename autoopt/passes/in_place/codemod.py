@@ -269,25 +269,8 @@ class ScatterToDUSCommand(FindingCommand):
         for i in hits:
             self.outcomes[i] = None
         # Out of bounds, a read's rows are clamped or filled one by one where dynamic_slice
-        # shifts the whole window: the original read stays the else, for every shape the
-        # source serves (the pass's proof holds for the shapes it traced only, ``_guard_kind``),
-        # and both branches for an array of fewer rows than the window.
-        new = template(
-            "{cond}((0 <= {i}) & ({i} + {k} <= {x}.shape[0]), "
-            "lambda: {ds} if {k} <= {x}.shape[0] else {orig}, lambda: {orig})",
-            cond=self.ref("jax.lax.cond"),
-            i=_paren(start),
-            k=_paren(size),
-            x=x,
-            ds=template(
-                "{f}({x}, {i}, {k}, 0)",
-                f=self.ref("jax.lax.dynamic_slice_in_dim"),
-                x=x,
-                i=start,
-                k=size,
-            ),
-            orig=updated_node,
-        )
+        # shifts the whole window: the original read stays the else (``_guarded_window``).
+        new = self._guarded_window(x, start, size, self._slice(x, start, size), updated_node)
         return self.fit(original_node, new)
 
     # --- building the replacement -------------------------------------------------------------
@@ -395,13 +378,7 @@ class ScatterToDUSCommand(FindingCommand):
 
     def _window(self, at: _AtUpdate, original: cst.Call, start, size, guard: str):
         x = at.base
-        old = template(
-            "{f}({x}, {i}, {k}, 0)",
-            f=self.ref("jax.lax.dynamic_slice_in_dim"),
-            x=x,
-            i=start,
-            k=size,
-        )
+        old = self._slice(x, start, size)
         dus = template(
             "{f}({x}, {v}, {i}, 0)",
             f=self.ref("jax.lax.dynamic_update_slice_in_dim"),
@@ -412,17 +389,33 @@ class ScatterToDUSCommand(FindingCommand):
         if guard == "none":
             return dus
         # A window that is partly out of bounds writes only its in-bounds rows, and a negative
-        # start wraps row by row: only the original scatter does that, so it stays the else;
-        # and for an array of fewer rows than the window, both branches (a dynamic_update_slice
-        # larger than its operand does not trace, and cond traces both).
+        # start wraps row by row: only the original scatter does that, so it stays the else.
+        return self._guarded_window(x, start, size, dus, original)
+
+    def _slice(self, x, start, size) -> cst.BaseExpression:
+        """``lax.dynamic_slice_in_dim(x, start, size, 0)``."""
+        return template(
+            "{f}({x}, {i}, {k}, 0)",
+            f=self.ref("jax.lax.dynamic_slice_in_dim"),
+            x=x,
+            i=start,
+            k=size,
+        )
+
+    def _guarded_window(self, x, start, size, fast, original) -> cst.BaseExpression:
+        """``fast`` (a window's slice or update) where the window lies in bounds, else
+        ``original`` (the read or scatter as written), for every shape the source serves (the
+        pass's proof holds for the shapes it traced only, ``_guard_kind``); for an array of
+        fewer rows than the window, ``original`` in both branches (a slice or update larger
+        than its operand does not trace, and cond traces both)."""
         return template(
             "{cond}((0 <= {i}) & ({i} + {k} <= {x}.shape[0]), "
-            "lambda: {dus} if {k} <= {x}.shape[0] else {orig}, lambda: {orig})",
+            "lambda: {fast} if {k} <= {x}.shape[0] else {orig}, lambda: {orig})",
             cond=self.ref("jax.lax.cond"),
             x=x,
             i=_paren(start),
             k=_paren(size),
-            dus=dus,
+            fast=fast,
             orig=original,
         )
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from autoopt.codemod import FindingCommand, finding_line
+from autoopt.codemod import FindingCommand, OwnScopeVisitor, finding_line
 
 __all__ = ["PlacementCommand"]
 
@@ -164,7 +164,7 @@ class _Touched(_Assigned):
         return True
 
 
-class _EarlyExit(cst.CSTVisitor):
+class _EarlyExit(OwnScopeVisitor):
     """Whether a loop's body can leave it before its iterable is exhausted: a ``break`` of
     this loop, a ``return`` or ``yield`` of its function (nested functions and loops are their
     own)."""
@@ -172,15 +172,6 @@ class _EarlyExit(cst.CSTVisitor):
     def __init__(self) -> None:
         self.found = False
         self._loops = 0
-
-    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
-        return False
-
-    def visit_Lambda(self, node: cst.Lambda) -> bool:
-        return False
-
-    def visit_ClassDef(self, node: cst.ClassDef) -> bool:
-        return False
 
     def visit_For(self, node: cst.For) -> bool:
         self._loops += 1
