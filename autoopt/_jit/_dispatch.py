@@ -580,14 +580,24 @@ def plan_kept(of: Planned, args: tuple, kwargs: dict, site: Any) -> CallPlan:
                 plans[sig] = _plans.static_plan(
                     general, (), placer, frozenset(), True, bool(kwargs)
                 )
-            elif program.bounded is not None:
-                special = _plans.kept(of._jit_for(*d, program.bounded[0]), placer)
-                plans[sig] = _plans.bounded(
-                    _plans.kept(general, placer), special, program.bounded[0]
-                )
             else:
-                plans[sig] = _plans.kept(general, placer)
+                plans[sig] = _with_twin(
+                    of, program, d, general, lambda jit: _plans.kept(jit, placer)
+                )
     return plan
+
+
+def _with_twin(
+    of: Planned, program: Program, d: tuple, jit: Any, make: Callable[[Any], Callable]
+) -> Callable:
+    """``make(jit)``, the plan over the signature's jit object; where the program has a
+    ``bounded`` twin, the plan choosing per call between it and ``make`` of the twin's jit
+    object (``_plans.bounded``)."""
+    plan = make(jit)
+    if program.bounded is None:
+        return plan
+    checks = program.bounded[0]
+    return _plans.bounded(plan, make(of._jit_for(d[0], d[1], checks)), checks)
 
 
 def _plan_key(policy: Policy, args: tuple, kwargs: dict) -> tuple[Any, str, bool] | None:
@@ -693,13 +703,14 @@ def remember_fast(
         fast[sig] = _plans.static_plan(
             jitted, pos, placer, program.const_ids, check_refs, bool(kwargs)
         )
-    elif program.bounded is not None:
-        general = _plans.donating(jitted, pos, placer, program.const_ids, check_refs, kind)
-        twin = of._jit_for(*d, program.bounded[0])
-        special = _plans.donating(twin, pos, placer, program.const_ids, check_refs, kind)
-        fast[sig] = _plans.bounded(general, special, program.bounded[0])
     else:
-        fast[sig] = _plans.donating(jitted, pos, placer, program.const_ids, check_refs, kind)
+        fast[sig] = _with_twin(
+            of,
+            program,
+            d,
+            jitted,
+            lambda jit: _plans.donating(jit, pos, placer, program.const_ids, check_refs, kind),
+        )
 
 
 def placer_needed(of: Planned, program: Program) -> bool:
