@@ -391,7 +391,7 @@ def _twin_finding(traced: _trace.TracedProgram, ctx: PassContext, program: Progr
         message=(
             f"a second program, for calls passing Python ints {said} (checked on the host "
             f"at each call), writes with {bare} bare dynamic_update_slice what this one must "
-            "guard (a block, window or tile whose start is not proven); other values, and jax "
+            "guard (a row, block, window or tile whose start is not proven); other values, and jax "
             "arrays there, run this one. Compiled when first called: a loop whose values stay "
             "in the bounds compiles one program, as jax.jit does."
         ),
@@ -405,7 +405,7 @@ def _twin_finding(traced: _trace.TracedProgram, ctx: PassContext, program: Progr
 
 def _donated_sets(jits: dict) -> frozenset:
     """The (positions, names) sets the jit objects ``Caches.jits`` keys donate (its keys'
-    third item says whether the object runs a ``Program.bounded`` program)."""
+    third item: the checks of the ``Program.bounded`` twins the object runs, or ``()``)."""
     return frozenset(key[:2] for key in list(jits))
 
 
