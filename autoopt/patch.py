@@ -150,9 +150,12 @@ def _jit_through_optimize(fun: Any, *, kwargs: dict, options: dict):
     key = _options_key(kwargs, options)
     cached = _cached(fun, key)
     if cached is not None:
-        row = _row(cached)
-        row.jit_calls += 1
-        return _fresh(cached, row)
+        new = real_jit(fun, **kwargs) if isinstance(cached, _Refused) else cached._handle()
+        if new is not None:  # (None: its programs were released, ``OptimizedFunction._release``)
+            row = _row(cached)
+            row.jit_calls += 1
+            _state.row_of[new] = row
+            return new
     plain = real_jit(fun, **kwargs)  # jax.jit's own errors for bad input, unchanged
     from autoopt._jit import nested_call, optimize
 
@@ -165,23 +168,21 @@ def _jit_through_optimize(fun: Any, *, kwargs: dict, options: dict):
         refused = None
     except Exception as e:  # noqa: BLE001 - optimize refuses these options: plain jax.jit
         result, refused = plain, e
-    row = _row_for(fun, result)
+    # What the cache keeps must not refer to ``fun`` (``_reuse``): the optimized functions'
+    # shared one, or for options optimize refuses a mark (each ``jax.jit`` then jax.jit's own).
+    shared = _Refused() if refused is not None else getattr(result, "_shares", None) or result
+    row = _row_for(fun, result, shared)
     row.jit_calls += 1
     if refused is not None:
         _count_fallback(row, "options", f"{type(refused).__name__}: {refused}")
-    _remember(fun, key, result)
-    return _fresh(result, row)
+    _remember(fun, key, shared)
+    return result
 
 
-def _fresh(result: Any, row: FunctionSummary) -> Any:
-    """A new wrapper object per ``jax.jit(f)``, as jax.jit returns one (attributes a library
-    sets on its jitted function stay its own), sharing the cached one's programs."""
-    fresh = getattr(result, "_fresh", None)
-    if fresh is None:  # the plain jit of options optimize refuses
-        return result
-    new = fresh()
-    _state.row_of[new] = row
-    return new
+class _Refused:
+    """The cache's entry for a ``jax.jit`` whose options ``optimize`` refused."""
+
+    __slots__ = ("__weakref__",)
 
 
 # --- equinox.filter_jit ----------------------------------------------------------------------
@@ -486,7 +487,7 @@ def _uninstall() -> None:
 # --- the summary ------------------------------------------------------------------------------
 
 
-def _row_for(fun: Any, result: Any) -> FunctionSummary:
+def _row_for(fun: Any, result: Any, shared: Any = None) -> FunctionSummary:
     inner = fun
     while isinstance(inner, functools.partial):
         inner = inner.func
@@ -499,11 +500,12 @@ def _row_for(fun: Any, result: Any) -> FunctionSummary:
         row = _state.rows.get((name, location))
         if row is None:
             row = _state.rows[(name, location)] = FunctionSummary(name, location)
-        try:
-            _state.row_of[result] = row
-            row._fns.add(result)
-        except TypeError:
-            pass
+        for obj in (result, shared) if shared is not None else (result,):
+            try:
+                _state.row_of[obj] = row
+                row._fns.add(obj)
+            except TypeError:
+                pass
     return row
 
 

@@ -49,6 +49,7 @@ class Planned(Protocol):
     declares it, so it needs nothing else of ``_function``."""
 
     __wrapped__: Callable
+    _fn: Callable
     _policy: Policy
     _caches: Caches
     _plain: Any  # the jax.jit object donating nothing
@@ -60,6 +61,8 @@ class Planned(Protocol):
     def _jit_for(self, positions: tuple, names: tuple, bounded: tuple = ()) -> Any: ...
 
     def _static_leaf_fn(self, key: tuple) -> Planned: ...
+
+    def _sync(self) -> None: ...
 
     def _static_leaf_plan(self, split: _static_leaves.StaticSplit) -> CallPlan: ...
 
@@ -290,7 +293,7 @@ def make_dispatch(of: Planned) -> Callable[..., CallPlan]:
     plain_plan = of._plain_plan
     split_if_static = _static_leaves.split_if_static
     trace_state_clean, plain_types = _compat.trace_state_clean, PLAIN_TYPES
-    eager_plan = CallPlan(of.__wrapped__, direct=False)
+    eager_plan = CallPlan(of._fn, direct=False)
     jit_disabled = _compat.jit_disabled
 
     def has_static_leaves(args: tuple, kwargs: dict) -> bool:
@@ -367,6 +370,7 @@ def make_dispatch(of: Planned) -> Callable[..., CallPlan]:
         # (no trace, no argument check; the cached plans ``__call__`` takes itself run jax.jit
         # objects, which do the same)
         if jit_disabled():
+            of._sync()
             return eager_plan
         if not trace_state_clean():
             return transformed(args, kwargs)
@@ -545,7 +549,7 @@ def remember_static_leaves(
     host = _static_leaves.holds_host_leaves(trees)
     placer = sub._placer if host or placer_needed(sub, program) else None
     plan = _static_leaves.static_leaf_plan(
-        split, sub.__wrapped__, _plans.kept(jit, placer), pos, trees, callsite.CALL_REFS
+        split, sub._fn, _plans.kept(jit, placer), pos, trees, callsite.CALL_REFS
     )
     if plan is not None:
         try:

@@ -256,6 +256,10 @@ trace_state_clean = _compat.trace_state_clean
 # the compile against the function (``patch._attribute_compile``, after matching the name).
 TRACING = threading.local()
 
+# Counts of ``_fresh`` wrappers (``OptimizedFunction._handles``), changed under this lock (a
+# wrapper's ``__del__`` may run on any thread).
+_HANDLES_LOCK = threading.RLock()
+
 
 def _refuse_unchecked(program: Program, tls: threading.local) -> None:
     """A program that drops an update to an nnx object of its arguments, traced where no call
@@ -433,9 +437,22 @@ class OptimizedFunction(_CallBase):
     jit object (nothing donated) and the placer are built once, here.
     """
 
-    def __init__(self, fn: Callable, options: Options, policy: Policy | None = None):
+    def __init__(
+        self,
+        fn: Callable,
+        options: Options,
+        policy: Policy | None = None,
+        detached: tuple[Callable, weakref.ref] | None = None,
+    ):
         self.__wrapped__ = fn
         functools.update_wrapper(self, fn, updated=())
+        # The function the programs trace: ``fn``, which for the optimized function ``optimize``
+        # shares between wrappers is, where one can be made, ``_reuse.detached``'s copy of the
+        # caller's (``detached``: the copy and the caller's, weakly), so that nothing this
+        # object holds refers to the caller's function, which only the wrappers (``_fresh``)
+        # hold. Every use inside autoopt reads this; ``__wrapped__`` is the caller's.
+        self._fn = fn
+        self._detached = detached
         self._policy = policy = policy or Policy.build(options, fn_location_of(fn))
         self._caches = Caches(policy)
         self._wrapper = self._make_wrapper()
@@ -463,6 +480,11 @@ class OptimizedFunction(_CallBase):
             (policy.static_argnums, policy.static_argnames) if policy.has_static else None
         )
         self._shares: OptimizedFunction | None = None  # the one a ``_fresh`` wrapper shares
+        self._handles = 0  # the live ``_fresh`` wrappers sharing this one (``_release``)
+        self._cached = False  # ``optimize``'s cache holds this one while its function lives
+        self._releasable = False  # built on a copy by ``_shared_for``: ``_release`` applies
+        self._owner: Callable | None = None  # a ``_fresh`` wrapper's function (``_handle``)
+        self._released = False
         self._configure_call_path()
 
     def _configure_call_path(self) -> None:
@@ -478,24 +500,114 @@ class OptimizedFunction(_CallBase):
                 self._plain_run if self._flat_plain else None,
             )
 
-    def _fresh(self) -> OptimizedFunction:
+    def _fresh(self, fn: Callable | None = None) -> OptimizedFunction:
         """A new wrapper object sharing this one's programs and call sites, as each
         ``jax.jit(f)`` is a new object sharing one cache: attributes a caller sets on it (a name,
-        a flag) stay its own. It keeps this one alive (``_reuse``'s cache may hold it weakly)."""
+        a flag) stay its own. It keeps the shared one alive (``_reuse``'s cache may hold it
+        weakly), and ``fn`` (default: this one's ``__wrapped__``) as its ``__wrapped__``."""
+        new = self._handle(fn)
+        assert new is not None, "a live wrapper's programs are never released"
+        return new
+
+    def _handle(self, fn: Callable | None = None) -> OptimizedFunction | None:
+        """``_fresh``, or None when the shared one's programs were released (``_release``): the
+        caller builds anew."""
+        with _HANDLES_LOCK:  # (``_release`` empties the shared one's ``__dict__``)
+            mine = self.__dict__
+            shared = mine.get("_shares") or self
+            state = shared.__dict__
+            if state.get("_released", True) or "_caches" not in state:
+                return None
+            if fn is None:
+                fn = mine.get("_owner")
+            if fn is None:
+                detached = state["_detached"]
+                fn = detached[1]() if detached is not None else state["__wrapped__"]
+            if fn is None:
+                return None
+            shared._handles += 1
+            mine = dict(mine)
         new = type(self).__new__(type(self))
-        new.__dict__.update(self.__dict__)
+        new.__dict__.update(mine)
+        # what the caller's wrapper holds and the shared one does not (a plain function's
+        # shared one refers to a copy of it only, ``_reuse``): kept apart from ``__wrapped__``,
+        # which a caller may set
+        new._owner = new.__wrapped__ = fn
         # A function's own attributes as they are now, as ``functools.wraps`` copies them
         # into each jax.jit object: its public ones (a private name could be one this class
         # sets later; ``_reuse``'s holder is one), never over this object's own. Not a callable
         # object's: its attributes are its state (a module's arrays and Variables), which a
         # copy here would hold, and which the call's proofs count as held elsewhere.
-        if isinstance(self.__wrapped__, types.FunctionType):
-            for name, value in self.__wrapped__.__dict__.items():
+        if isinstance(new.__wrapped__, types.FunctionType):
+            for name, value in new.__wrapped__.__dict__.items():
                 if not name.startswith("_") and name not in new.__dict__:
                     new.__dict__[name] = value
-        new._shares = self
+        new._shares = shared
         new._configure_call_path()
         return new
+
+    def __del__(self) -> None:
+        # A ``_fresh`` wrapper's end: the shared one's programs go when nothing can call them
+        # any more (``_release``). (The shared one itself is a reference cycle, through its jit
+        # objects' wrappers: left alone, it and everything it holds, the function's closure and
+        # the programs' constants, would wait for the garbage collector.)
+        shared = self.__dict__.get("_shares")
+        if shared is not None:
+            shared._release_if_unreachable(handle_gone=True)
+
+    def _release_if_unreachable(self, handle_gone: bool = False) -> None:
+        """``_release`` this one if ``_unreachable`` (after one wrapper fewer: ``handle_gone``).
+        Runs where a wrapper or a function is dropped, on any thread: never raises."""
+        try:
+            with _HANDLES_LOCK:
+                if handle_gone:
+                    self._handles -= 1
+                gone = self._unreachable()
+            if gone:
+                self._release()
+        except Exception:  # noqa: BLE001 - at interpreter exit (module globals gone): nothing to free
+            return
+
+    def _unreachable(self) -> bool:
+        """(Under ``_HANDLES_LOCK``.) Whether no wrapper is left and ``optimize`` can no longer
+        find this one: one built on a copy (``_reuse.detached``) once its function is gone
+        (the cache holds it while the function lives, as jax.jit's keeps its programs), or
+        at once if it was not cached. Marks it released."""
+        if self._released or self._handles > 0 or not self._releasable:
+            return False  # (no copy: it refers to its function, freed by the collector)
+        if self._cached and self._detached is not None and self._detached[1]() is not None:
+            return False
+        self._released = True
+        return True
+
+    def _release(self) -> None:
+        """Drop every program, jit object and plan of this one and of the functions it made
+        (static leaves, the reporter), and everything it holds, so that they are freed when
+        the last reference goes, not at the garbage collector's next run: nothing can call
+        them any more. (jax's caches of the jit objects are keyed weakly on their wrappers,
+        freed with them.) Takes no lock a caller's thread may hold: it runs when a wrapper or
+        a function is dropped, anywhere."""
+        caches = self.__dict__.get("_caches")
+        if caches is None:
+            return
+        for sub in [*caches.static_leaf_fns.values(), caches.reporter]:
+            if isinstance(sub, OptimizedFunction):
+                sub._release()
+        for table in (caches.programs, caches.eager_ad_programs, caches.by_call, caches.sites):
+            table.clear()
+        for table in (caches.site_proofs, caches.jits, caches.static_leaf_fns, caches.key_locks):
+            table.clear()
+        if caches.auto_fast:
+            caches.auto_fast.clear()
+        if caches.placer is not None:
+            caches.placer.forget_hoisted()
+        caches.eager_ad_jit = caches.nested = caches.original_jit = None
+        caches.reporter = caches.placer = None
+        caches.tls = threading.local()  # (each thread's last program)
+        if NATIVE:
+            self._native_configure(0, None, None, None, None)  # pyright: ignore[reportAttributeAccessIssue]
+        self.__dict__.clear()
+        self._released = True
 
     def __copy__(self) -> OptimizedFunction:
         # As ``copy.copy`` of a jax.jit object: a new object sharing the caches (the C call
@@ -520,7 +632,7 @@ class OptimizedFunction(_CallBase):
         function is traced once per signature either way). ``bounded``: the checks a call of its jit
         objects made of its Python int arguments on the host; they evaluate the twin built with
         exactly those bounds (``Program.bounded``, ``_evaluate``)."""
-        fn = self.__wrapped__
+        fn = self._fn
 
         def wrapper(*args, **kwargs):
             # (a first call's trace of the user's function: signal handlers run as under
@@ -533,6 +645,12 @@ class OptimizedFunction(_CallBase):
                     _NATIVE.resume_deep(suspended)  # pyright: ignore[reportOptionalMemberAccess]
 
         def traced(*args, **kwargs):
+            if "_caches" not in self.__dict__:
+                raise RuntimeError(
+                    "autoopt: this jit object belongs to an optimized function that was freed "
+                    "with its function; call the function through autoopt.optimize again"
+                )
+            self._sync()
             # large constants the placer passes as device arguments (see _hoist)
             hoisted = kwargs.pop("_autoopt_hoisted", None) if kwargs else None
             if "_autoopt_packed" in kwargs:  # host leaves the placer packed: slice them back
@@ -689,11 +807,18 @@ class OptimizedFunction(_CallBase):
         if _compat.top_level_trace() and _fit.caught_here():
             raise _fit.fit_check(self, program)
 
+    def _sync(self) -> None:
+        """Before a trace: the copy this object traces has the original's code and defaults
+        (``_reuse.sync``)."""
+        if self._detached is not None:
+            _reuse.sync(*self._detached)
+
     def _build(self, args: tuple, kwargs: dict, eager_autodiff: bool = False) -> Program:
         policy, caches = self._policy, self._caches
         # The user's own errors (shape mismatches, non-array outputs) propagate unchanged, as
         # from jax.jit: they are not autoopt's to swallow.
-        fn = self.__wrapped__
+        self._sync()
+        fn = self._fn
         lost: list[_mutations.LostUpdate] = []
         if _mutations.holds_variables(args, kwargs, fn):  # an assignment to one must not be lost
             fn = _mutations.recording_lost_updates(fn, lost)
@@ -722,7 +847,7 @@ class OptimizedFunction(_CallBase):
         policy, caches, ad = self._policy, self._caches, eager_autodiff
         several = _multiprocess.several()
         if several:  # a jax.distributed job: every process must trace this signature alike
-            fn_id = _process_independent_id(self.__wrapped__)
+            fn_id = _process_independent_id(self._fn)
             _multiprocess.check_signature(fn_id, traced.in_leaf_names, traced.closed.in_avals)
         ctx = PassContext(
             options=policy.options,
@@ -1047,7 +1172,7 @@ class OptimizedFunction(_CallBase):
                 inner = plan._replace(static=None, static_fn=None)
             out = sub._execute(inner, split.args, split.kwargs)
             return _static_leaves.outputs_put_back(
-                sub.__wrapped__,
+                sub._fn,
                 split,
                 out,
                 self._policy.static_argnums,
@@ -1106,9 +1231,11 @@ class OptimizedFunction(_CallBase):
         if sub is None:
             policy = self._policy
             fn = _static_leaves.with_static_leaves(
-                self.__wrapped__, key, policy.static_argnums, policy.static_argnames
+                self._fn, key, policy.static_argnums, policy.static_argnames
             )
-            sub = fns.setdefault(key, OptimizedFunction(fn, policy.options, policy))
+            sub = fns.setdefault(
+                key, OptimizedFunction(fn, policy.options, policy, detached=self._detached)
+            )
         return sub
 
     def _static_leaf_plan(self, split: _static_leaves.StaticSplit) -> CallPlan:
@@ -1349,7 +1476,7 @@ class OptimizedFunction(_CallBase):
         sub = self._static_leaf_fn(split.key)
         out = sub._original_jit().eval_shape(*split.args, **split.kwargs)
         return _static_leaves.outputs_put_back(
-            sub.__wrapped__, split, out, policy.static_argnums, policy.static_argnames
+            sub._fn, split, out, policy.static_argnums, policy.static_argnames
         )
 
     def _known_output_shapes(self, args: tuple, kwargs: dict):
@@ -1383,9 +1510,10 @@ class OptimizedFunction(_CallBase):
 
     def _original_jit(self):
         caches = self._caches
+        self._sync()
         if caches.original_jit is None:
             kw = self._policy.nested_kwargs
-            caches.original_jit = jax.jit(self.__wrapped__, **kw)
+            caches.original_jit = jax.jit(self._fn, **kw)
         return caches.original_jit
 
     def clear_cache(self) -> None:
@@ -1448,11 +1576,13 @@ class OptimizedFunction(_CallBase):
     def _sites_into(self, inspection: Inspection) -> Inspection:
         """``inspection`` (maybe of the function for static leaves) with this function's call
         sites: callers call this function, so their proofs are recorded here (an equinox
-        module's step is donated at ``model = step(model, x)``, and its report says so)."""
+        module's step is donated at ``model = step(model, x)``, and its report says so). It
+        keeps a wrapper of this function: its jit objects run new signatures while it lives,
+        as a jax.jit object does (``_release``)."""
         own = tuple(self._caches.site_proofs.values())
-        if inspection.call_sites == own or not own:
-            return inspection
-        return dataclasses.replace(inspection, call_sites=inspection.call_sites + own)
+        if inspection.call_sites != own and own:
+            inspection = dataclasses.replace(inspection, call_sites=inspection.call_sites + own)
+        return dataclasses.replace(inspection, keeps=self._handle())
 
     def _reporter(self) -> OptimizedFunction:
         """The function a report traces, optimizes and compiles through when no call has built
@@ -1466,7 +1596,7 @@ class OptimizedFunction(_CallBase):
             with caches.lock:
                 if caches.reporter is None:
                     reporter = OptimizedFunction(
-                        self.__wrapped__, self._policy.options, self._policy
+                        self._fn, self._policy.options, self._policy, detached=self._detached
                     )
                     reporter._caches.is_reporter = True  # (explain=True logs a call's build)
                     caches.reporter = reporter
@@ -1556,8 +1686,11 @@ class OptimizedFunction(_CallBase):
         policy = self._policy
         calls = calls or self
         caches = calls._caches
+        function = self.__wrapped__
+        if self._detached is not None and function is self._detached[0]:
+            function = self._detached[1]() or function  # the caller's, not the copy traced
         return Inspection(
-            function=self.__wrapped__,
+            function=function,
             location=policy.fn_location,
             options=policy.options,
             backend=policy.platform(),
@@ -1648,7 +1781,8 @@ class _BoundOptimized:
         """As ``OptimizedFunction.inspect``, with the instance in front."""
         of, full, kwargs = self._owner._prepare((self._instance, *args), kwargs)
         with of._reporting_on(full, kwargs) as on:
-            return on._inspect_prepared(full, kwargs, shift=1, calls=of)
+            inspection = on._inspect_prepared(full, kwargs, shift=1, calls=of)
+        return dataclasses.replace(inspection, keeps=self._owner._handle())
 
     def __getattr__(self, name):
         attr = getattr(self._owner, name)
@@ -1706,12 +1840,36 @@ def optimize(fn: Callable | None = None, /, **options: Any):
         opts = make_options(**options)
     key = _reuse.options_key(options)
     made = _WRAPPERS.get(fn, key)
-    if made is None:
+    fresh = made._handle(fn) if made is not None else None
+    if fresh is None:
         opts = _with_inferred_argnums(fn, opts)
         _check_argnums(fn, opts)
-        made = OptimizedFunction(fn, opts)  # kept unseen: each caller gets a fresh wrapper
-        _WRAPPERS.put(fn, key, made)
-    return made._fresh()
+        made = _shared_for(fn, opts)  # kept unseen: each caller gets a fresh wrapper
+        if key is not None:
+            made._cached = True
+            _WRAPPERS.put(fn, key, made)
+        fresh = made._fresh(fn)
+    return fresh
+
+
+def _shared_for(fn: Callable, opts: Options) -> OptimizedFunction:
+    """The optimized function ``optimize``'s wrappers of ``fn`` share. Where it can, it refers
+    to nothing of ``fn`` (``_reuse``): it traces a copy, and its programs are released when
+    ``fn`` goes (``_release``), as jax.jit's caches drop theirs."""
+    copy = _reuse.detached(fn)
+    if copy is None:
+        return OptimizedFunction(fn, opts)
+    made = OptimizedFunction(copy, opts)
+    made._releasable = True
+    made_ref = weakref.ref(made)
+
+    def function_gone(_ref: weakref.ref) -> None:
+        of = made_ref()
+        if of is not None:
+            of._release_if_unreachable()
+
+    made._detached = (copy, weakref.ref(fn, function_gone))
+    return made
 
 
 # The frameworks' jit wrappers ``optimize`` takes apart itself: ``(name, is_theirs(fn),

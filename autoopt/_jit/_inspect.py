@@ -66,6 +66,8 @@ class Inspection:
     placement: Any  # autoopt.passes.placement._placer.PlacementFigures | None
     eager_autodiff_watched: bool
     eager_autodiff_jit: Any
+    # a wrapper of the optimized function, so that ``jit`` keeps its programs while this lives
+    keeps: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # The function for static leaves takes the split arguments; ``jit.lower(*args)`` must

@@ -13,22 +13,35 @@ holding it strongly from a global table would keep the function alive (jax's cac
 executables, which do not). Hence:
 
 - a plain Python function (``types.FunctionType``: ``def`` and ``lambda``) holds its own entries,
-  in an attribute (``HOLDER``): the entries live exactly as long as the function, and a function
-  and its optimized functions that nothing else refers to are one cycle the garbage collector
-  frees. The holder records its function (weakly) so that a copy of the attribute
+  in an attribute (``HOLDER``): the entries live exactly as long as the function. They must not
+  refer to the function, or a function and its optimized function would be a reference cycle,
+  freed only when the garbage collector runs: ``jax.jit(lambda a: a + params)`` made anew each
+  step would keep every step's ``params`` alive until then (on a device, out of memory where
+  jax.jit frees each at once). So the cached optimized function is built on ``detached(fn)``, a
+  copy sharing the function's code, globals, closure cells and defaults (every analysis reads
+  the same objects, and the calls compute the same), and only the wrapper handed to the caller
+  (``OptimizedFunction._fresh``) holds the function itself. ``sync`` brings a later assignment
+  to the function's code or defaults (IPython's autoreload) to the copy before it is traced
+  again. The holder records its function (weakly) so that a copy of the attribute
   (``functools.wraps`` copies ``__dict__``) is never taken as the other function's, and pickles
   to an empty dict (cloudpickle pickles a lambda's ``__dict__``).
-- any other callable (a bound method, a callable instance, a partial, a builtin) is found by
-  identity while its optimized function is alive elsewhere (weak values): a bound method is a new
-  object on each attribute access, so ``optimize(t.step)`` after ``t.lr = 0.5`` traces again, as
-  jax.jit does (its weak entry dies with the bound method), and a callable instance is never
-  mutated by autoopt.
+- a ``functools.partial`` is held the same way (its arguments are copied, not the partial).
+- any other callable (a bound method, a callable instance, a builtin) is found by identity while
+  its optimized function is alive elsewhere (weak values): a bound method is a new object on
+  each attribute access, so ``optimize(t.step)`` after ``t.lr = 0.5`` traces again, as jax.jit
+  does (its weak entry dies with the bound method), and a callable instance is never mutated by
+  autoopt. A bound method's optimized function is built on a copy too (released when the bound
+  method goes); a callable instance's refers to the instance (its state), and is freed by the
+  garbage collector. (No global table may hold an optimized function strongly: its copy may
+  reach the callable, through an instance holding its own bound method, and nothing would ever
+  free them.)
 
 NB: jax's own is ``jax._src.pjit._cpp_pjit_cache_fun_only``, a ``weakref_lru_cache``.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import types
 import weakref
@@ -38,8 +51,9 @@ from typing import Any
 # callers of the earlier strongly held ring).
 RECENT = 0
 
-# The attribute of a plain function that holds its optimized functions.
+# The attribute of a plain function (or a partial) that holds its optimized functions.
 HOLDER = "__autoopt_optimized__"
+HOLDS_ITS_OWN = (types.FunctionType, functools.partial)
 
 # Options whose spellings jax.jit takes as the same: an int or a sequence of ints, a str or a
 # sequence of strs.
@@ -87,6 +101,45 @@ def options_key(*options: dict) -> tuple | None:
     return key
 
 
+def detached(fn: Any) -> Any:
+    """A copy of ``fn`` that refers to nothing of it but what it is made of, computing what it
+    computes, or None where none can be made (a callable instance: its state is itself). A
+    plain function's: the same code, globals, closure cells, defaults and attributes (but its
+    ``HOLDER``); a partial's: the same function, arguments and keywords; a bound method's: the
+    same function and instance."""
+    if type(fn) is functools.partial:
+        return functools.partial(fn.func, *fn.args, **fn.keywords)
+    if type(fn) is types.MethodType:
+        return types.MethodType(fn.__func__, fn.__self__)
+    if type(fn) is not types.FunctionType:
+        return None
+    copy = types.FunctionType(
+        fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+    )
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    copy.__qualname__ = fn.__qualname__
+    copy.__module__ = fn.__module__
+    copy.__doc__ = fn.__doc__
+    copy.__annotations__ = fn.__annotations__
+    copy.__dict__.update((k, v) for k, v in fn.__dict__.items() if k != HOLDER)
+    return copy
+
+
+def sync(copy: Any, origin: weakref.ref) -> None:
+    """Bring an assignment to a plain function's code or defaults since ``detached`` to
+    ``copy``, so that a trace after it runs what a trace of the original runs (as under
+    jax.jit). (A partial's or a bound method's copy shares its function.)"""
+    fn = origin()
+    if fn is None or type(copy) is not types.FunctionType:
+        return
+    if copy.__code__ is not fn.__code__:
+        copy.__code__ = fn.__code__
+    if copy.__defaults__ is not fn.__defaults__:
+        copy.__defaults__ = fn.__defaults__
+    if copy.__kwdefaults__ is not fn.__kwdefaults__:
+        copy.__kwdefaults__ = fn.__kwdefaults__
+
+
 class _Holder:
     """A plain function's entries: ``{(cache tag, generation, options key): wrapper}``."""
 
@@ -109,7 +162,8 @@ class WrapperCache:
         self._lock = threading.RLock()
         self._tag = object()
         self._generation = 0
-        # id(fn) -> (weakref to fn, {options key: weakref to its wrapper}), for other callables
+        # id(fn) -> (weakref to fn, {options key: its wrapper, or a weakref to it}), for other
+        # callables: held strongly only where the wrapper refers to nothing of fn (``put``)
         self._by_id: dict = {}
 
     def _holder(self, fn: Any, create: bool) -> _Holder | None:
@@ -129,7 +183,7 @@ class WrapperCache:
         if key is None:
             return None
         with self._lock:
-            if type(fn) is types.FunctionType:
+            if type(fn) in HOLDS_ITS_OWN:
                 holder = self._holder(fn, create=False)
                 if holder is None:
                     return None
@@ -144,7 +198,7 @@ class WrapperCache:
         if key is None:
             return
         with self._lock:
-            if type(fn) is types.FunctionType:
+            if type(fn) in HOLDS_ITS_OWN:
                 holder = self._holder(fn, create=True)
                 if holder is not None:
                     entries = holder.entries
