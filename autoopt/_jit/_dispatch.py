@@ -759,6 +759,15 @@ def _copy_all(xs: list) -> list:
     return [jnp.copy(x) for x in xs]
 
 
+def _put_copies(arrays: list) -> list:
+    """``jax.device_put(arrays, may_alias=False)`` with each committed array's own sharding as
+    its target: without one, jax 0.10.2 puts a typed PRNG key array on the default device,
+    uncommitted, and a replicated one's "copy" there is shard 0's own buffer (donating it
+    deleted the caller's key)."""
+    targets = [x.sharding if x.committed else None for x in arrays]
+    return jax.device_put(arrays, targets, may_alias=False)
+
+
 def device_copies(arrays: list) -> list:
     """Fresh device buffers holding ``arrays``' values, with their shardings and committedness
     (a deleted array raises jax's own error). The first ``COPIES_BEFORE_COMPILING`` copies of
@@ -769,7 +778,7 @@ def device_copies(arrays: list) -> list:
     global _compiled_copy
     if not all(isinstance(x.sharding, jax.sharding.SingleDeviceSharding) for x in arrays):
         if all(x.is_fully_addressable for x in arrays):
-            return jax.device_put(arrays, may_alias=False)
+            return _put_copies(arrays)
         # A global array of a jax.distributed job: this process copies its own shards only
         # (a device_put would be a cross-process transfer, which every process must join).
         return [
@@ -783,14 +792,14 @@ def device_copies(arrays: list) -> list:
     if any(x.committed for x in arrays):
         # A jit's outputs are all committed when one input is: the copies of the uncommitted
         # ones would be a new signature for the step (a recompile), so device_put keeps each.
-        return jax.device_put(arrays, may_alias=False)
+        return _put_copies(arrays)
     key = tuple(x.aval for x in arrays)
     count = _copy_counts.get(key, 0)
     if count < COPIES_BEFORE_COMPILING:
         if len(_copy_counts) >= 4096:  # many sets of leaves seen once: forget them
             _copy_counts.clear()
         _copy_counts[key] = count + 1
-        return jax.device_put(arrays, may_alias=False)
+        return _put_copies(arrays)
     if _compiled_copy is None:
         _compiled_copy = jax.jit(_copy_all)
     return _compiled_copy(arrays)

@@ -284,6 +284,9 @@ class Placer:
         # every call passes, or None.
         # (not under in_shardings, which makes jit refuse the keyword they travel under)
         self._hoist_on = self._pack
+        # Both only where the backend has one device (``_settle``), asked on first use.
+        self._settled = False
+        self._backend = options.jit_kwargs.get("backend")
         self._hoist_consts: dict[int, HoistedConst] = {}
         self._hoisted: Hoisted | None = None
         # treedef -> _Feed: what the last full scan of that argument structure decided
@@ -308,7 +311,26 @@ class Placer:
                 return jitted(*args, **kwargs)
         return self._call_placed(jitted, args, kwargs)
 
+    def _settle(self) -> None:
+        """Packing host leaves and hoisting large constants only where the backend has a single
+        device. A packed buffer or a hoisted constant reaches jit as an uncommitted argument,
+        whose sharding (and its slices') XLA chooses from the sharded arguments and constraints
+        around it where jax.jit's leaves and embedded constants have their own: outputs came
+        back sharded otherwise than under jax.jit, and a matmul split otherwise summed to other
+        bits (a review's reproducers, tests/test_multidevice.py). Asked on first use (it
+        starts the backend)."""
+        if self._settled:
+            return
+        try:
+            several = jax.device_count(self._backend) > 1
+        except Exception:  # noqa: BLE001 - an unknown backend: as if several
+            several = True
+        if several:
+            self._pack = self._hoist_on = False
+        self._settled = True
+
     def _call_placed(self, jitted, args: tuple, kwargs: dict):
+        self._settle()
         t0 = time.perf_counter()
         plan = trial = None
         try:
@@ -399,6 +421,7 @@ class Placer:
         """``jitted.trace(...)`` for the program alone (the caller reads it from its cache).
         A trace that stops at large constants to hoist (``HoistConstants``) is left uncached by
         jax, so the real call traces again, through ``_call_hoisting``, and passes them."""
+        self._settle()
         if not self._hoist_on:
             jitted.trace(*args, **kwargs)
             return
@@ -422,6 +445,7 @@ class Placer:
     def hoists(self, program) -> bool:
         """Whether calls of ``program`` must go through the placer: it has large constants the
         placer passes as device arguments (the jit signature includes them)."""
+        self._settle()
         return self._hoist_on and program is not None and bool(large_consts(program.final))
 
     def _hoist(self, consts: list) -> None:
