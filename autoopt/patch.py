@@ -150,7 +150,11 @@ def _jit_through_optimize(fun: Any, *, kwargs: dict, options: dict):
     key = _options_key(kwargs, options)
     cached = _cached(fun, key)
     if cached is not None:
-        new = real_jit(fun, **kwargs) if isinstance(cached, _Refused) else cached._handle()
+        if isinstance(cached, _Refused):
+            new = real_jit(fun, **kwargs)
+        else:  # (a framework's jit, equinox's or nnx's, is one object, returned as it is)
+            handle = getattr(cached, "_handle", None)
+            new = cached if handle is None else handle()
         if new is not None:  # (None: its programs were released, ``OptimizedFunction._release``)
             row = _row(cached)
             row.jit_calls += 1

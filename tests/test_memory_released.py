@@ -274,3 +274,53 @@ def test_threads_dropping_and_making_wrappers_at_once(kind):
     for t in threads:
         t.join()
     assert not errors, errors[0]
+
+
+def test_a_partials_keywords_changed_later_are_traced_as_under_jax_jit():
+    """The programs trace a copy of a partial that shares its arguments and keywords: a
+    keyword set in ``p.keywords`` afterwards, or a new state, reaches a new signature's trace,
+    as under jax.jit."""
+
+    def f(a, scale):
+        return a * scale
+
+    results = []
+    for jit in (jax.jit, autoopt.optimize):
+        p = functools.partial(f, scale=2.0)
+        jp = jit(p)
+        got = [np.asarray(jp(jnp.ones(4)))]
+        p.keywords["scale"] = 3.0
+        got.append(np.asarray(jp(jnp.ones(5))))
+        p.__setstate__((f, (), {"scale": 5.0}, None))
+        got.append(np.asarray(jit(p)(jnp.ones(6))))
+        results.append(got)
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_under_the_patch_a_frameworks_jit_is_jitted_again_and_again():
+    eqx = pytest.importorskip("equinox")
+    nnx = pytest.importorskip("flax.nnx")
+    x = jnp.ones(4)
+    made_before = eqx.filter_jit(lambda a: a * 2.0)
+    with autoopt.patch():
+        for g in (made_before, nnx.jit(lambda a: a * 3.0), eqx.filter_jit(lambda a: a + 1.0)):
+            expected = np.asarray(g(x))
+            for _ in range(2):  # the second finds the first one's in the patch's cache
+                np.testing.assert_array_equal(np.asarray(jax.jit(g)(x)), expected)
+
+
+def test_under_the_patch_a_jit_object_made_before_is_freed():
+    """``jax.jit(g)`` of a jit object ``g`` made before the patch traces a call of ``g``
+    (``nested_call``): held by ``g`` itself, never by a table that would keep ``g`` alive."""
+    x = jnp.ones(4)
+    refs = []
+    for i in range(3):
+        params = jnp.full(1000, float(i))
+        made_before = jax.jit(lambda a, p=params: a + p[:4])
+        with autoopt.patch():
+            jax.jit(made_before)(x)
+        refs.append(weakref.ref(params))
+        del made_before, params
+    gc.collect()
+    assert [r() is None for r in refs] == [True, True, True]

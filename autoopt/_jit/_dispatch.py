@@ -234,8 +234,9 @@ class Caches:
                         plans.clear()
             if self.auto_fast:
                 self.auto_fast.clear()
-        if self.placer is not None:
-            self.placer.forget_hoisted()
+        placer = self.placer  # (once: a release may set it to None meanwhile)
+        if placer is not None:
+            placer.forget_hoisted()
 
 
 # Every function's caches: ``jax.clear_caches()`` makes jax.jit trace every function again, which

@@ -74,28 +74,29 @@ def fn_location_of(fn: Callable) -> str | None:
         return None
 
 
-_NESTED_CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# The attribute of a jax.jit object holding its ``nested_call`` (a table keyed weakly on the
+# jit object could not hold it: the call refers to its jit object, which would never be freed).
+_NESTED_CALL = "__autoopt_nested_call__"
 
 
 def nested_call(jitted: Callable) -> Callable:
     """A plain function calling ``jitted`` (a jax.jit object), for ``optimize`` to trace as
     ``jax.jit`` traces ``jax.jit(jitted)``: the call is a nested jit in the program, whose own
     options act as they do there (its donation does nothing, its shardings constrain, a
-    legacy mesh resolves its PartitionSpecs). One per jit object, so that ``optimize`` finds
-    the programs of the first (``_reuse``)."""
-    try:
-        found = _NESTED_CALLS.get(jitted)
-    except TypeError:  # not weakly referenceable: a new one each time
-        found = None
-    if found is not None:
+    legacy mesh resolves its PartitionSpecs). One per jit object, held by it, so that
+    ``optimize`` finds the programs of the first (``_reuse``)."""
+    own = getattr(jitted, "__dict__", None)
+    found = own.get(_NESTED_CALL) if own is not None else None
+    if found is not None and getattr(found, "__wrapped__", None) is jitted:
         return found
 
     @functools.wraps(jitted)
     def call(*args, **kwargs):
         return jitted(*args, **kwargs)
 
-    with contextlib.suppress(TypeError):
-        _NESTED_CALLS[jitted] = call
+    if own is not None:
+        with contextlib.suppress(TypeError, AttributeError):
+            own[_NESTED_CALL] = call
     return call
 
 
@@ -559,23 +560,27 @@ class OptimizedFunction(_CallBase):
         """``_release`` this one if ``_unreachable`` (after one wrapper fewer: ``handle_gone``).
         Runs where a wrapper or a function is dropped, on any thread: never raises."""
         try:
+            # (the function is looked up before the lock: dropping the last reference to it
+            # runs weak-reference callbacks that take other locks)
+            detached = self.__dict__.get("_detached")
+            alive = detached is not None and detached[1]() is not None
             with _HANDLES_LOCK:
                 if handle_gone:
                     self._handles -= 1
-                gone = self._unreachable()
+                gone = self._unreachable(alive)
             if gone:
                 self._release()
         except Exception:  # noqa: BLE001 - at interpreter exit (module globals gone): nothing to free
             return
 
-    def _unreachable(self) -> bool:
+    def _unreachable(self, function_alive: bool) -> bool:
         """(Under ``_HANDLES_LOCK``.) Whether no wrapper is left and ``optimize`` can no longer
         find this one: one built on a copy (``_reuse.detached``) once its function is gone
         (the cache holds it while the function lives, as jax.jit's keeps its programs), or
         at once if it was not cached. Marks it released."""
         if self._released or self._handles > 0 or not self._releasable:
             return False  # (no copy: it refers to its function, freed by the collector)
-        if self._cached and self._detached is not None and self._detached[1]() is not None:
+        if self._cached and function_alive:
             return False
         self._released = True
         return True
@@ -1718,7 +1723,7 @@ class OptimizedFunction(_CallBase):
         )
 
     def __repr__(self) -> str:
-        fn = self.__wrapped__
+        fn = self.__dict__.get("__wrapped__")
         try:  # (a callable whose own repr raises: jax.jit's repr does not raise either)
             return f"<autoopt.optimize of {getattr(fn, '__qualname__', fn)!r}>"
         except Exception:  # noqa: BLE001

@@ -25,7 +25,7 @@ executables, which do not). Hence:
   again. The holder records its function (weakly) so that a copy of the attribute
   (``functools.wraps`` copies ``__dict__``) is never taken as the other function's, and pickles
   to an empty dict (cloudpickle pickles a lambda's ``__dict__``).
-- a ``functools.partial`` is held the same way (its arguments are copied, not the partial).
+- a ``functools.partial`` is held the same way (its copy shares its arguments and keywords).
 - any other callable (a bound method, a callable instance, a builtin) is found by identity while
   its optimized function is alive elsewhere (weak values): a bound method is a new object on
   each attribute access, so ``optimize(t.step)`` after ``t.lr = 0.5`` traces again, as jax.jit
@@ -108,7 +108,11 @@ def detached(fn: Any) -> Any:
     ``HOLDER``); a partial's: the same function, arguments and keywords; a bound method's: the
     same function and instance."""
     if type(fn) is functools.partial:
-        return functools.partial(fn.func, *fn.args, **fn.keywords)
+        # (its arguments tuple and keywords dict themselves, not copies: a keyword the caller
+        # sets later in ``p.keywords`` is the copy's too)
+        copy = functools.partial.__new__(functools.partial, fn.func)
+        copy.__setstate__((fn.func, fn.args, fn.keywords, None))  # pyright: ignore[reportAttributeAccessIssue]
+        return copy
     if type(fn) is types.MethodType:
         return types.MethodType(fn.__func__, fn.__self__)
     if type(fn) is not types.FunctionType:
@@ -126,11 +130,17 @@ def detached(fn: Any) -> Any:
 
 
 def sync(copy: Any, origin: weakref.ref) -> None:
-    """Bring an assignment to a plain function's code or defaults since ``detached`` to
-    ``copy``, so that a trace after it runs what a trace of the original runs (as under
-    jax.jit). (A partial's or a bound method's copy shares its function.)"""
+    """Bring an assignment to a plain function's code or defaults, or a partial's new state
+    (``__setstate__``), since ``detached`` to ``copy``, so that a trace after it runs what a
+    trace of the original runs (as under jax.jit). (A bound method cannot change.)"""
     fn = origin()
-    if fn is None or type(copy) is not types.FunctionType:
+    if fn is None:
+        return
+    if type(copy) is functools.partial:
+        if copy.func is not fn.func or copy.args is not fn.args or copy.keywords is not fn.keywords:
+            copy.__setstate__((fn.func, fn.args, fn.keywords, None))  # pyright: ignore[reportAttributeAccessIssue]
+        return
+    if type(copy) is not types.FunctionType:
         return
     if copy.__code__ is not fn.__code__:
         copy.__code__ = fn.__code__
