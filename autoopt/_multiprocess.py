@@ -28,12 +28,16 @@ With one process (no ``jax.distributed.initialize()``), nothing here does anythi
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
+
+import jax
+from jax.core import Tracer
 
 from autoopt import _compat
 from autoopt._errors import ProcessMismatchError
@@ -51,9 +55,99 @@ _lock = threading.Lock()
 
 
 def several() -> bool:
-    """Whether this process is one of several in a ``jax.distributed`` job. Initializes no
-    backend (reads the distributed runtime's state only)."""
+    """Whether this process is one of several in a ``jax.distributed`` job and the program
+    being built or called is not this process's alone (``local``). Initializes no backend
+    (reads the distributed runtime's state only)."""
+    return _compat.distributed_processes()[1] > 1 and not getattr(_LOCAL, "on", False)
+
+
+def in_job() -> bool:
+    """Whether this process is one of several in a ``jax.distributed`` job."""
     return _compat.distributed_processes()[1] > 1
+
+
+# A program whose arguments, closed-over arrays and shardings are all this process's own (a
+# metric on process 0's arrays, an uneven evaluation split, a warm-up call on one process) runs
+# as jax.jit runs it there: on this process alone, with no other process calling. Its decisions
+# are taken here, exchanged with nobody: waiting for the others' signature would wait for a
+# call that never comes (a hang until ``timeout_s()``). So is a report's build (``explain``,
+# ``inspect`` on one process), which nothing runs.
+_LOCAL = threading.local()
+
+
+@contextlib.contextmanager
+def local(on: bool = True):
+    """While inside (and ``on``), ``several()`` is False on this thread: decisions are this
+    process's own. Nests."""
+    outer = getattr(_LOCAL, "on", False)
+    _LOCAL.on = outer or on
+    try:
+        yield
+    finally:
+        _LOCAL.on = outer
+
+
+@contextlib.contextmanager
+def call_arguments(args: tuple, kwargs: dict):
+    """While inside, ``arguments_local()`` says whether this call's arguments are all this
+    process's own (``process_local``): a program it builds may then be local (``local``)."""
+    outer = getattr(_LOCAL, "arguments", False)
+    _LOCAL.arguments = process_local((args, kwargs))
+    try:
+        yield
+    finally:
+        _LOCAL.arguments = outer
+
+
+def arguments_local() -> bool:
+    """(Inside ``call_arguments``.) Whether the call's arguments are all this process's own."""
+    return getattr(_LOCAL, "arguments", False)
+
+
+def process_local(tree: Any) -> bool:
+    """Whether every jax array in ``tree`` is this process's own (fully addressable; NumPy and
+    Python values are). A traced value (a call inside another transformation) is not known to
+    be: False."""
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if isinstance(leaf, Tracer):
+            return False
+        if isinstance(leaf, jax.Array):
+            try:
+                if not leaf.is_fully_addressable:
+                    return False
+            except Exception:  # noqa: BLE001 - unknown: not this process's alone
+                return False
+    return True
+
+
+def program_is_local(closed: Any) -> bool:
+    """Whether a traced program (arguments aside) uses only this process's devices: its
+    closed-over arrays, and every sharding or mesh its equations name (a sharding constraint,
+    a shard_map's mesh, a nested jit's shardings)."""
+    from autoopt import _jaxpr
+
+    me = jax.process_index()
+
+    def own(value: Any) -> bool:
+        if isinstance(value, jax.sharding.Sharding):
+            try:
+                return bool(value.is_fully_addressable)
+            except Exception:  # noqa: BLE001 - an abstract or unknown sharding: not known
+                return False
+        if isinstance(value, jax.sharding.Mesh):
+            return all(d.process_index == me for d in value.devices.flat)
+        if isinstance(value, jax.sharding.AbstractMesh):
+            return False  # (its devices are the context's: not known here)
+        if isinstance(value, tuple | list):
+            return all(own(v) for v in value)
+        return True
+
+    if not process_local(list(closed.consts)):
+        return False
+    for site in _jaxpr.iter_eqns(closed, into_opaque=True):
+        if not all(own(v) for v in site.eqn.params.values()):
+            return False
+    return True
 
 
 def timeout_s() -> float:
@@ -159,8 +253,10 @@ def check_program(fn_id: str, text: str) -> str:
     if differ:
         raise ProcessMismatchError(
             f"{fn_id}: process {_compat.distributed_processes()[2]} built a different optimized "
-            f"program than process(es) {differ}, which would mismatch their collectives. This is "
-            "autoopt's bug (a decision taken per process): please report it; meanwhile "
-            "optimize(..., remat='off', placement='off') or plain jax.jit avoids it."
+            f"program than process(es) {differ}, which would mismatch their collectives. Either "
+            "the processes traced different values (a static argument, a closed-over Python "
+            "number or NumPy array that differs per process: jax.jit would run a different "
+            "program on each, and give different numbers), or an autoopt decision differed per "
+            "process, which is autoopt's bug: please report it."
         )
     return f"{fn_id}:{mine}"

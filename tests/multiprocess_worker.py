@@ -114,6 +114,24 @@ def main() -> dict:
         except autoopt.ProcessMismatchError as e:
             out["error"] = str(e)
         return out
+    if SCENARIO == "local":
+        # Process-local work, as jax.jit runs it on one process alone: a metric process 0
+        # alone computes (a warm-up, a log line, a report), one on arrays whose shapes differ
+        # per process (an uneven evaluation split); then a global step both call.
+        metric = autoopt.optimize(lambda v: (v * v).mean())
+        dev = jax.local_devices()[0]
+        if PID == 0:
+            report = metric.explain(jax.device_put(np.ones(3, np.float32), dev))
+            out["report"] = type(report).__name__
+            out["alone"] = float(metric(jax.device_put(np.arange(3, dtype=np.float32), dev)))
+        out["metrics"] = [
+            float(metric(jax.device_put(np.arange(n, dtype=np.float32), dev)))
+            for n in ([6, 6, 4] if PID == 0 else [6, 5])
+        ]
+        w_jit, losses_jit, _ = train(jax.jit(step), keep_state=False, steps=2)
+        w_fast, losses_fast, _ = train(fast, keep_state=False, steps=2)
+        out["losses_equal"] = losses_jit == losses_fast
+        return out
     if SCENARIO == "disagree" and PID == 1:
         # fault injection: this process's compiles report no temporary memory, so every
         # program would fit the budget here and no plan would be needed

@@ -273,7 +273,15 @@ def _placer_retries(error: BaseException) -> bool:
 def checked_call(of: OptimizedFunction, program: Program, jit: Any, args: tuple, kwargs: dict):
     """Compile the call's executable, plan when it does not fit or runs out of memory (once),
     and run it. One thread checks a program; the others wait and run what it decided (a
-    compile each would be one more than jax.jit's)."""
+    compile each would be one more than jax.jit's). A program of this process's own decides
+    here alone (``Program.local``)."""
+    with _multiprocess.local(program.local):
+        return _checked_call_of_signature(of, program, jit, args, kwargs)
+
+
+def _checked_call_of_signature(
+    of: OptimizedFunction, program: Program, jit: Any, args: tuple, kwargs: dict
+):
     caches = of._caches
     with caches.lock:
         lock = caches.key_locks.setdefault(("fit", program.key), threading.RLock())

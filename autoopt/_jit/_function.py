@@ -257,6 +257,9 @@ trace_state_clean = _compat.trace_state_clean
 # the compile against the function (``patch._attribute_compile``, after matching the name).
 TRACING = threading.local()
 
+# jax.jit options placing a program's arguments or outputs (possibly on other processes).
+_SHARDING_OPTIONS = ("in_shardings", "out_shardings", "device", "backend")
+
 # Counts of ``_fresh`` wrappers (``OptimizedFunction._handles``), changed under this lock (a
 # wrapper's ``__del__`` may run on any thread).
 _HANDLES_LOCK = threading.RLock()
@@ -498,7 +501,9 @@ class OptimizedFunction(_CallBase):
                 self._sites,
                 self._auto_fast,
                 self._caches,
-                self._plain_run if self._flat_plain else None,
+                # (in a jax.distributed job, calls that run the plain plan take the general
+                # path, which tells a build whether the call's arguments are this process's)
+                self._plain_run if self._flat_plain and not _multiprocess.in_job() else None,
             )
 
     def _fresh(self, fn: Callable | None = None) -> OptimizedFunction:
@@ -834,7 +839,20 @@ class OptimizedFunction(_CallBase):
             # the jit object donates what the user asked for on the first run, before a check
             # after it could refuse: refused here, before anything runs
             raise TypeError(lost[0].message)
-        program = self._build_from(traced, eager_autodiff)
+        # In a jax.distributed job, a program of this process's own (its call's arguments, its
+        # closed-over arrays and shardings: ``_multiprocess.local``), or a report's, is built
+        # and decided here alone, as jax.jit runs it here alone.
+        local = _multiprocess.in_job() and (
+            caches.is_reporter
+            or (
+                _multiprocess.arguments_local()
+                and not any(policy.options.jit_kwargs.get(k) for k in _SHARDING_OPTIONS)
+                and _multiprocess.program_is_local(traced.closed)
+            )
+        )
+        with _multiprocess.local(local):
+            program = self._build_from(traced, eager_autodiff)
+        program.local = local
         if lost:
             program.lost_updates = tuple(lost)
             caches.lost_updates = True
@@ -1046,7 +1064,7 @@ class OptimizedFunction(_CallBase):
                     try:
                         frame = sys._getframe(1)
                     except ValueError:  # no Python caller (a thread's entry point): no site
-                        return self._run(self._dispatch(None, args, kwargs), args, kwargs)
+                        return self._planned(None, args, kwargs)
                     # The code object's identity: equal code objects in two modules compare equal.
                     site = sites.get((id(frame.f_code), frame.f_lasti))
                     if site is None:
@@ -1082,7 +1100,7 @@ class OptimizedFunction(_CallBase):
                 # Nothing to donate (a donating site without plans has static arguments or
                 # verify=True, and so no ``_flat_plain``): flat arrays and scalars run the plain
                 # plan (a static leaf would need the general path).
-                elif self._flat_plain and not kwargs:
+                elif self._flat_plain and not kwargs and not _multiprocess.in_job():
                     for a in args:
                         if type(a) not in PLAIN_TYPES:
                             # a name left bound to an argument would be one more reference to
@@ -1091,7 +1109,7 @@ class OptimizedFunction(_CallBase):
                             break
                     else:
                         return self._plain_run(args)
-            return self._run(self._dispatch(site, args, kwargs), args, kwargs)
+            return self._planned(site, args, kwargs)
         except FitCheck as e:
             check = e  # escaped the general path's own catchers: the program fits as traced
         except Exception as e:
@@ -1103,7 +1121,7 @@ class OptimizedFunction(_CallBase):
         check.__traceback__ = None  # (a cycle through this frame: see _fit.first_call)
         try:
             check.program.fit = "fits"
-            return self._run(self._dispatch(site, args, kwargs), args, kwargs)
+            return self._planned(site, args, kwargs)
         except Exception as e:
             _compat.filter_traceback(e)
             _static_leaves.note_traced_module_fields(e, args, kwargs)
@@ -1112,12 +1130,21 @@ class OptimizedFunction(_CallBase):
     if not NATIVE:
         __call__ = _call
 
+    def _planned(self, site: Site | None, args: tuple, kwargs: dict):
+        """The general path: plan the call (``_dispatch``) and run the plan. In a jax.distributed
+        job, a program it builds knows whether the call's arguments are this process's own
+        (``_multiprocess.call_arguments``)."""
+        if _multiprocess.in_job():
+            with _multiprocess.call_arguments(args, kwargs):
+                return self._run(self._dispatch(site, args, kwargs), args, kwargs)
+        return self._run(self._dispatch(site, args, kwargs), args, kwargs)
+
     def _fit_escaped(self, check: FitCheck, site: Site | None, args: tuple):
         """``_call``'s handler of a ``FitCheck`` no catcher caught, for the C call path (which
         filters the traceback itself)."""
         check.__traceback__ = None  # (see _fit.first_call)
         check.program.fit = "fits"
-        return self._run(self._dispatch(site, args, {}), args, {})
+        return self._planned(site, args, {})
 
     def _run(self, plan: CallPlan, args: tuple, kwargs: dict, bases: tuple | None = None):
         """Execute a plan (``__call__`` inlines the common case). ``args``: the tuple the call's

@@ -65,6 +65,7 @@ class Program:
         "value_guards",
         "guarded_choice",
         "bounded",
+        "local",
         "__weakref__",
     )
 
@@ -90,6 +91,9 @@ class Program:
         # In a jax.distributed job, a digest of the optimized program (``_build``): the scope
         # of the decisions the processes share about it (``_multiprocess``).
         self.fingerprint: str = ""
+        # Built for this process alone in a jax.distributed job (``_multiprocess.local``): its
+        # decisions are this process's, never exchanged with the others.
+        self.local = False
         # Whether a jit traced it to compile (a call, or lower()), not only inspect()/explain()
         # tracing it for a report: what the recompile finding counts.
         self.compiled = False
@@ -181,7 +185,7 @@ class Program:
         if d is None:
             mine = self._decide(intended)
             d = mine
-            if _multiprocess.several():
+            if _multiprocess.several() and not self.local:
                 # The executable must be the same on every process (its aliasing is part of
                 # it): process 0's first call decides; a process whose own call site cannot
                 # donate passes copies. Asked only where something could be donated, which
