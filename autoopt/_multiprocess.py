@@ -145,9 +145,16 @@ def program_is_local(closed: Any) -> bool:
     if not process_local(list(closed.consts)):
         return False
     for site in _jaxpr.iter_eqns(closed, into_opaque=True):
+        if site.eqn.primitive.name in _GLOBAL_PRIMITIVES:
+            return False
         if not all(own(v) for v in site.eqn.params.values()):
             return False
     return True
+
+
+# Primitives that run over every process's devices whatever their arguments: a pmap spans the
+# global devices (each process passes its local shards).
+_GLOBAL_PRIMITIVES = frozenset({"xla_pmap"})
 
 
 def timeout_s() -> float:
