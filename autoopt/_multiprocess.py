@@ -105,15 +105,19 @@ def arguments_local() -> bool:
 
 
 def process_local(tree: Any) -> bool:
-    """Whether every jax array in ``tree`` is this process's own (fully addressable; NumPy and
-    Python values are). A traced value (a call inside another transformation) is not known to
-    be: False."""
+    """Whether every jax array in ``tree`` is on one device of this process (NumPy and Python
+    values are this process's). A traced value (a call inside another transformation) is not
+    known to be: False. One device, not any of this process's: jax's trace cache keys a
+    signature by its abstract values, whose mesh is only axis names and sizes, so a program
+    traced for a mesh of this process's devices would be reused for a global mesh of the same
+    shape, its decisions taken by this process alone; a single device's has no mesh, which no
+    global array's (a NamedSharding's) equals."""
     for leaf in jax.tree_util.tree_leaves(tree):
         if isinstance(leaf, Tracer):
             return False
         if isinstance(leaf, jax.Array):
             try:
-                if not leaf.is_fully_addressable:
+                if not leaf.is_fully_addressable or len(leaf.sharding.device_set) != 1:
                     return False
             except Exception:  # noqa: BLE001 - unknown: not this process's alone
                 return False
@@ -129,15 +133,16 @@ def program_is_local(closed: Any) -> bool:
     me = jax.process_index()
 
     def own(value: Any) -> bool:
-        if isinstance(value, jax.sharding.Sharding):
-            try:
+        try:
+            if isinstance(value, jax.sharding.Sharding):
                 return bool(value.is_fully_addressable)
-            except Exception:  # noqa: BLE001 - an abstract or unknown sharding: not known
-                return False
-        if isinstance(value, jax.sharding.Mesh):
-            return all(d.process_index == me for d in value.devices.flat)
+            if isinstance(value, jax.sharding.Mesh):
+                # (a nested jit's ``ctx_mesh`` outside any mesh context: the empty mesh)
+                return value.empty or all(d.process_index == me for d in value.devices.flat)
+        except Exception:  # noqa: BLE001 - an unknown sharding or mesh: not known
+            return False
         if isinstance(value, jax.sharding.AbstractMesh):
-            return False  # (its devices are the context's: not known here)
+            return bool(value.empty)  # (else its devices are the context's: not known here)
         if isinstance(value, tuple | list):
             return all(own(v) for v in value)
         return True

@@ -118,7 +118,8 @@ def main() -> dict:
         # Process-local work, as jax.jit runs it on one process alone: a metric process 0
         # alone computes (a warm-up, a log line, a report), one on arrays whose shapes differ
         # per process (an uneven evaluation split); then a global step both call.
-        metric = autoopt.optimize(lambda v: (v * v).mean())
+        # (jax.nn.relu is a nested jit: its equation names the empty context mesh)
+        metric = autoopt.optimize(lambda v: jax.nn.relu(v * v).mean())
         dev = jax.local_devices()[0]
         if PID == 0:
             report = metric.explain(jax.device_put(np.ones(3, np.float32), dev))
