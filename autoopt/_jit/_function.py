@@ -844,6 +844,7 @@ class OptimizedFunction(_CallBase):
         # and decided here alone, as jax.jit runs it here alone.
         local = _multiprocess.in_job() and (
             caches.is_reporter
+            or not _multiprocess.several()  # (inside another local program's build)
             or (
                 _multiprocess.arguments_local()
                 and not any(policy.options.jit_kwargs.get(k) for k in _SHARDING_OPTIONS)
