@@ -238,6 +238,22 @@ class Caches:
         if placer is not None:
             placer.forget_hoisted()
 
+    def drop_everything(self) -> None:
+        """Empty every table and drop every jit object and function these hold, without a lock
+        (``OptimizedFunction._release``: nothing can call them any more, and it runs where a
+        wrapper or a function is dropped, on any thread, whatever lock that thread holds)."""
+        for table in (self.programs, self.eager_ad_programs, self.by_call, self.sites):
+            table.clear()
+        for table in (self.site_proofs, self.jits, self.static_leaf_fns, self.key_locks):
+            table.clear()
+        if self.auto_fast:
+            self.auto_fast.clear()
+        if self.placer is not None:
+            self.placer.forget_hoisted()
+        self.eager_ad_jit = self.nested = self.original_jit = None
+        self.reporter = self.placer = None
+        self.tls = threading.local()  # (each thread's last program)
+
 
 # Every function's caches: ``jax.clear_caches()`` makes jax.jit trace every function again, which
 # reads closed-over NumPy constants anew (jax converts a float64 one when it traces, and the

@@ -603,17 +603,7 @@ class OptimizedFunction(_CallBase):
         for sub in [*caches.static_leaf_fns.values(), caches.reporter]:
             if isinstance(sub, OptimizedFunction):
                 sub._release()
-        for table in (caches.programs, caches.eager_ad_programs, caches.by_call, caches.sites):
-            table.clear()
-        for table in (caches.site_proofs, caches.jits, caches.static_leaf_fns, caches.key_locks):
-            table.clear()
-        if caches.auto_fast:
-            caches.auto_fast.clear()
-        if caches.placer is not None:
-            caches.placer.forget_hoisted()
-        caches.eager_ad_jit = caches.nested = caches.original_jit = None
-        caches.reporter = caches.placer = None
-        caches.tls = threading.local()  # (each thread's last program)
+        caches.drop_everything()
         if NATIVE:
             self._native_configure(0, None, None, None, None)  # pyright: ignore[reportAttributeAccessIssue]
         self.__dict__.clear()

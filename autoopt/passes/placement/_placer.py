@@ -330,7 +330,8 @@ class Placer:
         self._settled = True
 
     def _call_placed(self, jitted, args: tuple, kwargs: dict):
-        self._settle()
+        if not self._settled:
+            self._settle()
         t0 = time.perf_counter()
         plan = trial = None
         try:
