@@ -23,6 +23,7 @@ from jax._src import linear_util as _lu
 from jax._src import source_info_util as _siu
 from jax._src import traceback_util as _tbu
 from jax._src import tree_util as _tree_util
+from jax._src import xla_bridge as _xla_bridge
 from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.random import prng as _prng
@@ -539,3 +540,9 @@ def distributed_processes() -> tuple[Any, int, int]:
     if client is None or not n or n <= 1:
         return None, 1, 0
     return client, int(n), int(state.process_id or 0)
+
+
+def job_settled() -> bool:
+    """Whether ``distributed_processes()`` can no longer change: a backend has started, after
+    which ``jax.distributed.initialize()`` raises (``xla_bridge.backends_are_initialized``)."""
+    return bool(_xla_bridge.backends_are_initialized())

@@ -48,6 +48,7 @@ def step(w, x, y):
 # autoopt's functions are made (and may be configured) before initialize(), as in a script
 # whose imports decorate their steps
 fast = autoopt.optimize(step, remat="auto", memory_budget="1MiB")  # the planner, opted in
+early_metric = autoopt.optimize(lambda v: (v * v).sum())  # (the "local" scenario's)
 
 jax.distributed.initialize(coordinator_address=f"localhost:{PORT}", num_processes=2, process_id=PID)
 
@@ -125,10 +126,19 @@ def main() -> dict:
             report = metric.explain(jax.device_put(np.ones(3, np.float32), dev))
             out["report"] = type(report).__name__
             out["alone"] = float(metric(jax.device_put(np.arange(3, dtype=np.float32), dev)))
+            lowered = metric.lower(jax.device_put(np.ones(7, np.float32), dev))
+            out["lowered"] = float(lowered.compile()(jax.device_put(np.ones(7, np.float32), dev)))
         out["metrics"] = [
             float(metric(jax.device_put(np.arange(n, dtype=np.float32), dev)))
             for n in ([6, 6, 4] if PID == 0 else [6, 5])
         ]
+        # made before initialize(), called from one site with a new shape: a call that runs
+        # the function's plain program, on process 0 alone
+        if PID == 0:
+            out["early"] = [
+                float(early_metric(jax.device_put(np.arange(n, dtype=np.float32), dev)))
+                for n in (3, 3, 4)
+            ]
         w_jit, losses_jit, _ = train(jax.jit(step), keep_state=False, steps=2)
         w_fast, losses_fast, _ = train(fast, keep_state=False, steps=2)
         out["losses_equal"] = losses_jit == losses_fast

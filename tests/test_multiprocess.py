@@ -100,10 +100,12 @@ def test_an_argument_structure_that_differs_between_processes_is_an_error_naming
 
 def test_work_on_one_process_alone_runs_as_under_jax_jit():
     """A program whose arguments are one process's own runs there alone, as under jax.jit: a
-    metric or report on process 0 only, and process-local shapes that differ, neither wait for
-    the other process (which never calls) nor are compared with it."""
+    metric, a report or a lowering on process 0 only (by a function made before or after
+    ``initialize()``), and process-local shapes that differ, neither wait for the other process
+    (which never calls) nor are compared with it."""
     p0, p1 = _job("local", AUTOOPT_PROCESS_TIMEOUT_S="60")
     assert p0["report"] == "Report" and p0["alone"] == pytest.approx(5 / 3), p0
     assert p0["metrics"] == pytest.approx([55 / 6, 55 / 6, 14 / 4]), p0
+    assert p0["early"] == [5.0, 5.0, 14.0] and p0["lowered"] == 1.0, p0
     assert p1["metrics"] == pytest.approx([55 / 6, 30 / 5]), p1
     assert p0["losses_equal"] and p1["losses_equal"], (p0, p1)

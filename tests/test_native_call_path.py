@@ -199,6 +199,40 @@ def test_the_c_path_is_off_when_asked():
 
 
 @needs_native
+def test_a_function_made_before_any_backend_runs_its_calls_in_c_once_one_started():
+    """Until a backend starts, ``jax.distributed.initialize()`` may still make this process one
+    of a job, where calls take the general path; the C path takes over the plain calls after
+    the first call."""
+    code = """
+        import sys
+        import jax.numpy as jnp
+        import numpy as np
+        import autoopt
+
+        fast = autoopt.optimize(lambda v: v > 1.0)  # (nothing to donate: the plain plan)
+        batch = jnp.arange(3.0)  # (the backend starts here)
+
+        def loop(n):
+            for _ in range(n):
+                y = fast(batch)
+            return y
+
+        loop(2)
+        frames = []
+
+        def profile(frame, event, arg):
+            if event == "call" and "autoopt" in frame.f_code.co_filename:
+                frames.append(frame.f_code.co_name)
+
+        sys.setprofile(profile)
+        y = loop(3)
+        sys.setprofile(None)
+        print("_call" in frames, np.asarray(y).tolist())  # (the placer's frames are in C's plan)
+    """
+    assert _run(code, native=True).strip() == "False [False, False, True]"
+
+
+@needs_native
 def test_x64_changing_between_calls_at_one_site_gives_jax_jits_numbers():
     # The plan's executable is traced again under x64 (a first call there, under remat="fit"):
     # the C path catches the first-call check as the Python plans do.

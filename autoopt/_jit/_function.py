@@ -492,7 +492,11 @@ class OptimizedFunction(_CallBase):
         self._configure_call_path()
 
     def _configure_call_path(self) -> None:
-        """What the C call path reads (the same objects as the attributes above)."""
+        """What the C call path reads (the same objects as the attributes above). Until a
+        backend has started (``_compat.job_settled``), the C path runs no plain plan: a module
+        decorating its steps before ``jax.distributed.initialize()`` may be one process of a
+        job (``_planned`` configures it again)."""
+        self._job_settled = _compat.job_settled()
         if NATIVE:
             self._native_configure(  # pyright: ignore[reportAttributeAccessIssue]
                 # (mode 0: straight to ``_call``, for static arguments, whose plans the C path
@@ -503,7 +507,9 @@ class OptimizedFunction(_CallBase):
                 self._caches,
                 # (in a jax.distributed job, calls that run the plain plan take the general
                 # path, which tells a build whether the call's arguments are this process's)
-                self._plain_run if self._flat_plain and not _multiprocess.in_job() else None,
+                self._plain_run
+                if self._flat_plain and self._job_settled and not _multiprocess.in_job()
+                else None,
             )
 
     def _fresh(self, fn: Callable | None = None) -> OptimizedFunction:
@@ -1125,6 +1131,14 @@ class OptimizedFunction(_CallBase):
         """The general path: plan the call (``_dispatch``) and run the plan. In a jax.distributed
         job, a program it builds knows whether the call's arguments are this process's own
         (``_multiprocess.call_arguments``)."""
+        if not self._job_settled:
+            try:
+                return self._planned_run(site, args, kwargs)
+            finally:
+                self._configure_call_path()  # (a backend may have started meanwhile)
+        return self._planned_run(site, args, kwargs)
+
+    def _planned_run(self, site: Site | None, args: tuple, kwargs: dict):
         if _multiprocess.in_job():
             with _multiprocess.call_arguments(args, kwargs):
                 return self._run(self._dispatch(site, args, kwargs), args, kwargs)
@@ -1437,13 +1451,19 @@ class OptimizedFunction(_CallBase):
         return (self._jit_for(*donated) if donated[0] or donated[1] else self._plain), donated
 
     @contextlib.contextmanager
-    def _aot(self):
+    def _aot(self, args: tuple, kwargs: dict):
         """While inside, jit's traces of the wrapper are for ``trace``/``lower`` (ahead of time:
-        no remat="fit" check; the caller compiles what it lowered)."""
+        no remat="fit" check; the caller compiles what it lowered). In a jax.distributed job, a
+        program they build knows whether the arguments are this process's own, as a call's does
+        (``_planned``): one process lowering a metric for its own arrays waits for nobody."""
         tls = self._caches.tls
         outer, tls.aot = getattr(tls, "aot", False), True
         try:
-            yield
+            if _multiprocess.in_job():
+                with _multiprocess.call_arguments(args, kwargs):
+                    yield
+            else:
+                yield
         finally:
             tls.aot = outer
 
@@ -1462,7 +1482,7 @@ class OptimizedFunction(_CallBase):
         tls = of._caches.tls
         outer, tls.trace_api = getattr(tls, "trace_api", False), True
         try:
-            with of._aot():
+            with of._aot(args, kwargs):
                 return of._aot_jit(args, kwargs).trace(*args, **kwargs)
         finally:
             tls.trace_api = outer
@@ -1479,7 +1499,7 @@ class OptimizedFunction(_CallBase):
         rebinding site run (``state = step(state, batch)``), with its aliasing, is
         ``self.inspect(*args).jit.lower(*args)``; the report's memory table shows both."""
         of, args, kwargs = self._prepare(args, kwargs)
-        with of._aot():
+        with of._aot(args, kwargs):
             return of._aot_jit(args, kwargs).lower(*args, **kwargs)
 
     @_compat.api_boundary
