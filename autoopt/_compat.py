@@ -25,6 +25,7 @@ from jax._src import traceback_util as _tbu
 from jax._src import tree_util as _tree_util
 from jax._src import xla_bridge as _xla_bridge
 from jax._src.interpreters import ad as _ad
+from jax._src.interpreters import batching as _batching
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.random import prng as _prng
 from jax.core import Tracer
@@ -455,6 +456,25 @@ def eager_autodiff(tree) -> bool:
                 return False
             x = x.primal
         found = True
+    return found
+
+
+def eager_forward(tree) -> bool:
+    """Whether ``tree`` holds tracers of an eager ``vmap`` or ``jvp`` (jax's batching and JVP
+    tracers, over concrete arrays) and nothing else traced: a transformation jax evaluates at
+    once, compiling a jit called under it on its own, with its compiler_options. Reads ``.val``
+    of batching tracers and ``.primal`` of JVP tracers (jax._src.interpreters)."""
+    found = False
+    for leaf in jax.tree_util.tree_leaves(tree):
+        x = leaf
+        while isinstance(x, Tracer):
+            if isinstance(x, _batching.BatchTracer):
+                x = x.val
+            elif isinstance(x, _ad.JVPTracer):
+                x = x.primal
+            else:
+                return False
+            found = True
     return found
 
 

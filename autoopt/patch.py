@@ -688,7 +688,9 @@ def _not_applied_of(fn: Any, out: dict) -> None:
     shift = getattr(fn, "_proof_shift", 0)  # positions of the caller's arguments (equinox)
     proofs = list(caches.site_proofs.values())
     # called inside another trace (an outer jit, grad, vmap): its programs were inlined there
-    nested = caches.nested is not None or caches.eager_ad_jit is not None
+    nested = any(
+        j is not None for j in (caches.nested, caches.eager_forward_jit, caches.eager_ad_jit)
+    )
     for program in list(caches.programs.values()):
         if program.pipeline is None:
             continue

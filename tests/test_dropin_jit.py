@@ -64,6 +64,34 @@ def test_shardings_keep_unused_inline_and_compiler_options_of_the_wrapped_jit_ar
     assert fast(jnp.ones(3), jnp.ones(2)).sharding == s
 
 
+def _outcome(fn, *args):
+    try:
+        return np.asarray(fn(*args)).tobytes()
+    except Exception as e:  # noqa: BLE001 - the outcome compared is the error's type
+        return type(e).__name__
+
+
+@pytest.mark.parametrize("options", [{"xla_cpu_enable_fast_math": True}, {"xla_no_such": True}])
+def test_compiler_options_apply_under_an_eager_vmap_or_jvp_as_jax_jits_do(options):
+    """jax compiles a jit called under an eager vmap or jvp on its own, with its options (an
+    unknown one raises there); under an outer jit or an eager grad it refuses them, where
+    autoopt's call runs inside the outer program (README, "jax.jit's keywords")."""
+
+    def f(a):
+        return jnp.sum(jnp.exp(jnp.tanh(a) / (a + 0.3)) + jnp.log1p(jnp.abs(a)) * jnp.sin(a))
+
+    x = jax.random.normal(jax.random.key(0), (256,)) * 10
+    ours = autoopt.optimize(f, compiler_options=options)
+    theirs = jax.jit(f, compiler_options=options)
+    for transform, arg in [
+        (jax.vmap, x[:, None]),
+        (lambda g: lambda a: jax.jvp(g, (a,), (a,))[1], x),
+        (lambda g: g, x),
+    ]:
+        assert _outcome(transform(ours), arg) == _outcome(transform(theirs), arg)
+    assert _outcome(jax.jit(jax.grad(ours)), x) == _outcome(jax.jit(jax.grad(f)), x)
+
+
 def test_options_given_both_ways_merge_when_they_agree():
     fast = autoopt.optimize(
         jax.jit(_fn, static_argnums=2, compiler_options={"xla_cpu_enable_fast_math": False}),

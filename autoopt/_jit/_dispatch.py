@@ -68,7 +68,7 @@ class Planned(Protocol):
 
     def _eager_ad_jit(self) -> Any: ...
 
-    def _nested_jit(self) -> Any: ...
+    def _nested_jit(self, eager_forward: bool = False) -> Any: ...
 
     def _fall_back(self, error: BaseException, where: str) -> None: ...
 
@@ -95,6 +95,10 @@ class Policy:
     # donated there. That jit runs the original program: XLA inlines it into the outer one,
     # where the rewrites' proofs (the rounding rule's fusion boundaries) do not hold.
     nested_kwargs: Mapping[str, Any]
+    # ... except a call under an eager vmap or jvp (``_compat.eager_forward``), which jax
+    # compiles on its own, with jax.jit's compiler_options: these keywords, with the caller's
+    # own compiler_options (None when there are none: ``nested_kwargs``).
+    eager_forward_kwargs: Mapping[str, Any] | None
     # Calls check for an outer transformation (always: every such call takes the nested jit).
     guard_transforms: bool
     remat_auto: bool  # remat may plan a forward for a caller that differentiates it eagerly
@@ -127,6 +131,7 @@ class Policy:
             for k, v in jit_kwargs.items()
             if k not in ("compiler_options", "donate_argnums", "donate_argnames")
         }
+        own_options = options.jit_kwargs.get("compiler_options")
         has_static = bool(options.static_argnums or options.static_argnames)
         return cls(
             options=options,
@@ -138,6 +143,9 @@ class Policy:
             backend=backend,
             jit_kwargs=jit_kwargs,
             nested_kwargs=nested,
+            eager_forward_kwargs=(
+                {**nested, "compiler_options": own_options} if own_options else None
+            ),
             guard_transforms=True,
             remat_auto=options.remat == "auto" and not options.explicit_donation,
             fit=options.remat in ("fit", "auto"),
@@ -169,6 +177,7 @@ class Caches:
         "any_plannable",
         "eager_ad_jit",
         "nested",
+        "eager_forward_jit",
         "original_jit",
         "any_aliasable",
         "lookup_plain",
@@ -200,6 +209,7 @@ class Caches:
         self.any_plannable = False
         self.eager_ad_jit: Any = None  # the jax.jit object for eager autodiff, once made
         self.nested: Any = None  # the jax.jit object for calls inside another trace, once made
+        self.eager_forward_jit: Any = None  # the same, for an eager vmap or jvp (own options)
         self.original_jit: Any = None  # jax.jit of the original: eval_shape, verify=True
         # Some program has an argument an output can alias: its executable may donate.
         self.any_aliasable = False
@@ -250,7 +260,7 @@ class Caches:
             self.auto_fast.clear()
         if self.placer is not None:
             self.placer.forget_hoisted()
-        self.eager_ad_jit = self.nested = self.original_jit = None
+        self.eager_ad_jit = self.nested = self.eager_forward_jit = self.original_jit = None
         self.reporter = self.placer = None
         self.tls = threading.local()  # (each thread's last program)
 
@@ -331,6 +341,8 @@ def make_dispatch(of: Planned) -> Callable[..., CallPlan]:
             (args, kwargs)
         ):
             return CallPlan(of._eager_ad_jit())
+        if policy.eager_forward_kwargs is not None and _compat.eager_forward((args, kwargs)):
+            return CallPlan(of._nested_jit(eager_forward=True))
         return CallPlan(of._nested_jit())
 
     def plain(site, args: tuple, kwargs: dict, shift: int = 0) -> CallPlan:

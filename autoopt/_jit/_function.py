@@ -731,25 +731,28 @@ class OptimizedFunction(_CallBase):
         if j is None:
             with caches.lock:
                 if caches.eager_ad_jit is None:
-                    kw = {
-                        k: v
-                        for k, v in self._policy.jit_kwargs.items()
-                        if k not in ("compiler_options", "donate_argnums", "donate_argnames")
-                    }
-                    caches.eager_ad_jit = jax.jit(self._make_wrapper(eager_autodiff=True), **kw)
+                    caches.eager_ad_jit = jax.jit(
+                        self._make_wrapper(eager_autodiff=True), **self._policy.nested_kwargs
+                    )
                 j = caches.eager_ad_jit
         return j
 
-    def _nested_jit(self):
+    def _nested_jit(self, eager_forward: bool = False):
         """The jit object of a call inside another trace (see ``Policy.nested_kwargs``): it
-        evaluates the original program, from the signature's one trace."""
+        evaluates the original program, from the signature's one trace. ``eager_forward``: the
+        one under an eager vmap or jvp, with the caller's compiler_options."""
         caches = self._caches
-        if caches.nested is None:
+        name = "eager_forward_jit" if eager_forward else "nested"
+        j = getattr(caches, name)
+        if j is None:
             with caches.lock:
-                if caches.nested is None:
-                    wrapper = self._make_wrapper(inlined=True)
-                    caches.nested = jax.jit(wrapper, **self._policy.nested_kwargs)
-        return caches.nested
+                j = getattr(caches, name)
+                if j is None:
+                    policy = self._policy
+                    kw = policy.eager_forward_kwargs if eager_forward else policy.nested_kwargs
+                    j = jax.jit(self._make_wrapper(inlined=True), **(kw or {}))
+                    setattr(caches, name, j)
+        return j
 
     # --- tracing and passes (runs inside jax.jit's trace) -------------------------------------
 
@@ -1566,7 +1569,13 @@ class OptimizedFunction(_CallBase):
         with caches.lock:
             for sub in list(caches.static_leaf_fns.values()):
                 sub.clear_cache()
-            jits = [*caches.jits.values(), caches.eager_ad_jit, caches.nested, caches.original_jit]
+            jits = [
+                *caches.jits.values(),
+                caches.eager_ad_jit,
+                caches.nested,
+                caches.eager_forward_jit,
+                caches.original_jit,
+            ]
             for j in jits:
                 if j is not None:
                     j.clear_cache()
@@ -1576,9 +1585,9 @@ class OptimizedFunction(_CallBase):
     def _forget_nested_traces(self) -> None:
         """Drop the traces jax keeps of calls inside other traces (a report's: see
         ``_reporting.report_tracing``)."""
-        nested = self._caches.nested
-        if nested is not None:
-            nested.clear_cache()
+        for nested in (self._caches.nested, self._caches.eager_forward_jit):
+            if nested is not None:
+                nested.clear_cache()
 
     def _cache_size(self) -> int:
         """As ``jax.jit(fn)._cache_size()``: how many signatures have a compiled program (the
