@@ -167,6 +167,12 @@ def _jit_through_optimize(fun: Any, *, kwargs: dict, options: dict):
     # options act inside the outer program (its donation deletes nothing), so g is traced as
     # the nested call it is, where ``optimize(g)`` would take its options over.
     subject = nested_call(fun) if _compat.is_jit_object(fun) else fun
+    if options.get("donate") is not None and any(
+        kwargs.get(k) not in (None, (), [], "") for k in ("donate_argnums", "donate_argnames")
+    ):
+        # this jit's own donation, as jax.jit donates it, over the patch's policy (optimize
+        # refuses both at once)
+        options = {k: v for k, v in options.items() if k != "donate"}
     try:
         result = optimize(subject, **kwargs, **options)
         refused = None

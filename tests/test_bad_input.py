@@ -81,6 +81,18 @@ ROWS = [
         "Pass positions from 0 to 0, or name the arguments with donate_argnames=",
     ),
     Row(
+        "donate='off' with donate_argnums",
+        lambda: autoopt.optimize(scale, donate="off", donate_argnums=0),
+        ValueError,
+        "Give one: drop donate_argnums to keep donate='off', or drop donate= to donate exactly",
+    ),
+    Row(
+        "donate='auto' with a wrapped jit's donate_argnames",
+        lambda: autoopt.optimize(jax.jit(scale, donate_argnames="x"), donate="auto"),
+        ValueError,
+        "conflicts with donate_arg",
+    ),
+    Row(
         "memory_budget='lots'",
         lambda: autoopt.optimize(scale, memory_budget="lots"),
         ValueError,

@@ -324,6 +324,24 @@ def test_jit_of_a_function_jitted_before_the_patch_nests_it_as_jax_jit_does():
     assert x.is_deleted()
 
 
+@pytest.mark.parametrize("donate", ["auto", "off"])
+def test_a_jits_own_donate_argnums_under_a_patch_with_a_donate_policy_are_jax_jits(donate):
+    """optimize() refuses donate= with donate_argnums; under ``autoopt.patch(donate=...)`` a
+    ``jax.jit(f, donate_argnums=...)`` keeps its own donation, as jax.jit's, and is still
+    optimized (not left to plain jax.jit)."""
+
+    def f(x, y):
+        return x * 2 + y
+
+    with autoopt.patch(donate=donate):
+        g = jax.jit(f, donate_argnums=0)
+        x, y = jnp.arange(4.0), jnp.ones(4)
+        out = g(x, y)
+        assert x.is_deleted() and not y.is_deleted()
+        np.testing.assert_array_equal(out, np.arange(4.0) * 2 + 1)
+        assert isinstance(g, autoopt.OptimizedFunction)
+
+
 def test_the_optimized_function_has_the_functions_attributes_and_a_safe_repr():
     """jax's own jit tests (``test_jit_wrapped_attributes``, ``test_jit_repr_errors``):
     jax.jit copies the function's attributes (``functools.wraps``), and its repr does not

@@ -214,7 +214,21 @@ def _check_callable(fn: Any) -> None:
 
 def _check_argnums(fn: Callable, options: Options) -> None:
     """donate_argnums/static_argnums must name parameters the function has (jax.jit's own
-    message says what is wrong but not what to pass instead)."""
+    message says what is wrong but not what to pass instead); explicit donation and another
+    donate policy than the default are two answers to one question."""
+    explicit = [
+        k
+        for k in ("donate_argnums", "donate_argnames")
+        if options.jit_kwargs.get(k) not in (None, (), [], "")
+    ]
+    if explicit and options.donate != "safe":
+        raise ValueError(
+            f"optimize(donate={options.donate!r}) conflicts with {explicit[0]}="
+            f"{options.jit_kwargs[explicit[0]]!r} (given to optimize or to the jax.jit it "
+            "wraps), which donate those arguments as jax.jit does. Give one: drop "
+            f"{explicit[0]} to keep donate={options.donate!r}, or drop donate= to "
+            "donate exactly those."
+        )
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
