@@ -34,7 +34,7 @@ from typing import Any, NamedTuple, Protocol
 
 import jax
 
-from autoopt import _compat, _trace
+from autoopt import _compat, _multiprocess, _trace
 from autoopt._jit import _plans, _static_leaves
 from autoopt._jit._program import FAST_ENTRIES, Program
 from autoopt._jit._static_leaves import PLAIN_TYPES, split_if_static
@@ -299,6 +299,9 @@ class CallPlan(NamedTuple):
     # With ``static``: the Planned for those leaves, whose plan this is (``jit`` its
     # jax.jit object); None: ``jit`` is that function, and it plans the call itself.
     static_fn: Any = None
+    # With ``copies``: the site's record of its refusals (``Refusals``), which notes the
+    # call's outputs.
+    refusals: Any = None
 
 
 def make_dispatch(of: Planned) -> Callable[..., CallPlan]:
@@ -379,7 +382,16 @@ def make_dispatch(of: Planned) -> Callable[..., CallPlan]:
             if plan is not None:  # 3.
                 return plan
         return plan_donating(  # 4.
-            of, proof.positions, proof.names, args, kwargs, True, site.plans, bases, proof.unpack
+            of,
+            proof.positions,
+            proof.names,
+            args,
+            kwargs,
+            True,
+            site.plans,
+            bases,
+            proof.unpack,
+            site=site if not shift else None,
         )
 
     def auto(site, args: tuple, kwargs: dict, shift: int = 0) -> CallPlan:
@@ -418,12 +430,14 @@ def plan_donating(
     fast: dict | None = None,
     bases: tuple | None = None,
     unpack: tuple | None = None,
+    site: Any = None,
 ) -> CallPlan:
     """The general donating plan: every check, then the jit object for what may be donated.
 
     Most of its cost is the reference walk and the call-side signature. With ``fast`` (the
     site's cache), the decision for this signature is recorded there, so the next call with the
-    same signature takes the fast path.
+    same signature takes the fast path. With ``site``, a site whose check keeps refusing the
+    same arguments runs an executable of its own that does not donate them (``narrowed``).
     """
     policy = of._policy
     if _compat.jit_disabled() or _compat.debug_nans_enabled():
@@ -463,10 +477,94 @@ def plan_donating(
                 )
         if fast is not None and (not kwargs or policy.has_static) and len(fast) < FAST_ENTRIES:
             remember_fast(of, fast, program, positions, args, unpack, check_refs, kwargs)
+        refusals = None
+        if site is not None and fast is not None and any(p not in pos for p in d[0]):
+            refusals = _refused(site, args, kwargs, policy, tuple(p for p in d[0] if p not in pos))
+            if refusals is not None and refusals.count >= REFUSALS_BEFORE_NARROWING:
+                return narrowed(of, fast, program, d, pos, args)
     except Exception as e:  # noqa: BLE001 - donation is an optimization; never break the call
         of._fall_back(e, "donation")
-        d, pos, nms = program.decide((positions, names)), (), ()
-    return plan_for(of, program, d, pos, nms, args)
+        d, pos, nms, refusals = program.decide((positions, names)), (), (), None
+    plan = plan_for(of, program, d, pos, nms, args)
+    return plan._replace(refusals=refusals) if refusals is not None and plan.copies else plan
+
+
+# A rebinding call whose run-time check refuses an argument on every call (it is held elsewhere
+# too: by the carry tuple a helper unpacked, by a list each step appends to) would pass a device
+# copy of it on every call to the signature's executable, which donates it (chosen by the
+# first call's proof), where jax.jit copies nothing. After this many refused calls in a row
+# at one site, the site runs an executable donating only what its calls do donate: one more
+# compile, then no copies. "In a row": each refused argument is an output of the site's
+# previous refused call (a call that donated in between made new arrays); a call that keeps
+# its start value once (``x0 = x`` before a loop) is refused once.
+REFUSALS_BEFORE_NARROWING = 4
+
+
+class Refusals:
+    """A site's refused calls in a row, for one signature and one set of refused positions
+    (``Site.refusals``): how many, and the identities of the last one's outputs (ids only: a
+    reference or a weak reference would itself keep the next call from donating them)."""
+
+    __slots__ = ("positions", "count", "outputs")
+
+    def __init__(self, positions: tuple):
+        self.positions = positions
+        self.count = 1
+        self.outputs: frozenset = frozenset()
+
+    def saw(self, out: Any) -> None:
+        """(After the refused call ran.) Note its outputs."""
+        self.outputs = frozenset(map(id, jax.tree_util.tree_leaves(out)))
+
+
+def _refused(
+    site: Any, args: tuple, kwargs: dict, policy: Policy, positions: tuple
+) -> Refusals | None:
+    """The site's ``Refusals`` of this call's signature, counting this call (refused at
+    ``positions``), or None where a site never narrows (keyword or static arguments, a
+    jax.distributed job: its processes must run one executable)."""
+    if kwargs or policy.has_static or _multiprocess.several():
+        return None
+    found = _plan_key(policy, args, kwargs)
+    if found is None:
+        return None
+    sig = found[0]
+    last = site.refusals.get(sig)
+    leaves = [x for p in positions for x in jax.tree_util.tree_leaves(args[p])]
+    if (
+        last is not None
+        and last.positions == positions
+        and all(id(x) in last.outputs for x in leaves)
+    ):
+        last.count += 1
+        return last
+    if len(site.refusals) >= FAST_ENTRIES:
+        site.refusals.clear()
+    site.refusals[sig] = fresh = Refusals(positions)
+    return fresh
+
+
+def narrowed(
+    of: Planned, fast: dict, program: Program, d: tuple, pos: tuple, args: tuple
+) -> CallPlan:
+    """The plan of a site whose calls keep refusing to donate what the executable donates
+    (``REFUSALS_BEFORE_NARROWING``): the executable donating ``pos`` only, also for the site's
+    next calls of this signature (``fast``), which check ``pos`` as any donating plan does."""
+    narrow = (tuple(p for p in d[0] if p in pos), ())
+    plan = plan_for(of, program, narrow, pos, (), args)
+    found = _plan_key(of._policy, args, {})
+    if found is not None and not program.lost_updates:
+        sig, kind, host = found
+        placer = of._placer if host or placer_needed(of, program) else None
+        jitted = of._jit_for(*narrow) if narrow[0] else of._plain
+        fast[sig] = _with_twin(
+            of,
+            program,
+            narrow,
+            jitted,
+            lambda jit: _plans.donating(jit, pos, placer, program.const_ids, True, kind),
+        )
+    return plan
 
 
 def _without_self_keeping(

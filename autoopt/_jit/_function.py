@@ -1173,6 +1173,8 @@ class OptimizedFunction(_CallBase):
         ``*args`` built; ``bases``: its reference-count baselines, for a decorated method's."""
         checked = self._refuse_held_lost_update(plan, args, kwargs, bases)
         out = self._execute(plan, args, kwargs)
+        if plan.refusals is not None:
+            plan.refusals.saw(out)
         if not checked:  # a signature's first call may learn of a dropped update from its trace
             self._refuse_held_lost_update(plan, args, kwargs, bases)
         return out

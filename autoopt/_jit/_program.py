@@ -311,12 +311,14 @@ class Site:
     that donates nothing keeps the plan of each signature whose call runs its executable as it
     is (no copies)."""
 
-    __slots__ = ("proof", "donates", "plans", "_withheld")
+    __slots__ = ("proof", "donates", "plans", "refusals", "_withheld")
 
     def __init__(self, proof: callsite.CallSiteProof, plans_ok: bool):
         self.proof = proof
         self.donates = proof.any  # read on every call: an attribute, not the property
         self.plans: dict | None = {} if plans_ok or not self.donates else None
+        # signature -> the run-time check's refusals at this site (``_dispatch.Refusals``)
+        self.refusals: dict = {}
         self._withheld: Site | None = None
 
     def withheld(self) -> Site:

@@ -1,0 +1,122 @@
+"""A rebinding call site whose run-time check keeps refusing an argument (held elsewhere too:
+the carry tuple a helper unpacked, a list each step appends to) runs, after a few refused calls
+in a row, an executable that does not donate it (``_dispatch.REFUSALS_BEFORE_NARROWING``),
+instead of passing a device copy of it on every call to the executable the first call's proof
+chose. Found by a new user's try: a helper-unpacked carry ran 2.5x jax.jit's step.
+
+The properties: the numbers are jax.jit's, nothing the caller holds is deleted, what can still
+be donated is, and a site refused now and then (a checkpoint kept every few steps) keeps its
+executable."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autoopt
+
+pytestmark = pytest.mark.filterwarnings("error:Some donated buffers")
+
+ROWS = 64
+
+
+def _step(x, buf, i):
+    x = x + 1.0
+    return x, buf.at[i].set(x)
+
+
+def _advance(f, carry, i):
+    x, buf = carry  # the caller's tuple still holds both: nothing here can be donated
+    x, buf = f(x, buf, i)
+    return x, buf
+
+
+def _loop(f, pattern: str, n: int = 40):
+    """``n`` steps of ``pattern``; returns the final values, whether ``buf`` was updated in
+    place at each step (its buffer kept), and everything kept along the way."""
+    x, buf = jnp.zeros(8) + 0, jnp.zeros((ROWS, 8)) + 0
+    kept: list = []
+    in_place = []
+    for i in range(n):
+        if pattern == "xs kept":
+            kept.append(x)
+        elif pattern == "checkpoint" and i % 8 == 3:
+            kept.append(buf)
+        before = buf.unsafe_buffer_pointer()
+        if pattern == "helper":
+            x, buf = _advance(f, (x, buf), i % ROWS)
+        else:
+            x, buf = f(x, buf, i % ROWS)
+        in_place.append(buf.unsafe_buffer_pointer() == before)
+    return (x, buf), in_place, kept
+
+
+@pytest.mark.parametrize("pattern", ["helper", "xs kept", "checkpoint"])
+def test_a_site_refused_again_and_again_gives_jax_jits_numbers_and_loses_nothing(pattern):
+    (x, buf), _, kept = _loop(jax.jit(_step), pattern)
+    (x2, buf2), _, kept2 = _loop(autoopt.optimize(_step), pattern)
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(x2))
+    np.testing.assert_array_equal(np.asarray(buf), np.asarray(buf2))
+    assert len(kept) == len(kept2)
+    for a, b in zip(kept, kept2):
+        assert not b.is_deleted()
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _in_a_fresh_process(pattern: str) -> dict:
+    """Compiles of a loop of ``pattern`` run twice in a fresh interpreter (where no copy was
+    compiled before), and whether ``buf`` was updated in place at each step after the first."""
+    code = f"""
+import json
+import autoopt
+from benchmarks._harness import Compiles
+from tests.test_refused_sites import _loop, _step
+
+f = autoopt.optimize(_step)
+with Compiles("_copy_all") as copies, Compiles("_step") as steps:
+    _, in_place, _ = _loop(f, {pattern!r})
+with Compiles() as again:
+    _loop(f, {pattern!r})
+print(json.dumps(dict(copies=copies.own, steps=steps.own, again=again.total,
+                      in_place=all(in_place[1:]))))
+"""
+    root = Path(__file__).parents[1]
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_site_refused_in_a_row_stops_copying_and_still_donates_what_it_can():
+    """``kept.append(x)`` each step: ``x`` is refused on every call, ``buf`` is donated; after
+    the first few calls no copy is made (none compiled: a copy is compiled after 16 device_put
+    copies) and ``buf`` is still updated in place."""
+    got = _in_a_fresh_process("xs kept")
+    assert got == dict(copies=0, steps=2, again=0, in_place=True), got
+
+
+def test_a_helper_unpacked_carry_runs_one_more_executable_and_no_copies():
+    got = _in_a_fresh_process("helper")
+    assert got == dict(copies=0, steps=2, again=0, in_place=False), got
+
+
+def test_a_site_refused_now_and_then_keeps_donating_in_between():
+    """A checkpoint kept every 8 steps: the step after each is refused (one copy), the others
+    donate; refusals that are not in a row never narrow the site."""
+    _, in_place, _ = _loop(autoopt.optimize(_step), "checkpoint", n=64)
+    refused = [i for i, same in enumerate(in_place) if not same]
+    assert refused == [i for i in range(64) if i % 8 == 3], refused
