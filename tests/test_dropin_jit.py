@@ -92,6 +92,26 @@ def test_compiler_options_apply_under_an_eager_vmap_or_jvp_as_jax_jits_do(option
     assert _outcome(jax.jit(jax.grad(ours)), x) == _outcome(jax.jit(jax.grad(f)), x)
 
 
+@pytest.mark.parametrize("body", ["sin", "row set"])
+def test_a_shape_polymorphic_export_is_jax_jits_without_a_fallback(body):
+    """jax.export with a symbolic dimension (and ``lower`` of one): the passes read concrete
+    sizes, so such a program runs none (it fell back to jax.jit with a warning, or raised under
+    fallback="raise")."""
+    from jax import export
+
+    def f(a):
+        return jnp.sin(a) * 2 if body == "sin" else a.at[0].set(1.0) * 2
+
+    spec = jax.ShapeDtypeStruct(export.symbolic_shape("b"), jnp.float32)
+    ours = autoopt.optimize(f, fallback="raise")
+    exported = export.export(ours)(spec)
+    theirs = export.export(jax.jit(f))(spec)
+    assert ours.lower(spec).as_text() == jax.jit(f).lower(spec).as_text()
+    for n in (1, 5):
+        x = jnp.arange(n, dtype=jnp.float32)
+        np.testing.assert_array_equal(exported.call(x), theirs.call(x))
+
+
 def test_options_given_both_ways_merge_when_they_agree():
     fast = autoopt.optimize(
         jax.jit(_fn, static_argnums=2, compiler_options={"xla_cpu_enable_fast_math": False}),

@@ -284,7 +284,13 @@ def make_options(**kwargs: Any) -> Options:
 
 
 def run_pipeline(closed: ClosedJaxpr, ctx: PassContext) -> PipelineResult:
-    """Run every enabled pass in order. Raises PassError (never a bare exception) on failure."""
+    """Run every enabled pass in order. Raises PassError (never a bare exception) on failure.
+
+    A shape-polymorphic program (``jax.export`` with ``symbolic_shape``, a ``lower`` of one)
+    runs no pass: their analyses (sizes, bounds, memory) read concrete dimensions, and jax.jit
+    lowers such a program as it is."""
+    if _symbolic(closed):
+        return PipelineResult(closed, closed, (), ())
     done: list[str] = []
     results: list[tuple[str, PassResult]] = []
     findings: list[Finding] = []
@@ -311,6 +317,15 @@ def run_pipeline(closed: ClosedJaxpr, ctx: PassContext) -> PipelineResult:
             current = result.jaxpr
             log.debug("pass %s changed the program", name)
     return PipelineResult(closed, current, tuple(findings), tuple(results))
+
+
+def _symbolic(closed: ClosedJaxpr) -> bool:
+    """Whether an input or output of the program has a symbolic dimension."""
+    return any(
+        not isinstance(d, int)
+        for a in (*closed.in_avals, *closed.out_avals)
+        for d in getattr(a, "shape", ())
+    )
 
 
 def value_specialized(
