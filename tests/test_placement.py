@@ -12,6 +12,7 @@ import gc
 import inspect
 import logging
 import time
+import types
 import weakref
 
 import jax
@@ -25,6 +26,7 @@ import autoopt
 from autoopt.passes.placement import _host_arrays, _host_constants, _packing
 from autoopt.passes.placement import _placer as _placement
 from autoopt.testing import assert_trees_equivalent
+from benchmarks._harness import Compiles
 
 
 def _feats(n=12, shape=(8, 8), dtype=np.float32, seed=0):
@@ -227,6 +229,7 @@ def test_device_only_calls_are_scanned_only_while_watching_then_sampled():
 def _tune_with(monkeypatch, opt, args, jit_s, pack_s):
     """Run ``opt`` through its tuning calls with fake timings (seconds a call a strategy),
     checking every call's values against jax.jit."""
+    monkeypatch.setattr(_packing, "_TUNE_AFTER_FIRST_CALLS", 0)  # tuned from the first call
 
     def fake(trial, out, t0):
         layout, strategy, pos = trial
@@ -263,6 +266,7 @@ def test_a_pack_decision_is_timed_again_and_dropped_when_the_loop_measures_it_sl
     # The decision is the loop's own: after _RETUNE_AFTER packed calls both ways are timed
     # again, and packing that now loses goes back to jit's own transfers (issue 30).
     monkeypatch.setattr(_packing, "_RETUNE_AFTER", 8)
+    monkeypatch.setattr(_packing, "_TUNE_AFTER_FIRST_CALLS", 0)
     w, feats = jnp.eye(8), _feats(n=16)
     opt = autoopt.optimize(_step, donate="off", fallback="raise")
     timings = {"jit": 1.0, "pack": 0.5}
@@ -286,7 +290,8 @@ def test_a_pack_decision_is_timed_again_and_dropped_when_the_loop_measures_it_sl
     assert layout.mode == "jit"
 
 
-def test_auto_tuning_on_real_timings_settles_and_keeps_every_value():
+def test_auto_tuning_on_real_timings_settles_and_keeps_every_value(monkeypatch):
+    monkeypatch.setattr(_packing, "_TUNE_AFTER_FIRST_CALLS", 0)
     w, feats = jnp.eye(8), _feats(n=8)
     opt = autoopt.optimize(_step, donate="off", fallback="raise")
     ref = jax.jit(_step)(w, feats)
@@ -295,6 +300,36 @@ def test_auto_tuning_on_real_timings_settles_and_keeps_every_value():
     (layout,) = opt.inspect(w, feats).placement.packed_layouts
     assert layout.mode in ("jit", "pack")
     assert all(len(t) == _packing._TUNE_SAMPLES + 1 for t in layout.timings.values())
+
+
+def test_auto_tunes_only_once_the_loop_ran_ten_times_its_first_call(monkeypatch):
+    """The packed program's compile is paid back over many calls: a loop shorter than ten of
+    its first calls runs as under jax.jit, compiling once (found by a new user's try: a
+    200-step loop of 9 NumPy columns took twice jax.jit's time, half of it that compile)."""
+    clock = [100.0]
+    fake_time = types.SimpleNamespace(perf_counter=lambda: clock[0])
+    monkeypatch.setattr(_packing, "time", fake_time)
+    monkeypatch.setattr(_placement, "time", fake_time)
+
+    def step(w, feats):
+        clock[0] += 2.0  # the first call (its trace and compile) takes 2 s
+        return _step(w, feats)
+
+    w, feats = jnp.eye(8), _feats(n=16)
+    opt = autoopt.optimize(step, donate="off", fallback="raise")
+    ref = jax.jit(_step)(w, feats)
+    with Compiles("step") as compiles:
+        assert_trees_equivalent(ref, opt(w, feats))
+        for _ in range(50):
+            assert_trees_equivalent(ref, opt(w, feats))
+            clock[0] += 0.3  # 15 s of calls: less than 10 first calls
+    (layout,) = opt.inspect(w, feats).placement.packed_layouts
+    assert (layout.trials, compiles.own) == (0, 1)
+    clock[0] += 10.0  # 25 s: the tuning starts at a call the lean path samples
+    with Compiles("step") as compiles:
+        for _ in range(2 * (_packing._TUNE_SAMPLES + 1) * _packing._TUNE_RUN + 64):
+            assert_trees_equivalent(ref, opt(w, feats))
+    assert layout.decisions and compiles.own == 1  # the packed program
 
 
 def test_auto_never_packs_a_few_leaves_and_never_tunes_them():

@@ -117,6 +117,14 @@ _TUNE_MARGIN = 0.9
 # costs 2 * (_TUNE_SAMPLES + 1) * _TUNE_RUN calls, half of them fed the other way. A "jit"
 # decision is not re-timed: its calls are jax.jit's own (the placer goes lean).
 _RETUNE_AFTER = 1024
+# The first tuning compiles the program a second time (fed packed), which a loop only pays back
+# over many calls: it starts once the layout's calls have run this many times as long as its
+# first call took (that call's compile, most often), so the extra compile costs at most about
+# a tenth of the loop's time so far, and a short loop runs as under jax.jit, compiling once.
+# (A first call that compiled nothing counts as _FIRST_CALL_MIN_S.)
+_TUNE_AFTER_FIRST_CALLS = 10.0
+_FIRST_CALL_MIN_S = 0.05
+FIRST_CALL = -2  # ``Layout.strategy``'s position of the call it times as the first
 
 
 class Layout:
@@ -149,6 +157,8 @@ class Layout:
         "packed_calls",
         "retune_after",
         "decisions",
+        "born",
+        "first_s",
     )
 
     def __init__(
@@ -174,6 +184,8 @@ class Layout:
         self.packed_calls = 0  # packed calls since the last "pack" decision
         self.retune_after = _RETUNE_AFTER
         self.decisions: list[str] = []  # every tuning's outcome, in order
+        self.born = 0.0  # when its first call began
+        self.first_s: float | None = None  # how long that call took
 
     def buffer(self, g: int) -> np.ndarray:
         """A host buffer for group ``g`` that no computation is reading (see ``Pool``)."""
@@ -190,6 +202,11 @@ class Layout:
                 mode = "tune"
         if mode != "tune":
             return mode, -1
+        if not self.decisions and _TUNE_AFTER_FIRST_CALLS > 0:
+            if self.first_s is None:
+                return "jit", FIRST_CALL  # timed: ``first_call``
+            if time.perf_counter() - self.born < _TUNE_AFTER_FIRST_CALLS * self.first_s:
+                return "jit", -1
         n = self.trials
         self.trials = n + 1
         run, pos = divmod(n, _TUNE_RUN)
@@ -197,6 +214,12 @@ class Layout:
             self.mode = "jit"
             return "jit", -1
         return ("jit" if run % 2 == 0 else "pack"), pos
+
+    def first_call(self, t0: float) -> None:
+        """(After the layout's first call, begun at ``t0``.) How long it took: the tuning
+        waits for ``_TUNE_AFTER_FIRST_CALLS`` of it."""
+        self.born = t0
+        self.first_s = max(time.perf_counter() - t0, _FIRST_CALL_MIN_S)
 
     def retune(self) -> None:
         """Time both ways again (a "pack" decision's re-check, ``_RETUNE_AFTER``)."""
@@ -232,6 +255,9 @@ def time_trial(trial, out, t0: float) -> None:
     run's wall time a call on the layout. A run with a call under a transformation (traced
     outputs) is not recorded."""
     layout, strategy, pos = trial
+    if pos == FIRST_CALL:
+        layout.first_call(t0)
+        return
     leaves = tree_util.tree_leaves(out)
     if pos == 0:
         layout.run, layout.run_t0, layout.run_ok = [], t0, True

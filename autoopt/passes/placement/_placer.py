@@ -512,7 +512,7 @@ class Placer:
         strategy = "jit"
         if layout is not None:
             strategy, pos = layout.strategy()
-            if pos >= 0:
+            if pos != -1:
                 trial = (layout, strategy, pos)
         self.stats.calls_scanned += 1
         packing = layout if strategy == "pack" else None  # the layout this call packs into
@@ -532,6 +532,8 @@ class Placer:
                 self._active = False  # nothing to place here: back to the lean path
                 self._calls = _WATCH_FIRST
                 return None
+            if trial is not None:  # (the tuning's first call may be one the lean path sampled)
+                self._active, self._idle = True, 0
             return None if trial is None else (None, None, trial)
         new_args, new_kwargs = _rebuild(
             feed.args_pack if strategy == "pack" else feed.args_jit,
@@ -599,7 +601,7 @@ class Placer:
                 implicit.extend(left)
             if layout is not None:
                 strategy, pos = layout.strategy()
-                if pos >= 0:
+                if pos != -1:
                     trial = (layout, strategy, pos)
                 if strategy != "pack":
                     implicit.extend(pack)
