@@ -459,23 +459,17 @@ def eager_autodiff(tree) -> bool:
     return found
 
 
-def eager_forward(tree) -> bool:
-    """Whether ``tree`` holds tracers of an eager ``vmap`` or ``jvp`` (jax's batching and JVP
-    tracers, over concrete arrays) and nothing else traced: a transformation jax evaluates at
-    once, compiling a jit called under it on its own, with its compiler_options. Reads ``.val``
-    of batching tracers and ``.primal`` of JVP tracers (jax._src.interpreters)."""
+def eager_forward() -> bool:
+    """Whether the current trace is an eager ``vmap`` or ``jvp`` (jax's batching and JVP traces,
+    nested, over the evaluation trace): a transformation jax evaluates at once, compiling a
+    jit called under it on its own, with its compiler_options, whatever its arguments.
+    Reads ``jax._src.core.trace_ctx`` and each trace's ``parent_trace``."""
+    t = _core.trace_ctx.trace
     found = False
-    for leaf in jax.tree_util.tree_leaves(tree):
-        x = leaf
-        while isinstance(x, Tracer):
-            if isinstance(x, _batching.BatchTracer):
-                x = x.val
-            elif isinstance(x, _ad.JVPTracer):
-                x = x.primal
-            else:
-                return False
-            found = True
-    return found
+    while isinstance(t, _batching.BatchTrace | _ad.JVPTrace):
+        t = getattr(t, "parent_trace", None)
+        found = True
+    return found and isinstance(t, _core.EvalTrace)
 
 
 def is_jit_object(fn: Any) -> bool:

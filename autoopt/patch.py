@@ -161,14 +161,14 @@ def _jit_through_optimize(fun: Any, *, kwargs: dict, options: dict):
             _state.row_of[new] = row
             return new
     plain = real_jit(fun, **kwargs)  # jax.jit's own errors for bad input, unchanged
-    from autoopt._jit import nested_call, optimize
+    from autoopt._jit import argnums_given, nested_call, optimize
 
     # ``jax.jit(g)`` of a function jax.jit wrapped before the patch began: under jax.jit, g's
     # options act inside the outer program (its donation deletes nothing), so g is traced as
     # the nested call it is, where ``optimize(g)`` would take its options over.
     subject = nested_call(fun) if _compat.is_jit_object(fun) else fun
     if options.get("donate") is not None and any(
-        kwargs.get(k) not in (None, (), [], "") for k in ("donate_argnums", "donate_argnames")
+        argnums_given(kwargs.get(k)) for k in ("donate_argnums", "donate_argnames")
     ):
         # this jit's own donation, as jax.jit donates it, over the patch's policy (optimize
         # refuses both at once)
@@ -687,6 +687,8 @@ def _not_applied(row: FunctionSummary) -> list[dict]:
 
 
 def _not_applied_of(fn: Any, out: dict) -> None:
+    from autoopt._jit import REFUSALS_BEFORE_NARROWING
+
     caches = getattr(fn, "_caches", None)
     if caches is None:
         return
@@ -726,6 +728,19 @@ def _not_applied_of(fn: Any, out: dict) -> None:
             else:
                 what, reason = (f.location or ""), f.message
             out.setdefault((f.kind, what, reason), {"kind": f.kind, "what": what, "reason": reason})
+    for site in list(caches.sites.values()):
+        for refused in list(getattr(site, "refusals", {}).values()):
+            if refused.count < REFUSALS_BEFORE_NARROWING:
+                continue
+            what = "argument " + ", ".join(str(p) for p in refused.positions)
+            reason = (
+                f"{site.proof.location}: refused at run time on "
+                f"{REFUSALS_BEFORE_NARROWING}+ calls in a row (what it passes is also held "
+                "elsewhere: a container it was unpacked from, a list it was appended to), so "
+                "this site runs an executable that does not donate it (no copies)"
+            )
+            entry = {"kind": "donate", "what": what, "reason": reason}
+            out.setdefault(("donate", what, reason), entry)
     for sub in subs:
         _not_applied_of(sub, out)
 

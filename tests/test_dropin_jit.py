@@ -86,6 +86,7 @@ def test_compiler_options_apply_under_an_eager_vmap_or_jvp_as_jax_jits_do(option
     for transform, arg in [
         (jax.vmap, x[:, None]),
         (lambda g: lambda a: jax.jvp(g, (a,), (a,))[1], x),
+        (lambda g: lambda s: jax.vmap(lambda t: g(x) * t)(s), jnp.ones(2)),  # unbatched call
         (lambda g: g, x),
     ]:
         assert _outcome(transform(ours), arg) == _outcome(transform(theirs), arg)

@@ -299,9 +299,6 @@ class CallPlan(NamedTuple):
     # With ``static``: the Planned for those leaves, whose plan this is (``jit`` its
     # jax.jit object); None: ``jit`` is that function, and it plans the call itself.
     static_fn: Any = None
-    # With ``copies``: the site's record of its refusals (``Refusals``), which notes the
-    # call's outputs.
-    refusals: Any = None
 
 
 def make_dispatch(of: Planned) -> Callable[..., CallPlan]:
@@ -344,7 +341,7 @@ def make_dispatch(of: Planned) -> Callable[..., CallPlan]:
             (args, kwargs)
         ):
             return CallPlan(of._eager_ad_jit())
-        if policy.eager_forward_kwargs is not None and _compat.eager_forward((args, kwargs)):
+        if policy.eager_forward_kwargs is not None and _compat.eager_forward():
             return CallPlan(of._nested_jit(eager_forward=True))
         return CallPlan(of._nested_jit())
 
@@ -477,71 +474,69 @@ def plan_donating(
                 )
         if fast is not None and (not kwargs or policy.has_static) and len(fast) < FAST_ENTRIES:
             remember_fast(of, fast, program, positions, args, unpack, check_refs, kwargs)
-        refusals = None
-        if site is not None and fast is not None and any(p not in pos for p in d[0]):
-            refusals = _refused(site, args, kwargs, policy, tuple(p for p in d[0] if p not in pos))
-            if refusals is not None and refusals.count >= REFUSALS_BEFORE_NARROWING:
+        refused = tuple(p for p in d[0] if p not in pos)
+        if site is not None and fast is not None and (site.refusals or refused):
+            if _count_refusal(site, fast, args, kwargs, policy, refused) >= (
+                REFUSALS_BEFORE_NARROWING
+            ):
                 return narrowed(of, fast, program, d, pos, args)
     except Exception as e:  # noqa: BLE001 - donation is an optimization; never break the call
         of._fall_back(e, "donation")
-        d, pos, nms, refusals = program.decide((positions, names)), (), (), None
-    plan = plan_for(of, program, d, pos, nms, args)
-    return plan._replace(refusals=refusals) if refusals is not None and plan.copies else plan
+        d, pos, nms = program.decide((positions, names)), (), ()
+    return plan_for(of, program, d, pos, nms, args)
 
 
 # A rebinding call whose run-time check refuses an argument on every call (it is held elsewhere
 # too: by the carry tuple a helper unpacked, by a list each step appends to) would pass a device
 # copy of it on every call to the signature's executable, which donates it (chosen by the
-# first call's proof), where jax.jit copies nothing. After this many refused calls in a row
-# at one site, the site runs an executable donating only what its calls do donate: one more
-# compile, then no copies. "In a row": each refused argument is an output of the site's
-# previous refused call (a call that donated in between made new arrays); a call that keeps
-# its start value once (``x0 = x`` before a loop) is refused once.
-REFUSALS_BEFORE_NARROWING = 4
+# first call's proof), where jax.jit copies nothing. After this many refused calls in a row at
+# one site, the site runs an executable donating only what its calls do donate: one more
+# compile, then no copies. "In a row" is exact: after a refusal the site's next call takes the
+# general path (its cached plan is dropped), where a call that donates ends the count; a call
+# that keeps its start value once (``x0 = x`` before a loop), or a checkpoint kept every few
+# steps, never narrows. A narrowed site checks again (the general path) one call in
+# _NARROWED_RECHECK: once its calls can donate again (a warm-up that kept its states is over),
+# it runs the signature's executable again.
+REFUSALS_BEFORE_NARROWING = 8
+_NARROWED_RECHECK = 64
 
 
 class Refusals:
     """A site's refused calls in a row, for one signature and one set of refused positions
-    (``Site.refusals``): how many, and the identities of the last one's outputs (ids only: a
-    reference or a weak reference would itself keep the next call from donating them)."""
+    (``Site.refusals``)."""
 
-    __slots__ = ("positions", "count", "outputs")
+    __slots__ = ("positions", "count")
 
     def __init__(self, positions: tuple):
         self.positions = positions
-        self.count = 1
-        self.outputs: frozenset = frozenset()
-
-    def saw(self, out: Any) -> None:
-        """(After the refused call ran.) Note its outputs."""
-        self.outputs = frozenset(map(id, jax.tree_util.tree_leaves(out)))
+        self.count = 0
 
 
-def _refused(
-    site: Any, args: tuple, kwargs: dict, policy: Policy, positions: tuple
-) -> Refusals | None:
-    """The site's ``Refusals`` of this call's signature, counting this call (refused at
-    ``positions``), or None where a site never narrows (keyword or static arguments, a
-    jax.distributed job: its processes must run one executable)."""
+def _count_refusal(
+    site: Any, fast: dict, args: tuple, kwargs: dict, policy: Policy, refused: tuple
+) -> int:
+    """(A general-path call at a donating ``site``.) How many calls in a row, this one included,
+    refused ``refused`` (0 when this call refused nothing: the count ends). A refused call drops
+    the site's cached plan of its signature, so that its next call comes here too. Sites with
+    keyword or static arguments, non-flat signatures and the processes of a jax.distributed job
+    (which must run one executable) never count."""
     if kwargs or policy.has_static or _multiprocess.several():
-        return None
+        return 0
     found = _plan_key(policy, args, kwargs)
-    if found is None:
-        return None
+    if found is None or found[1] != "flat":
+        return 0
     sig = found[0]
+    if not refused:
+        site.refusals.pop(sig, None)
+        return 0
     last = site.refusals.get(sig)
-    leaves = [x for p in positions for x in jax.tree_util.tree_leaves(args[p])]
-    if (
-        last is not None
-        and last.positions == positions
-        and all(id(x) in last.outputs for x in leaves)
-    ):
-        last.count += 1
-        return last
-    if len(site.refusals) >= FAST_ENTRIES:
-        site.refusals.clear()
-    site.refusals[sig] = fresh = Refusals(positions)
-    return fresh
+    if last is None or last.positions != refused:
+        if len(site.refusals) >= FAST_ENTRIES:
+            site.refusals.clear()
+        last = site.refusals[sig] = Refusals(refused)
+    last.count += 1
+    fast.pop(sig, None)
+    return last.count
 
 
 def narrowed(
@@ -549,7 +544,8 @@ def narrowed(
 ) -> CallPlan:
     """The plan of a site whose calls keep refusing to donate what the executable donates
     (``REFUSALS_BEFORE_NARROWING``): the executable donating ``pos`` only, also for the site's
-    next calls of this signature (``fast``), which check ``pos`` as any donating plan does."""
+    next calls of this signature (``fast``), which check ``pos`` as any donating plan does and
+    go to the general path one call in ``_NARROWED_RECHECK``."""
     narrow = (tuple(p for p in d[0] if p in pos), ())
     plan = plan_for(of, program, narrow, pos, (), args)
     found = _plan_key(of._policy, args, {})
@@ -557,12 +553,15 @@ def narrowed(
         sig, kind, host = found
         placer = of._placer if host or placer_needed(of, program) else None
         jitted = of._jit_for(*narrow) if narrow[0] else of._plain
-        fast[sig] = _with_twin(
-            of,
-            program,
-            narrow,
-            jitted,
-            lambda jit: _plans.donating(jit, pos, placer, program.const_ids, True, kind),
+        fast[sig] = _plans.rechecking(
+            _with_twin(
+                of,
+                program,
+                narrow,
+                jitted,
+                lambda jit: _plans.donating(jit, pos, placer, program.const_ids, True, kind),
+            ),
+            _NARROWED_RECHECK,
         )
     return plan
 

@@ -212,15 +212,23 @@ def _check_callable(fn: Any) -> None:
         )
 
 
+def argnums_given(argnums: Any) -> bool:
+    """Whether a ``donate_argnums``/``donate_argnames`` value names any argument (an int, a
+    name, or a non-empty collection of them)."""
+    if argnums is None or isinstance(argnums, int | str):
+        return argnums is not None and argnums != ""
+    try:
+        return len(tuple(argnums)) > 0
+    except TypeError:
+        return True  # not a collection: jax.jit's own check says what is wrong
+
+
 def _check_argnums(fn: Callable, options: Options) -> None:
     """donate_argnums/static_argnums must name parameters the function has (jax.jit's own
     message says what is wrong but not what to pass instead); explicit donation and another
     donate policy than the default are two answers to one question."""
-    explicit = [
-        k
-        for k in ("donate_argnums", "donate_argnames")
-        if options.jit_kwargs.get(k) not in (None, (), [], "")
-    ]
+    kw = options.jit_kwargs
+    explicit = [k for k in ("donate_argnums", "donate_argnames") if argnums_given(kw.get(k))]
     if explicit and options.donate != "safe":
         raise ValueError(
             f"optimize(donate={options.donate!r}) conflicts with {explicit[0]}="
@@ -1122,6 +1130,8 @@ class OptimizedFunction(_CallBase):
                             a = None
                             break
                     else:
+                        if not self._job_settled:  # (the C path's plain plan: see _planned)
+                            self._configure_call_path()
                         return self._plain_run(args)
             return self._planned(site, args, kwargs)
         except FitCheck as e:
@@ -1173,8 +1183,6 @@ class OptimizedFunction(_CallBase):
         ``*args`` built; ``bases``: its reference-count baselines, for a decorated method's."""
         checked = self._refuse_held_lost_update(plan, args, kwargs, bases)
         out = self._execute(plan, args, kwargs)
-        if plan.refusals is not None:
-            plan.refusals.saw(out)
         if not checked:  # a signature's first call may learn of a dropped update from its trace
             self._refuse_held_lost_update(plan, args, kwargs, bases)
         return out

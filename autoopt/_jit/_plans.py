@@ -187,6 +187,20 @@ def _runner(jit: Any, placer: Any) -> Callable:
     return run
 
 
+def rechecking(plan: Callable, every: int) -> Callable:
+    """``plan`` for ``every - 1`` calls, then ``MISS`` until the general path replaces it (a
+    miss is asked again by the Python path after the C path's: it must not run then)."""
+    calls = [0]
+
+    def run(args):
+        if calls[0] >= every - 1:
+            return MISS
+        calls[0] += 1
+        return plan(args)
+
+    return run
+
+
 def kept(jit: Any, placer: Any) -> Callable:
     """The plan of a signature the call donates nothing of: the executable, no check."""
     return _runner(jit, placer)
