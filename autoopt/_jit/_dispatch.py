@@ -491,8 +491,8 @@ def plan_donating(
 # copy of it on every call to the signature's executable, which donates it (chosen by the
 # first call's proof), where jax.jit copies nothing. After this many refused calls in a row at
 # one site, the site runs an executable donating only what its calls do donate: one more
-# compile, then no copies. "In a row" is exact: after a refusal the site's next call takes the
-# general path (its cached plan is dropped), where a call that donates ends the count; a call
+# compile, then no copies. "In a row" is exact: after a refusal the site's next call is
+# observed (a call that donates ends the count, one refused comes to the general path); a call
 # that keeps its start value once (``x0 = x`` before a loop), or a checkpoint kept every few
 # steps, never narrows. A narrowed site checks again (the general path) one call in
 # _NARROWED_RECHECK: once its calls can donate again (a warm-up that kept its states is over),
@@ -516,8 +516,9 @@ def _count_refusal(
     site: Any, fast: dict, args: tuple, kwargs: dict, policy: Policy, refused: tuple
 ) -> int:
     """(A general-path call at a donating ``site``.) How many calls in a row, this one included,
-    refused ``refused`` (0 when this call refused nothing: the count ends). A refused call drops
-    the site's cached plan of its signature, so that its next call comes here too. Sites with
+    refused ``refused`` (0 when this call refused nothing: the count ends). A refused call has
+    the site's cached plan of its signature observed (``_plans.observing``): the next call ends
+    the count if the plan ran it (it donated), or comes here (it refused). Sites with
     keyword or static arguments, non-flat signatures and the processes of a jax.distributed job
     (which must run one executable) never count."""
     if kwargs or policy.has_static or _multiprocess.several():
@@ -535,7 +536,15 @@ def _count_refusal(
             site.refusals.clear()
         last = site.refusals[sig] = Refusals(refused)
     last.count += 1
-    fast.pop(sig, None)
+    plan = fast.get(sig)
+    if plan is not None:
+
+        def donated() -> None:  # the site's next call donated: the count ends
+            site.refusals.pop(sig, None)
+            if fast.get(sig) is observed:
+                fast[sig] = plan
+
+        observed = fast[sig] = _plans.observing(plan, donated)
     return last.count
 
 

@@ -187,6 +187,18 @@ def _runner(jit: Any, placer: Any) -> Callable:
     return run
 
 
+def observing(plan: Callable, ran: Callable[[], None]) -> Callable:
+    """``plan``, calling ``ran()`` after a call it ran (not a ``MISS``)."""
+
+    def run(args):
+        out = plan(args)
+        if out is not MISS:
+            ran()
+        return out
+
+    return run
+
+
 def rechecking(plan: Callable, every: int) -> Callable:
     """``plan`` for ``every - 1`` calls, then ``MISS`` until the general path replaces it (a
     miss is asked again by the Python path after the C path's: it must not run then)."""
