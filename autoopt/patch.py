@@ -733,11 +733,16 @@ def _not_applied_of(fn: Any, out: dict) -> None:
             if refused.count < REFUSALS_BEFORE_NARROWING:
                 continue
             what = "argument " + ", ".join(str(p) for p in refused.positions)
-            reason = (
-                f"{site.proof.location}: refused at run time on "
-                f"{REFUSALS_BEFORE_NARROWING}+ calls in a row (what it passes is also held "
-                "elsewhere: a container it was unpacked from, a list it was appended to), so "
+            then = (
                 "this site runs an executable that does not donate it (no copies)"
+                if refused.narrowed
+                else "each call passes a device copy of it (until the calls have taken ten "
+                "compiles' time: then an executable that does not donate it)"
+            )
+            reason = (
+                f"{site.proof.location}: refused at run time on {refused.count} calls in a row "
+                "(what it passes is also held elsewhere: a container it was unpacked from, a "
+                f"list it was appended to): {then}"
             )
             entry = {"kind": "donate", "what": what, "reason": reason}
             out.setdefault(("donate", what, reason), entry)

@@ -22,6 +22,8 @@ import numpy as np
 import pytest
 
 import autoopt
+from autoopt._jit import _dispatch
+from benchmarks._harness import Compiles
 
 pytestmark = pytest.mark.filterwarnings("error:Some donated buffers")
 
@@ -79,9 +81,11 @@ def _in_a_fresh_process(pattern: str) -> dict:
     code = f"""
 import json
 import autoopt
+from autoopt._jit import _dispatch
 from benchmarks._harness import Compiles
 from tests.test_refused_sites import _loop, _step
 
+_dispatch._NARROW_AFTER_COMPILES = 0  # (narrowed after 8 refusals, however long they took)
 f = autoopt.optimize(_step)
 with Compiles("_copy_all") as copies, Compiles("_step") as steps:
     _, in_place, _ = _loop(f, {pattern!r})
@@ -128,9 +132,10 @@ def test_a_site_refused_now_and_then_keeps_donating_in_between(every):
         assert refused == [i for i in range(96) if i % every == 3], refused
 
 
-def test_a_narrowed_site_donates_again_once_its_calls_can():
+def test_a_narrowed_site_donates_again_once_its_calls_can(monkeypatch):
     """A warm-up that keeps its first 12 states narrows the site; one call in 64 checks again,
     and the loop's later steps update ``buf`` in place again (a review: stuck for good)."""
+    monkeypatch.setattr(_dispatch, "_NARROW_AFTER_COMPILES", 0)
     _, in_place, _ = _loop(autoopt.optimize(_step), "warm-up", n=200)
     assert not any(in_place[1:12]) and all(in_place[100:]), in_place
 
@@ -140,9 +145,37 @@ def test_the_run_summary_says_a_site_runs_an_executable_that_does_not_donate():
 
     with autoopt.patch():
         step = jax.jit(_step)
-        _loop(step, "helper")
+        _loop(step, "helper", n=10)
+        data = summary()
+        (row,) = [r for r in data["functions"] if r["name"].endswith("_step")]
+        reasons = [n["reason"] for n in row["not_applied"] if n["kind"] == "donate"]
+        assert any("on 10 calls in a row" in r and "passes a device copy" in r for r in reasons)
+        _dispatch._NARROW_AFTER_COMPILES, outer = 0, _dispatch._NARROW_AFTER_COMPILES
+        try:
+            _loop(step, "helper", n=1)
+        finally:
+            _dispatch._NARROW_AFTER_COMPILES = outer
         data = summary()
     (row,) = [r for r in data["functions"] if r["name"].endswith("_step")]
     reasons = [n["reason"] for n in row["not_applied"] if n["kind"] == "donate"]
-    assert any("refused at run time on 8+ calls in a row" in r for r in reasons), reasons
+    assert any("on 11 calls in a row" in r and "does not donate it" in r for r in reasons)
     assert "not applied: donate argument 0, 1" in format_summary(data)
+
+
+def test_a_site_narrows_only_once_its_refusals_took_ten_compiles():
+    """A convergence loop keeping its previous value (``prev = x``) refuses ``x`` on every call,
+    but copying it costs microseconds where a second executable costs a compile: the site
+    narrows only once its refused calls in a row have taken ten times the signature's compile
+    (a review: a 1.5 s step compiled twice in an 8-step loop)."""
+
+    def step(x, y):
+        return x * 0.5 + y, y
+
+    f = autoopt.optimize(step)
+    x, y = jnp.ones(4) + 0, jnp.ones(4) + 0
+    with Compiles("step") as compiles:
+        for _ in range(40):
+            prev = x
+            x, y = f(x, y)
+        del prev
+    assert compiles.own == 1

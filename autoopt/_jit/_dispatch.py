@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Protocol
@@ -476,9 +477,9 @@ def plan_donating(
             remember_fast(of, fast, program, positions, args, unpack, check_refs, kwargs)
         refused = tuple(p for p in d[0] if p not in pos)
         if site is not None and fast is not None and (site.refusals or refused):
-            if _count_refusal(site, fast, args, kwargs, policy, refused) >= (
-                REFUSALS_BEFORE_NARROWING
-            ):
+            row = _count_refusal(site, fast, args, kwargs, policy, refused)
+            if row is not None and row.paid_for(program.compile_s):
+                row.narrowed = True
                 return narrowed(of, fast, program, d, pos, args)
     except Exception as e:  # noqa: BLE001 - donation is an optimization; never break the call
         of._fall_back(e, "donation")
@@ -498,6 +499,12 @@ def plan_donating(
 # _NARROWED_RECHECK: once its calls can donate again (a warm-up that kept its states is over),
 # it runs the signature's executable again.
 REFUSALS_BEFORE_NARROWING = 8
+# ... and once the refused calls in a row have taken this many times as long as the signature's
+# compile (the narrowed executable's costs as much): a loop that keeps a tiny argument for a few
+# steps (``prev = x``) never pays a second compile to save microseconds of copies.
+# (_UNKNOWN_COMPILE_S where no call measured the compile.)
+_NARROW_AFTER_COMPILES = 10.0
+_UNKNOWN_COMPILE_S = 0.5
 _NARROWED_RECHECK = 64
 
 
@@ -505,31 +512,41 @@ class Refusals:
     """A site's refused calls in a row, for one signature and one set of refused positions
     (``Site.refusals``)."""
 
-    __slots__ = ("positions", "count")
+    __slots__ = ("positions", "count", "since", "narrowed")
 
     def __init__(self, positions: tuple):
         self.positions = positions
         self.count = 0
+        self.since = time.perf_counter()  # when the first of them ran
+        self.narrowed = False  # the site runs the executable that does not donate them
+
+    def paid_for(self, compile_s: float | None) -> bool:
+        """Whether the site narrows now (``REFUSALS_BEFORE_NARROWING``)."""
+        seconds = _UNKNOWN_COMPILE_S if compile_s is None else compile_s
+        return (
+            self.count >= REFUSALS_BEFORE_NARROWING
+            and time.perf_counter() - self.since >= _NARROW_AFTER_COMPILES * seconds
+        )
 
 
 def _count_refusal(
     site: Any, fast: dict, args: tuple, kwargs: dict, policy: Policy, refused: tuple
-) -> int:
-    """(A general-path call at a donating ``site``.) How many calls in a row, this one included,
-    refused ``refused`` (0 when this call refused nothing: the count ends). A refused call has
-    the site's cached plan of its signature observed (``_plans.observing``): the next call ends
-    the count if the plan ran it (it donated), or comes here (it refused). Sites with
+) -> Refusals | None:
+    """(A general-path call at a donating ``site``.) The calls in a row, this one included,
+    that refused ``refused`` (None when this call refused nothing: the count ends). A refused
+    call has the site's cached plan of its signature observed (``_plans.observing``): the next
+    call ends the count if the plan ran it (it donated), or comes here (it refused). Sites with
     keyword or static arguments, non-flat signatures and the processes of a jax.distributed job
     (which must run one executable) never count."""
     if kwargs or policy.has_static or _multiprocess.several():
-        return 0
+        return None
     found = _plan_key(policy, args, kwargs)
     if found is None or found[1] != "flat":
-        return 0
+        return None
     sig = found[0]
     if not refused:
         site.refusals.pop(sig, None)
-        return 0
+        return None
     last = site.refusals.get(sig)
     if last is None or last.positions != refused:
         if len(site.refusals) >= FAST_ENTRIES:
@@ -545,7 +562,7 @@ def _count_refusal(
                 fast[sig] = plan
 
         observed = fast[sig] = _plans.observing(plan, donated)
-    return last.count
+    return last
 
 
 def narrowed(

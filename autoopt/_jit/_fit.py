@@ -389,7 +389,7 @@ def _checked_call(of: OptimizedFunction, program: Program, jit: Any, args: tuple
     try:
         t0 = time.perf_counter()
         compiled = jit.lower(*args, **kwargs).compile()
-        seconds = time.perf_counter() - t0
+        seconds = program.compile_s = time.perf_counter() - t0
         memory = compiled_memory(compiled)
         over = _does_not_fit(of, memory, device)
         if _multiprocess.several():

@@ -66,6 +66,7 @@ class Program:
         "guarded_choice",
         "bounded",
         "local",
+        "compile_s",
         "__weakref__",
     )
 
@@ -94,6 +95,9 @@ class Program:
         # Built for this process alone in a jax.distributed job (``_multiprocess.local``): its
         # decisions are this process's, never exchanged with the others.
         self.local = False
+        # How long its executable took to compile, where a call measured it (remat="fit"'s
+        # check): what narrowing a refused site costs (``_dispatch.REFUSALS_BEFORE_NARROWING``).
+        self.compile_s: float | None = None
         # Whether a jit traced it to compile (a call, or lower()), not only inspect()/explain()
         # tracing it for a report: what the recompile finding counts.
         self.compiled = False
