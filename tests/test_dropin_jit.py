@@ -113,6 +113,23 @@ def test_a_shape_polymorphic_export_is_jax_jits_without_a_fallback(body):
         np.testing.assert_array_equal(exported.call(x), theirs.call(x))
 
 
+@pytest.mark.parametrize("donate", ["safe", "auto", "off"])
+@pytest.mark.parametrize("by_name", [False, True])
+def test_a_python_int_no_dtype_holds_raises_jax_jits_error(donate, by_name):
+    """A first call with ``2**40`` (no int32 holds it): jax.jit's OverflowError naming the
+    argument, not the one autoopt's signature met first (a review)."""
+
+    def f(a, b):
+        return a + b
+
+    def message(g):
+        with pytest.raises(OverflowError) as info:
+            g(jnp.ones(2), b=2**40) if by_name else g(jnp.ones(2), 2**40)
+        return str(info.value).splitlines()[0]
+
+    assert message(autoopt.optimize(f, donate=donate)) == message(jax.jit(f))
+
+
 def test_options_given_both_ways_merge_when_they_agree():
     fast = autoopt.optimize(
         jax.jit(_fn, static_argnums=2, compiler_options={"xla_cpu_enable_fast_math": False}),

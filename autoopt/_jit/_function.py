@@ -1352,9 +1352,12 @@ class OptimizedFunction(_CallBase):
         except TypeError:  # an unhashable static argument: jax.jit's own call raises its error
             return None
         if program is None:
-            key, leaves = trace_signature(
-                args, kwargs, policy.static_argnums, policy.static_argnames
-            )
+            try:
+                key, leaves = trace_signature(
+                    args, kwargs, policy.static_argnums, policy.static_argnames
+                )
+            except OverflowError:  # a Python int no dtype holds: jax.jit's call says which
+                return None
             program = caches.programs.get(key)
             # a jax.Ref or a hijax leaf: the wrapper runs the function as plain jax.jit, no
             # program (traced once below, where jax.jit's cache keeps the trace for the call)
