@@ -140,6 +140,16 @@ def test_a_narrowed_site_donates_again_once_its_calls_can(monkeypatch):
     assert not any(in_place[1:12]) and all(in_place[100:]), in_place
 
 
+def _rows_of_step(data) -> list:
+    """The summary's rows of this file's ``_step`` (the summary holds every patched function
+    of the process)."""
+    return [
+        r
+        for r in data["functions"]
+        if r["name"].endswith("_step") and __file__ in (r["location"] or "")
+    ]
+
+
 def test_the_run_summary_says_a_site_runs_an_executable_that_does_not_donate():
     from autoopt.patch import format_summary, summary
 
@@ -147,7 +157,7 @@ def test_the_run_summary_says_a_site_runs_an_executable_that_does_not_donate():
         step = jax.jit(_step)
         _loop(step, "helper", n=10)
         data = summary()
-        (row,) = [r for r in data["functions"] if r["name"].endswith("_step")]
+        (row,) = _rows_of_step(data)
         reasons = [n["reason"] for n in row["not_applied"] if n["kind"] == "donate"]
         assert any("on 10 calls in a row" in r and "passes a device copy" in r for r in reasons)
         _dispatch._NARROW_AFTER_COMPILES, outer = 0, _dispatch._NARROW_AFTER_COMPILES
@@ -156,7 +166,7 @@ def test_the_run_summary_says_a_site_runs_an_executable_that_does_not_donate():
         finally:
             _dispatch._NARROW_AFTER_COMPILES = outer
         data = summary()
-    (row,) = [r for r in data["functions"] if r["name"].endswith("_step")]
+    (row,) = _rows_of_step(data)
     reasons = [n["reason"] for n in row["not_applied"] if n["kind"] == "donate"]
     assert any("on 11 calls in a row" in r and "does not donate it" in r for r in reasons)
     assert "not applied: donate argument 0, 1" in format_summary(data)
