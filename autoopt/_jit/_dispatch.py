@@ -577,8 +577,7 @@ def narrowed(
     found = _plan_key(of._policy, args, {})
     if found is not None and not program.lost_updates:
         sig, kind, host = found
-        placer = of._placer if host or placer_needed(of, program) else None
-        jitted = of._jit_for(*narrow) if narrow[0] else of._plain
+        jitted, placer = _jit_and_placer(of, program, narrow, host)
         fast[sig] = _plans.rechecking(
             _with_twin(
                 of,
@@ -850,9 +849,7 @@ def remember_fast(
         # arrays), or one the plan would not check (it holds no array now: one put there
         # between the plan's lookup and the call would be deleted): the general path decides.
         return
-    jitted = of._jit_for(*d) if d[0] else of._plain
-    # The placer stays in the call for NumPy leaves (``placer_needed`` says when else).
-    placer = of._placer if host or placer_needed(of, program) else None
+    jitted, placer = _jit_and_placer(of, program, d, host)
     # The program's own constants are never donated: under "safe" the reference counts already
     # refuse them (the program holds one); "auto" compares identities.
     if policy.has_static:
@@ -867,6 +864,14 @@ def remember_fast(
             jitted,
             lambda jit: _plans.donating(jit, pos, placer, program.const_ids, check_refs, kind),
         )
+
+
+def _jit_and_placer(of: Planned, program: Program, d: tuple, host: bool) -> tuple[Any, Any]:
+    """The jit object of the executable donating ``d`` (positions only), and the placer a
+    cached plan of ``program`` calls through: for NumPy leaves (``host``), or where
+    ``placer_needed`` says so; else None."""
+    jitted = of._jit_for(*d) if d[0] else of._plain
+    return jitted, (of._placer if host or placer_needed(of, program) else None)
 
 
 def placer_needed(of: Planned, program: Program) -> bool:
