@@ -109,6 +109,29 @@ def _checks() -> dict[str, str | None]:
                 assert leaf.addressable_shards[0].data.shape[0] == 8
             np.testing.assert_array_equal(np.asarray(b["x"]), batches[i]["x"])
 
+    def check_prefetch_replicates_a_batchs_scalars():
+        # jax.device_put(np.float32(0.1), rows) fails an assertion: a leaf of fewer dimensions
+        # than the spec is split over those it has and replicated over the rest
+        grid = jax.sharding.NamedSharding(
+            jax.make_mesh((4, 2), ("data", "model")), jax.sharding.PartitionSpec("data", "model")
+        )
+        for sharding in (rows, grid):
+            batches = [
+                {"x": np.full((64, 4), i, np.float32), "lr": np.float32(0.1), "n": np.array(i)}
+                for i in range(2)
+            ]
+            got = list(autoopt.prefetch(iter(batches), sharding=sharding))
+            for i, b in enumerate(got):
+                assert b["x"].sharding == sharding, b["x"].sharding
+                for k in ("lr", "n"):
+                    assert b[k].sharding.is_fully_replicated, (k, b[k].sharding)
+                    assert b[k].sharding.mesh == sharding.mesh
+                    np.testing.assert_array_equal(np.asarray(b[k]), batches[i][k])
+            labels = np.arange(64, dtype=np.int32)
+            (placed,) = autoopt.prefetch([labels], sharding=grid)
+            assert placed.sharding.spec == jax.sharding.PartitionSpec("data"), placed.sharding
+            np.testing.assert_array_equal(np.asarray(placed), labels)
+
     def check_data_parallel_training_loop_matches_jax_jit():
         def loss(w, batch):
             return jnp.mean((batch["x"] @ w - batch["y"]) ** 2)
@@ -251,6 +274,7 @@ def results() -> dict:
         "sharded_argument_is_donated_when_rebound",
         "shard_map_bodies_are_left_untouched",
         "prefetch_splits_each_batch_across_the_mesh",
+        "prefetch_replicates_a_batchs_scalars",
         "data_parallel_training_loop_matches_jax_jit",
         "numpy_batches_and_read_only_tables_with_sharded_state",
         "host_leaves_beside_a_sharded_argument_keep_jits_bits_and_shardings",

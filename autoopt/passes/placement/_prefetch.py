@@ -207,6 +207,18 @@ def _may_share_host_memory(x) -> bool:
         return False
 
 
+def _sharding_for(sharding, x):
+    """``sharding`` for a leaf of fewer dimensions than its partition spec names: the spec cut
+    to the leaf's rank (a batch's scalar, e.g. a learning rate, or its 1-d labels beside
+    ``P("data", "model")`` images), the rest replicated. jax.device_put refuses such a leaf with
+    an assertion; splitting a dimension the leaf does not have has no other meaning, and where
+    a value lives does not change it."""
+    if isinstance(sharding, jax.sharding.NamedSharding) and len(sharding.spec) > np.ndim(x):
+        spec = jax.sharding.PartitionSpec(*sharding.spec[: np.ndim(x)])
+        return jax.sharding.NamedSharding(sharding.mesh, spec, memory_kind=sharding.memory_kind)
+    return sharding
+
+
 def place_batch(batch, sharding=None, process_local: bool = False):
     """``batch`` with every NumPy leaf on the device (or split over ``sharding``), in one batched
     placement, from host copies private to it (the caller may overwrite its arrays as soon as
@@ -260,9 +272,11 @@ def place_batch(batch, sharding=None, process_local: bool = False):
     else:
         xs = [x if isinstance(x, np.generic) else _private_copy(x, batch_bytes) for x in xs]
         if process_local:
-            placed = [jax.make_array_from_process_local_data(sharding, x) for x in xs]
+            placed = [
+                jax.make_array_from_process_local_data(_sharding_for(sharding, x), x) for x in xs
+            ]
         elif sharding is not None:
-            placed = jax.device_put(xs, sharding)
+            placed = jax.device_put(xs, [_sharding_for(sharding, x) for x in xs])
         elif len(xs) == 1:
             placed = [jax.device_put(xs[0])]
         else:
@@ -399,7 +413,8 @@ def prefetch(
     batch where it happened; the thread ends when the source is exhausted, when the consumer calls
     ``close()`` or leaves a ``with`` block, or when the iterator is garbage-collected (a ``break``
     out of a ``for`` loop over it). jax arrays and Python scalars in a batch pass through as they
-    are.
+    are. A NumPy leaf of fewer dimensions than ``sharding``'s partition spec names (a scalar
+    beside ``P("data")``) is split over the dimensions it has and replicated over the rest.
 
     As flax's ``jax_utils.prefetch_to_device`` and the JAX training cookbook's input pipeline, in
     a thread: the source's own Python work (decoding, augmentation) also overlaps the step.
