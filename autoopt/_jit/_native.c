@@ -208,12 +208,52 @@ caller_frame(void)
     return f;
 }
 
+/* Whether a thread other than ``me`` has a Python frame (``len(sys._current_frames()) > 1``,
+ * read as CPython reads it: every interpreter's thread states under the runtime's head lock),
+ * or a trace or profile function is set on ``me`` (``sys.gettrace()``, ``sys.getprofile()``,
+ * or a C tracer's): ``callsite.other_code_may_run`` but its signal handlers. */
+static int
+other_frames_may_run(PyThreadState *me)
+{
+    if (me->c_tracefunc != NULL || me->c_profilefunc != NULL)
+        return 1;
+    int found = 0;
+    PyThread_acquire_lock(_PyRuntime.interpreters.mutex, WAIT_LOCK);
+    for (PyInterpreterState *i = _PyRuntime.interpreters.head; i != NULL && !found; i = i->next)
+        for (PyThreadState *t = i->threads.head; t != NULL && !found; t = t->next)
+            found = t != me && t->cframe != NULL && t->cframe->current_frame != NULL;
+    PyThread_release_lock(_PyRuntime.interpreters.mutex);
+    return found;
+}
+
+/* ``callsite.other_code_may_run()``, whose signal handlers this code cannot read: 1, 0, or -1
+ * on error. */
+static int
+handlers_may_run(void)
+{
+    PyObject *r = PyObject_CallNoArgs(other_code_may_run);
+    if (r == NULL)
+        return -1;
+    int may = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    return may;
+}
+
 /* ``_slot_check``'s check from its spec ``(callee global name or None, shared, ((index, is a
  * cell, key), ...), ((key, global name), ...))``, a key being None for the callee, else the
- * argument's position (a keyword never reaches here). 1: passed, 0: refused, -1: error. */
+ * argument's position (a keyword never reaches here). 1: passed, 0: refused, -1: error.
+ *
+ * A shared name (a global, a cell) could be read by other code while its array is donated:
+ * another thread, a tracer, or a signal handler (``callsite.other_code_may_run``). Threads and
+ * tracers are asked here, in C. A handler runs only on the main thread, between bytecodes, and
+ * a call on this path that holds signals (``hold_signals``) runs none from its plan's checks
+ * (reference counts, in C) until its names are bound: no bytecode runs between them, and
+ * ``main_thread`` is cleared from the executable's call to the binding. So on the main thread
+ * the handlers are left to the plan (``*handlers_unread`` set): ``run_plan`` reads them where
+ * that is not so (a plan in Python, a placer's run, no hold). Elsewhere they are read here. */
 static int
 run_spec(PyObject *spec, _PyInterpreterFrame *f, PyObject *callee, PyObject *args,
-         int identities_only)
+         int identities_only, int *handlers_unread)
 {
     if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) != 4)
         return 0;
@@ -225,13 +265,16 @@ run_spec(PyObject *spec, _PyInterpreterFrame *f, PyObject *callee, PyObject *arg
     if (!identities_only && !PyDict_CheckExact(f->f_globals))
         return 0; /* (``exec`` with a dict subclass: the names could not be bound early) */
     if (shared == Py_True && !identities_only) {
-        PyObject *r = PyObject_CallNoArgs(other_code_may_run);
-        if (r == NULL)
-            return -1;
-        int may = PyObject_IsTrue(r);
-        Py_DECREF(r);
-        if (may != 0)
-            return may < 0 ? -1 : 0;
+        PyThreadState *ts = PyThreadState_GET();
+        if (other_frames_may_run(ts))
+            return 0;
+        if (handlers_unread != NULL && _Py_ThreadCanHandleSignals(ts->interp)) {
+            *handlers_unread = 1;
+        } else {
+            int may = handlers_may_run();
+            if (may != 0)
+                return may < 0 ? -1 : 0;
+        }
     }
     if (root != Py_None) { /* the callee is a global (or a builtin) */
         PyObject *value = PyDict_GetItemWithError(f->f_globals, root);
@@ -589,6 +632,7 @@ filter_error(void)
  * ``FitCheck`` out of ``first_call`` escaped every catcher: ``_call``'s handler runs
  * (``OptimizedFunction._fit_escaped``). */
 static PyObject *hs_target(PyObject *jit);
+static PyTypeObject HoldsSignalsType;
 
 static PyObject *
 run_jit(CallPath *self, PyObject *site, PyObject *jit, PyObject *args)
@@ -667,7 +711,8 @@ in_bounds(PyObject *checks, PyObject *args)
  * checks, twin)`` (``_plans.bounded``) runs ``twin`` instead of ``jit`` for arguments
  * ``in_bounds`` of ``checks``, with the same checks. */
 static int
-run_plan(CallPath *self, PyObject *site, PyObject *plan, PyObject *args, PyObject **out)
+run_plan(CallPath *self, PyObject *site, PyObject *plan, PyObject *args, PyObject **out,
+         int handlers_unread, int held)
 {
     PyObject *native = NULL;
     if (PyFunction_Check(plan)) {
@@ -678,8 +723,21 @@ run_plan(CallPath *self, PyObject *site, PyObject *plan, PyObject *args, PyObjec
                 return -1;
         }
     }
-    if (native != NULL && PyTuple_Check(native) &&
-        (PyTuple_GET_SIZE(native) == 3 || PyTuple_GET_SIZE(native) == 5)) {
+    int is_native = native != NULL && PyTuple_Check(native) &&
+                    (PyTuple_GET_SIZE(native) == 3 || PyTuple_GET_SIZE(native) == 5);
+    /* (``run_spec``: signal handlers left unread are read here unless, holding signals, this
+     * plan checks and calls its executable in C with no bytecode between) */
+    int sealed = is_native && held && PyTuple_GET_ITEM(native, 2) == Py_None &&
+                 Py_TYPE(PyTuple_GET_ITEM(native, 0)) == &HoldsSignalsType &&
+                 (PyTuple_GET_SIZE(native) == 3 ||
+                  Py_TYPE(PyTuple_GET_ITEM(native, 4)) == &HoldsSignalsType);
+    if (handlers_unread && !sealed) {
+        int may = handlers_may_run();
+        if (may != 0)
+            return may < 0 ? -1 : 0;
+        handlers_unread = 0;
+    }
+    if (is_native) {
         PyObject *jit = PyTuple_GET_ITEM(native, 0), *positions = PyTuple_GET_ITEM(native, 1);
         PyObject *runner = PyTuple_GET_ITEM(native, 2);
         if (PyTuple_GET_SIZE(native) == 5) {
@@ -728,8 +786,14 @@ run_plan(CallPath *self, PyObject *site, PyObject *plan, PyObject *args, PyObjec
         if (refused != 0) {
             Py_DECREF(jit);
             Py_DECREF(runner);
-            if (refused == 2)
+            if (refused == 2) {
+                if (handlers_unread) { /* (the Python plan's checks run bytecode) */
+                    int may = handlers_may_run();
+                    if (may != 0)
+                        return may < 0 ? -1 : 0;
+                }
                 goto python_plan;
+            }
             return refused < 0 ? -1 : 0;
         }
         if (runner == Py_None) {
@@ -919,7 +983,7 @@ fast_call(CallPath *self, _PyInterpreterFrame *f, PyObject *args, PyObject **out
     if (clean <= 0)
         return clean < 0 ? (fall_back_error(), 0) : 0;
     PyObject *site = NULL, *spec = NULL, *plans = NULL, *bind = NULL; /* strong references */
-    int r = 0;
+    int r = 0, handlers_unread = 0;
     if (self->sites != NULL) {
         if (f == NULL || !find_site(self, f, &site, &spec, &plans))
             return 0;
@@ -927,7 +991,7 @@ fast_call(CallPath *self, _PyInterpreterFrame *f, PyObject *args, PyObject **out
             if (spec == Py_None)
                 goto done; /* a check without a spec: the Python path runs it */
             bind = Py_XNewRef(self->last_binding);
-            int ok = run_spec(spec, f, (PyObject *)self, args, 0);
+            int ok = run_spec(spec, f, (PyObject *)self, args, 0, &handlers_unread);
             if (ok <= 0) {
                 if (ok < 0)
                     fall_back_error();
@@ -955,7 +1019,7 @@ fast_call(CallPath *self, _PyInterpreterFrame *f, PyObject *args, PyObject **out
             goto done; /* not flat, or a new signature */
         /* (a call that may donate holds signals: see "the statement's names" below) */
         *held = bind != NULL ? hold_signals() : 0;
-        r = run_plan(self, site, plan, args, out);
+        r = run_plan(self, site, plan, args, out, handlers_unread, *held);
         Py_DECREF(plan);
         if (r != 1) {
             unhold_signals(*held); /* (nothing ran: nothing was held for it) */
@@ -972,7 +1036,7 @@ fast_call(CallPath *self, _PyInterpreterFrame *f, PyObject *args, PyObject **out
             }
         }
         PyObject *plain = Py_NewRef(self->plain_run);
-        r = run_plan(self, site, plain, args, out);
+        r = run_plan(self, site, plain, args, out, handlers_unread, 0);
         Py_DECREF(plain);
     }
     if (r < 0) {
@@ -1469,7 +1533,7 @@ bind_after_python(CallPath *self, _PyInterpreterFrame *f, PyObject *args, PyObje
     int ok = 0;
     if (spec != NULL && binding != NULL && binding != Py_None) {
         if (spec != Py_None && (kwargs == NULL || PyDict_GET_SIZE(kwargs) == 0)) {
-            ok = run_spec(spec, f, (PyObject *)self, args, 1) == 1;
+            ok = run_spec(spec, f, (PyObject *)self, args, 1, NULL) == 1;
         } else { /* in Python (keywords too): ``proof.same_call(frame, callee, args, kwargs)`` */
             PyObject *proof = PyObject_GetAttr(site, s_proof);
             PyObject *check = proof ? PyObject_GetAttr(proof, s_same_call) : NULL;
