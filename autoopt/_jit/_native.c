@@ -102,6 +102,13 @@ typedef struct {
     uint64_t key_version;
     PyObject *key;
     PyObject *key_plan;
+    /* The same for the last nested signature: its key holds the same objects at every level
+     * (``same_objects``), so a state's dict of avals is not hashed again on every call (an
+     * aval's ``__hash__`` and ``__eq__`` are Python code). */
+    PyObject *nkey_plans;
+    uint64_t nkey_version;
+    PyObject *nkey;
+    PyObject *nkey_plan;
 } CallPath;
 
 static int
@@ -119,6 +126,9 @@ cp_clear(CallPath *self)
     Py_CLEAR(self->key_plans);
     Py_CLEAR(self->key);
     Py_CLEAR(self->key_plan);
+    Py_CLEAR(self->nkey_plans);
+    Py_CLEAR(self->nkey);
+    Py_CLEAR(self->nkey_plan);
     self->mode = 0;
     return 0;
 }
@@ -138,6 +148,9 @@ cp_traverse(CallPath *self, visitproc visit, void *arg)
     Py_VISIT(self->key_plans);
     Py_VISIT(self->key);
     Py_VISIT(self->key_plan);
+    Py_VISIT(self->nkey_plans);
+    Py_VISIT(self->nkey);
+    Py_VISIT(self->nkey_plan);
     return 0;
 }
 
@@ -842,8 +855,25 @@ fall_back_error(void)
 /* The plan for the arguments' nested signature (``_plans.lookup_nested``) in ``plans`` (a new
  * reference), or NULL: flat arguments (their flat key found none), a signature ``nested_key``
  * does not read (a registered node: the Python path reads its tree signature), or a new one. */
+/* Whether ``a`` and ``b`` are the same object, or exact tuples of the same length whose items
+ * are, at every level: then they are equal keys (every object equals itself) without calling
+ * any ``__eq__``. */
+static int
+same_objects(PyObject *a, PyObject *b, int depth)
+{
+    if (a == b)
+        return 1;
+    if (depth > NESTED_DEPTH + 2 || !PyTuple_CheckExact(a) || !PyTuple_CheckExact(b) ||
+        PyTuple_GET_SIZE(a) != PyTuple_GET_SIZE(b))
+        return 0;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(a); i++)
+        if (!same_objects(PyTuple_GET_ITEM(a, i), PyTuple_GET_ITEM(b, i), depth + 1))
+            return 0;
+    return 1;
+}
+
 static PyObject *
-find_nested_plan(PyObject *plans, PyObject *args)
+find_nested_plan(CallPath *self, PyObject *plans, PyObject *args)
 {
     if (namedtuple_types == NULL)
         return NULL;
@@ -866,11 +896,24 @@ find_nested_plan(PyObject *plans, PyObject *args)
         return fall_back_error(), NULL;
     if (key == NOT_NESTED)
         return NULL;
+    if (self->nkey_plan != NULL && self->nkey_plans == plans &&
+        self->nkey_version == ((PyDictObject *)plans)->ma_version_tag &&
+        same_objects(key, self->nkey, 0)) {
+        Py_DECREF(key);
+        return Py_NewRef(self->nkey_plan);
+    }
     PyObject *plan = PyDict_GetItemWithError(plans, key);
-    Py_DECREF(key);
-    if (plan == NULL)
+    if (plan == NULL) {
+        Py_DECREF(key);
         return fall_back_error(), NULL;
-    return Py_NewRef(plan);
+    }
+    Py_INCREF(plan);
+    /* (the version read after the lookup, as ``find_plan`` reads it) */
+    self->nkey_version = ((PyDictObject *)plans)->ma_version_tag;
+    Py_XSETREF(self->nkey_plans, Py_NewRef(plans));
+    Py_XSETREF(self->nkey, key);
+    Py_XSETREF(self->nkey_plan, Py_NewRef(plan));
+    return plan;
 }
 
 static PyObject *
@@ -896,7 +939,7 @@ find_plan(CallPath *self, PyObject *plans, PyObject *args)
         Py_DECREF(key);
         if (PyErr_Occurred())
             return fall_back_error(), NULL;
-        return find_nested_plan(plans, args);
+        return find_nested_plan(self, plans, args);
     }
     Py_INCREF(plan);
     /* (read after the lookup: a comparison that ran Python code and changed the dict made the
