@@ -888,15 +888,18 @@ def with_copies(args: tuple, kwargs: dict, copies: tuple) -> tuple[tuple, dict]:
     fresh device copy (``device_copies``)."""
     positions, names = copies
     keys = [p for p in positions if p < len(args)] + [n for n in names if n in kwargs]
-    picked = {k: args[k] if isinstance(k, int) else kwargs[k] for k in keys}
-    leaves, treedef = jax.tree_util.tree_flatten(picked)
+    # (a list, not a dict keyed by both: jax sorts a dict's keys, and an int and a str do not
+    # compare)
+    leaves, treedef = jax.tree_util.tree_flatten(
+        [args[k] if isinstance(k, int) else kwargs[k] for k in keys]
+    )
     at = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
     if not at:
         return args, kwargs
     copied = device_copies([leaves[i] for i in at])
     for i, c in zip(at, copied):
         leaves[i] = c
-    picked = jax.tree_util.tree_unflatten(treedef, leaves)
+    picked = dict(zip(keys, jax.tree_util.tree_unflatten(treedef, leaves)))
     args = tuple(picked.get(i, a) for i, a in enumerate(args))
     kwargs = {k: picked.get(k, v) for k, v in kwargs.items()}
     return args, kwargs
