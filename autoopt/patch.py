@@ -739,11 +739,19 @@ def _not_applied_of(fn: Any, out: dict) -> None:
                 else "each call passes a device copy of it (until the calls have taken ten "
                 "compiles' time: then an executable that does not donate it)"
             )
-            reason = (
-                f"{site.proof.location}: refused at run time on {refused.count} calls in a row "
-                "(what it passes is also held elsewhere: a container it was unpacked from, a "
-                f"list it was appended to): {then}"
-            )
+            if site.donates:
+                reason = (
+                    f"{site.proof.location}: refused at run time on {refused.count} calls in a "
+                    "row (what it passes is also held elsewhere: a container it was unpacked "
+                    f"from, a list it was appended to): {then}"
+                )
+            else:  # (``_dispatch._copies_paid_for``)
+                why = "; ".join(dict.fromkeys(r for _, r in site.proof.reasons)) or "not proven"
+                reason = (
+                    f"{site.proof.location}: this site donates nothing ({why}) on "
+                    f"{refused.count} calls, and the executable of its signature, chosen by a "
+                    f"call elsewhere, donates: {then}"
+                )
             entry = {"kind": "donate", "what": what, "reason": reason}
             out.setdefault(("donate", what, reason), entry)
     for sub in subs:

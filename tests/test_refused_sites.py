@@ -189,3 +189,44 @@ def test_a_site_narrows_only_once_its_refusals_took_ten_compiles():
             x, y = f(x, y)
         del prev
     assert compiles.own == 1
+
+
+_SOURCELESS_LOOP = compile(
+    "for i in range(n):\n    x = f(x)\n    seen.append(x)\n", "<no source>", "exec"
+)
+
+
+def _twice(x):
+    return x * 2.0
+
+
+@pytest.mark.parametrize("why", ["no source", "used again"])
+def test_a_site_that_donates_nothing_stops_copying_for_an_executable_that_donates(monkeypatch, why):
+    """The signature's executable donates (its first call was at a site that rebinds), and
+    another site can donate nothing: its source cannot be read (``exec``'d code), or it passes
+    a name used again. Each of its calls passed a device copy and took the general path
+    (6x jax.jit's call on a tiny step); now it runs the plain executable once its calls have
+    copied as long as a refused site's (one more compile, then none and no copies)."""
+    monkeypatch.setattr(_dispatch, "_NARROW_AFTER_COMPILES", 0)
+    f = autoopt.optimize(_twice)
+    x = f(jnp.ones(8) + 0)
+    before = x.unsafe_buffer_pointer()
+    x = f(x)
+    assert x.unsafe_buffer_pointer() == before  # the signature's executable donates x
+    start = jnp.ones(8) + 0
+    with Compiles("_twice") as steps, Compiles("_copy_all") as copies:
+        if why == "no source":
+            seen: list = []
+            exec(_SOURCELESS_LOOP, {"f": f, "x": start, "n": 40, "seen": seen})
+        else:
+            y, seen = start, []
+            for _ in range(40):
+                z = f(y)
+                seen.append(z)
+                y = z + 0 * y[0]  # ``y`` read again after the call: not donated
+    assert steps.own == 1 and copies.own == 0, (steps.own, copies.own)
+    assert not start.is_deleted() and all(not s.is_deleted() for s in seen)
+    want = np.ones(8, np.float32)
+    for s in seen:
+        want = want * 2.0
+        np.testing.assert_array_equal(np.asarray(s), want)

@@ -722,6 +722,8 @@ def plan_kept(of: Planned, args: tuple, kwargs: dict, site: Any) -> CallPlan:
     fresh = any(why.startswith(_PASSED_FRESH) for _, why in site.proof.reasons)
     fresh = fresh and not host_callbacks(program.final)  # "safe" never donates into callbacks
     d = program.decide(None if fresh else ((), ()))
+    if (d[0] or d[1]) and not fresh and _copies_paid_for(of, site, program, d, args, kwargs):
+        d = ((), ())  # the plain executable from now on: one more compile, no more copies
     plan = plan_for(of, program, d, (), (), args)
     plans = site.plans
     if plan.direct and not program.lost_updates and len(plans) < FAST_ENTRIES:
@@ -740,6 +742,34 @@ def plan_kept(of: Planned, args: tuple, kwargs: dict, site: Any) -> CallPlan:
                     of, program, d, general, lambda jit: _plans.kept(jit, placer)
                 )
     return plan
+
+
+def _copies_paid_for(
+    of: Planned, site: Any, program: Program, d: tuple, args: tuple, kwargs: dict
+) -> bool:
+    """(A call at a site that donates nothing, whose signature's executable donates ``d``: it
+    passes device copies, on every call, and takes the general path.) Whether the site runs the
+    plain executable now: its calls have copied as often and as long as a refused site's
+    before it narrows (``REFUSALS_BEFORE_NARROWING``; every call of such a site copies, so
+    the count is of calls). A site whose source cannot be read (``exec``'d code, a module
+    without its ``.py``) or which passes an argument that is also used later, calling a
+    function whose first call elsewhere donated, would otherwise pay copies forever. Sites
+    with keyword or static arguments and the processes of a jax.distributed job (one
+    executable) never switch."""
+    if kwargs or of._policy.has_static or _multiprocess.several() or program.lost_updates:
+        return False
+    found = _plan_key(of._policy, args, kwargs)
+    if found is None or found[1] == "tree":
+        return False
+    sig = found[0]
+    row = site.refusals.get(sig)
+    if row is None:
+        if len(site.refusals) >= FAST_ENTRIES:
+            site.refusals.clear()
+        row = site.refusals[sig] = Refusals(d[0])
+    row.count += 1
+    row.narrowed = row.narrowed or row.paid_for(program.compile_s)
+    return row.narrowed
 
 
 def _with_twin(
