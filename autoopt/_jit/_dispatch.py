@@ -498,7 +498,7 @@ def plan_donating(
             # (a refused call's next call is observed where ``_count_refusal`` counted it, and
             # comes here anyway where the site keeps no plans)
             outcomes.record((*pos, *nms), reasons, row is not None or fast is None)
-        if row is not None and row.paid_for(program.compile_s):
+        if row is not None and fast is not None and row.paid_for(program.compile_s):
             row.narrowed = True
             return narrowed(of, fast, program, d, pos, args)
     except Exception as e:  # noqa: BLE001 - donation is an optimization; never break the call

@@ -13,6 +13,8 @@ from typing import Any
 
 from jax.extend.core import ClosedJaxpr
 
+from autoopt._jit._dispatch import REFUSALS_BEFORE_NARROWING
+
 
 @dataclasses.dataclass(frozen=True)
 class Inspection:
@@ -95,7 +97,8 @@ class SiteCalls:
     calls seen to donate it, a lower bound. ``exact``: every call between two refusals was
     observed, so no ``donated`` and some ``refused`` means every call so far refused.
     ``narrowed``: the arguments the site's calls were refused so many times in a row that it
-    now runs an executable not donating them (``REFUSALS_BEFORE_NARROWING``)."""
+    now runs an executable not donating them, after ``narrowed_after`` in a row
+    (``REFUSALS_BEFORE_NARROWING``)."""
 
     location: str
     refused: Mapping[Any, int]
@@ -103,6 +106,7 @@ class SiteCalls:
     donated: Mapping[Any, int]
     exact: bool
     narrowed: frozenset
+    narrowed_after: int = 0
 
 
 def site_calls(sites) -> dict[str, SiteCalls]:
@@ -129,7 +133,9 @@ def site_calls(sites) -> dict[str, SiteCalls]:
             why = {**had.why, **why}
             exact = exact and had.exact
             narrowed = narrowed | had.narrowed
-        out[location] = SiteCalls(location, refused, why, donated, exact, narrowed)
+        out[location] = SiteCalls(
+            location, refused, why, donated, exact, narrowed, REFUSALS_BEFORE_NARROWING
+        )
     return out
 
 

@@ -395,11 +395,10 @@ def _site_donation(proof, key, arg, label: str, nbytes: int | None, calls) -> Fi
     """The row of an argument a call site proves dead, as its calls' run-time checks left it
     (``SiteCalls``: recorded where a call takes the general path, so ``donated`` is a lower
     bound and a refusal is always counted)."""
-    from autoopt._jit import REFUSALS_BEFORE_NARROWING
-
     refused = calls.refused.get(key, 0) if calls is not None else 0
     donated = calls.donated.get(key, 0) if calls is not None else 0
     narrowed = calls is not None and key in calls.narrowed
+    after = calls.narrowed_after if calls is not None else 0
     details = {"arg": arg, "site": proof.location}
     rebinds = f"`{proof.statement}` rebinds it"
     if not (refused or narrowed):
@@ -423,11 +422,11 @@ def _site_donation(proof, key, arg, label: str, nbytes: int | None, calls) -> Fi
     if narrowed:
         message = (
             f"{label} not donated at this call site now: {rebinds}, but the run-time check "
-            f"refused it at {times}{because}; after {REFUSALS_BEFORE_NARROWING} refused calls "
+            f"refused it at {times}{because}; after {after} refused calls "
             "in a row the site runs an executable that does not donate it (no device copies), "
             "checking again now and then."
         )
-    elif donated == 0 and calls.exact:
+    elif donated == 0 and calls is not None and calls.exact:
         message = (
             f"{label} not donated at this call site: {rebinds}, but the run-time check refused "
             f"it at every call so far ({times}){because}; each call passed a device copy of it "
