@@ -108,7 +108,16 @@ def signature_key(dyn_leaves: Sequence[Any], in_tree, statics, nargs: int) -> Si
     )
 
 
+# A function traced in place of the user's (equinox's route: ``_jit._equinox``) names its
+# parameters as the user's function does, so the findings read the user's names, never the
+# wrapper's own (``dynamic_args``): ``(positional parameter names, *args' name or None)``.
+PARAM_NAMES = "__autoopt_param_names__"
+
+
 def _param_names(fn: Callable) -> tuple[list[str], str | None]:
+    given = getattr(fn, PARAM_NAMES, None)
+    if given is not None:
+        return list(given[0]), given[1]
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):

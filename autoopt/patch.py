@@ -32,8 +32,10 @@ is active are optimized. Patches nest (the innermost active one's options apply)
 its own patch, and ``jax.jit`` is restored when the last one ends. Undoing twice does nothing.
 
 ``summary()`` reports per jitted function (by definition site): how many jit objects were asked
-for, the XLA compiles made for it, the signatures traced, what the passes applied, the bytes
-saved, and the fallbacks with their pass.
+for, the XLA compiles made for it, the signatures traced, what the passes applied and the bytes
+saved (per compiled executable: an argument its executable donates counts once, whatever its
+calls did; the calls the run-time checks refused are listed under "not applied"), and the
+fallbacks with their pass.
 """
 
 from __future__ import annotations
@@ -687,7 +689,7 @@ def _not_applied(row: FunctionSummary) -> list[dict]:
 
 
 def _not_applied_of(fn: Any, out: dict) -> None:
-    from autoopt._jit import REFUSALS_BEFORE_NARROWING
+    from autoopt._jit import REFUSALS_BEFORE_NARROWING, site_calls
 
     caches = getattr(fn, "_caches", None)
     if caches is None:
@@ -728,10 +730,12 @@ def _not_applied_of(fn: Any, out: dict) -> None:
             else:
                 what, reason = (f.location or ""), f.message
             out.setdefault((f.kind, what, reason), {"kind": f.kind, "what": what, "reason": reason})
+    in_a_row: set = set()  # (site, argument) said by a line of refusals in a row
     for site in list(caches.sites.values()):
         for refused in list(getattr(site, "refusals", {}).values()):
             if refused.count < REFUSALS_BEFORE_NARROWING:
                 continue
+            in_a_row.update((site.proof.location, p) for p in refused.positions)
             what = "argument " + ", ".join(str(p) for p in refused.positions)
             then = (
                 "this site runs an executable that does not donate it (no copies)"
@@ -754,6 +758,27 @@ def _not_applied_of(fn: Any, out: dict) -> None:
                 )
             entry = {"kind": "donate", "what": what, "reason": reason}
             out.setdefault(("donate", what, reason), entry)
+    # Every site's refused calls (the executables above donate; these calls did not), from the
+    # record the run-time checks keep where a call takes the general path (``SiteCalls``).
+    for location, calls in site_calls(list(caches.sites.values())).items():
+        for key, count in calls.refused.items():
+            if (location, key) in in_a_row:
+                continue
+            why = calls.why.get(key, "")
+            times = f"{count} call{'s' if count != 1 else ''}"
+            if key in calls.narrowed:
+                then = (
+                    f"on {times} ({why}): this site now runs an executable that does not donate it"
+                )
+            elif not calls.donated.get(key) and calls.exact:
+                then = f"on every call so far ({times}): {why}; each passed a device copy of it"
+            else:
+                then = f"on {times} ({why}), each passing a device copy of it"
+            what = f"argument {key}"
+            reason = f"{location}: refused at run time {then}"
+            out.setdefault(
+                ("donate", what, reason), {"kind": "donate", "what": what, "reason": reason}
+            )
     for sub in subs:
         _not_applied_of(sub, out)
 
@@ -810,14 +835,16 @@ def format_summary(data: dict, limit: int = 40) -> str:
         applied.update(r["applied"])
     lines = [
         f"autoopt: {len(rows)} jitted functions, {sum(r['compiles'] for r in rows)} compiles, "
-        f"applied {dict(applied) or 'nothing'}, "
+        # (per executable: counting what each call donated would cost every call; the calls
+        # the run-time checks refused are the "not applied" lines)
+        f"applied {dict(applied) or 'nothing'} (per compiled executable, not per call), "
         f"{sum(r['bytes_saved'] for r in rows):,} bytes saved (the applied findings' sum, "
         f"not a measured peak: explain measures it), {falls} fallbacks"
     ]
     if rows:
         lines.append(
             f"  {'function':<32} {'jit()':>6} {'compiles':>8} {'sigs':>5}  "
-            f"{'saved':>12}  applied / fallbacks"
+            f"{'saved':>12}  applied (per executable) / fallbacks"
         )
     for r in rows[:limit]:
         what = ", ".join(f"{k} x{n}" for k, n in sorted(r["applied"].items())) or "-"

@@ -12,7 +12,7 @@ from autoopt._jit._function import (
     nested_call,
     optimize,
 )
-from autoopt._jit._inspect import Inspection
+from autoopt._jit._inspect import Inspection, SiteCalls, site_calls
 from autoopt._jit._nnx import NnxJit, nnx_routable  # also registers optimize's route
 from autoopt._jit._reuse import RECENT, WrapperCache, options_key
 
@@ -20,6 +20,7 @@ __all__ = [
     "EquinoxJit",
     "RECENT",
     "REFUSALS_BEFORE_NARROWING",
+    "SiteCalls",
     "TRACING",
     "Inspection",
     "NnxJit",
@@ -32,4 +33,5 @@ __all__ = [
     "nnx_routable",
     "optimize",
     "options_key",
+    "site_calls",
 ]

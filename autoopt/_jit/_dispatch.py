@@ -375,7 +375,15 @@ def make_dispatch(of: Planned) -> Callable[..., CallPlan]:
         if has_static_leaves(args, kwargs):
             plans = None if shift else site.plans
             plan = plan_static_leaves(
-                of, proof.positions, proof.names, args, kwargs, bases, plans, proof.unpack
+                of,
+                proof.positions,
+                proof.names,
+                args,
+                kwargs,
+                bases,
+                plans,
+                proof.unpack,
+                site.outcomes,
             )
             if plan is not None:  # 3.
                 return plan
@@ -390,6 +398,7 @@ def make_dispatch(of: Planned) -> Callable[..., CallPlan]:
             bases,
             proof.unpack,
             site=site if not shift else None,
+            outcomes=site.outcomes,
         )
 
     def auto(site, args: tuple, kwargs: dict, shift: int = 0) -> CallPlan:
@@ -429,6 +438,7 @@ def plan_donating(
     bases: tuple | None = None,
     unpack: tuple | None = None,
     site: Any = None,
+    outcomes: Any = None,
 ) -> CallPlan:
     """The general donating plan: every check, then the jit object for what may be donated.
 
@@ -436,6 +446,8 @@ def plan_donating(
     site's cache), the decision for this signature is recorded there, so the next call with the
     same signature takes the fast path. With ``site``, a site whose check keeps refusing the
     same arguments runs an executable of its own that does not donate them (``narrowed``).
+    With ``outcomes`` (the site's ``_program.Outcomes``), what this call donated and why the
+    checks refused the rest, for the report.
     """
     policy = of._policy
     if _compat.jit_disabled() or _compat.debug_nans_enabled():
@@ -458,13 +470,14 @@ def plan_donating(
         if check_refs and host_callbacks(program.final):
             return plan_for(of, program, program.decide(((), ())), (), (), args)
         d = program.decide((positions, names))
+        reasons: tuple = ()
         if program.unpacks_to(unpack):
             pos, nms = (
                 tuple(p for p in positions if p in d[0]),
                 tuple(n for n in names if n in d[1]),
             )
             if pos or nms:
-                pos, nms, _reasons = callsite.donation_checks(
+                pos, nms, reasons = callsite.donation_checks(
                     args,
                     kwargs,
                     pos,
@@ -473,14 +486,21 @@ def plan_donating(
                     bases=bases,
                     exclude=program.const_ids,
                 )
+        elif outcomes is not None:
+            reasons = _not_unpacked(positions, names, d)
         if fast is not None and (not kwargs or policy.has_static) and len(fast) < FAST_ENTRIES:
             remember_fast(of, fast, program, positions, args, unpack, check_refs, kwargs)
         refused = tuple(p for p in d[0] if p not in pos)
+        row = None
         if site is not None and fast is not None and (site.refusals or refused):
             row = _count_refusal(site, fast, args, kwargs, policy, refused)
-            if row is not None and row.paid_for(program.compile_s):
-                row.narrowed = True
-                return narrowed(of, fast, program, d, pos, args)
+        if outcomes is not None:
+            # (a refused call's next call is observed where ``_count_refusal`` counted it, and
+            # comes here anyway where the site keeps no plans)
+            outcomes.record((*pos, *nms), reasons, row is not None or fast is None)
+        if row is not None and fast is not None and row.paid_for(program.compile_s):
+            row.narrowed = True
+            return narrowed(of, fast, program, d, pos, args)
     except Exception as e:  # noqa: BLE001 - donation is an optimization; never break the call
         of._fall_back(e, "donation")
         d, pos, nms = program.decide((positions, names)), (), ()
@@ -558,6 +578,7 @@ def _count_refusal(
 
         def donated() -> None:  # the site's next call donated: the count ends
             site.refusals.pop(sig, None)
+            site.outcomes.record(refused, ())
             if fast.get(sig) is observed:
                 fast[sig] = plan
 
@@ -591,6 +612,20 @@ def narrowed(
     return plan
 
 
+# Why an argument a site proves dead is not donated when the statement's targets do not take
+# the result apart (``Program.unpacks_to``): the old values stay bound to them.
+_NOT_UNPACKED = (
+    "the statement's targets do not take the result apart as the function returns it, so "
+    "they would keep the old values"
+)
+
+
+def _not_unpacked(positions: tuple, names: tuple, d: tuple) -> tuple:
+    """``(argument, why)`` for each argument the executable ``d`` donates that a site whose
+    statement does not unpack the result refuses (``_NOT_UNPACKED``)."""
+    return tuple((k, _NOT_UNPACKED) for k in (*positions, *names) if k in d[0] or k in d[1])
+
+
 def _without_self_keeping(
     args: tuple, kwargs: dict, positions: tuple, names: tuple
 ) -> tuple[tuple, tuple]:
@@ -613,6 +648,7 @@ def plan_static_leaves(
     bases: tuple | None = None,
     plans: dict | None = None,
     unpack: tuple | None = None,
+    outcomes: Any = None,
 ) -> CallPlan | None:
     """The plan of a call site under ``"safe"`` whose arguments hold non-array leaves (an
     equinox module's activation function), or None when they hold none.
@@ -622,7 +658,8 @@ def plan_static_leaves(
     checks run on the caller's own arguments (static leaves skipped: they are constants of the
     program), before the split trees exist, since those hold the arguments too. With ``plans``
     (the site's, for a call without a bound instance), the decision for this signature is kept
-    there for the next call (``remember_static_leaves``).
+    there for the next call (``remember_static_leaves``). With ``outcomes``, what the call
+    donated and why the checks refused the rest (``plan_donating``).
     """
     policy = of._policy
     split = split_if_static(args, kwargs, policy.static_argnums, policy.static_argnames)
@@ -646,14 +683,21 @@ def plan_static_leaves(
     decided = True
     try:
         d = program.decide((positions, names))
+        reasons: tuple = ()
         # (the statement's targets must take the result apart: else they keep the old values)
         if program.unpacks_to(unpack):
             pos = tuple(p for p in positions if p in d[0])
             nms = tuple(n for n in names if n in d[1])
+        elif outcomes is not None:
+            reasons = _not_unpacked(positions, names, d)
         if pos or nms:
-            pos, nms, _reasons = callsite.donation_checks(
+            pos, nms, reasons = callsite.donation_checks(
                 args, kwargs, pos, nms, check_refs=True, bases=bases, exclude=program.const_ids
             )
+        if outcomes is not None:
+            # (a static-leaf plan's next calls are not observed: calls between refusals may
+            # donate uncounted)
+            outcomes.record((*pos, *nms), reasons, plans is None)
     except Exception as e:  # noqa: BLE001 - donation is an optimization; never break the call
         of._fall_back(e, "donation")
         d, pos, nms = program.decide((positions, names)), (), ()

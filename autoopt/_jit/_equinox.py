@@ -54,7 +54,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from autoopt import _compat
+from autoopt import _compat, _trace
 from autoopt._jit import _plans, _reuse
 from autoopt._jit._dispatch import Policy, placer_needed, plan_for
 from autoopt._jit._function import (
@@ -155,7 +155,7 @@ def _split(tree, is_array) -> tuple[Any, tuple, list, list]:
     return treedef, tuple(slots), arrays, paths
 
 
-def _inner_function(fun_name: str, fun_qualname: str):
+def _inner_function(fun_name: str, fun_qualname: str, signature: inspect.Signature | None = None):
     import equinox as eqx
     import jax.numpy as jnp
     from equinox._compile_utils import hashable_combine
@@ -178,6 +178,16 @@ def _inner_function(fun_name: str, fun_qualname: str):
 
     fun_wrapped.__name__ = fun_name
     fun_wrapped.__qualname__ = fun_qualname
+    if signature is not None:
+        # The findings name the user's arguments (``params['w']``), not ``dynamic_args[0]``:
+        # position FIRST_ARG + i is the user's bound positional argument i. (Only autoopt's
+        # names: jax.jit still reads fun_wrapped's own signature.)
+        params = list(signature.parameters.values())
+        kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        positional = [p.name for p in params if p.kind in kinds]
+        varargs = next((p.name for p in params if p.kind is p.VAR_POSITIONAL), None)
+        names = ("static", "dynamic_fun", "dynamic_kwargs", *positional)
+        setattr(fun_wrapped, _trace.PARAM_NAMES, (names, varargs))
     return fun_wrapped
 
 
@@ -257,13 +267,16 @@ def _calibrate_call() -> tuple[int, int]:
 _CALL_BASES = _calibrate_call()
 
 
-def _donatable_now(args: tuple, kwargs: dict, positions: tuple) -> tuple:
+def _donatable_now(
+    args: tuple, kwargs: dict, positions: tuple, refused: list | None = None
+) -> tuple:
     """The general path's run-time check of the proven positional arguments (``positions``),
     on the user's own objects before anything else holds their parts: each held only by the
     call, and every node and array inside it only by its parent (``held_elsewhere``). Under
     ``"safe"`` these reference counts also rule out an array passed twice, or also passed
     inside another argument (it counts one more), which ``callsite.donation_checks`` looks for
-    by identity. A keyword argument is never donated (as there)."""
+    by identity. A keyword argument is never donated (as there). ``refused``: a list to add
+    ``(position, why)`` of each refused argument to (the site's ``Outcomes``)."""
     base = _CALL_BASES[1] if kwargs else _CALL_BASES[0]
     ok = []
     for p in positions:
@@ -271,13 +284,25 @@ def _donatable_now(args: tuple, kwargs: dict, positions: tuple) -> tuple:
             continue
         # Counted before binding a local name, exactly as ``_calibrate_call`` measures it.
         if _getrefcount(args[p]) > base:
+            if refused is not None:
+                refused.append((p, _HELD))
             continue
         if type(args[p]) is _ARRAY_IMPL:
             if not args[p].is_deleted() and not callsite.weakly_held(args[p]):
                 ok.append(p)
+            elif refused is not None:
+                refused.append((p, _GONE))
         elif static_kid(args[p]) is None and not held_elsewhere(args[p], 0):
             ok.append(p)
+        elif refused is not None:
+            refused.append((p, _PART_HELD))
     return tuple(ok)
+
+
+# ``_donatable_now``'s reasons (``callsite.donation_checks`` says the first the same way)
+_HELD = "another reference to the same object exists"
+_GONE = "it is deleted, or a weak reference to it exists"
+_PART_HELD = "an array or node inside it is also held elsewhere (or is a static leaf)"
 
 
 # --- the plans ----------------------------------------------------------------------------------
@@ -356,10 +381,14 @@ class EquinoxJit:
         shared = (name, qualname, location, key) if key is not None else None
         inner = _INNERS.get(shared) if shared is not None else None
         if inner is None:
-            inner = OptimizedFunction(_inner_function(name, qualname), opts, policy)
+            inner = OptimizedFunction(
+                _inner_function(name, qualname, self._signature), opts, policy
+            )
             # the caller's argument i is the inner function's FIRST_ARG + i (the summary)
             inner._proof_shift = FIRST_ARG  # pyright: ignore[reportAttributeAccessIssue]
             inner._proof_names = list(self._signature.parameters)  # pyright: ignore[reportAttributeAccessIssue]
+            # ... and the report's (``Inspection.site_shift``)
+            inner._site_shift = FIRST_ARG  # pyright: ignore[reportAttributeAccessIssue]
             if shared is not None:
                 inner = _INNERS.setdefault(shared, inner)
                 while len(_INNERS) > MAX_INNERS:
@@ -379,6 +408,7 @@ class EquinoxJit:
             proof = None
             plans = None
             bind = None
+            outcomes = None  # the site's run-time record, where it donates (the report's)
             if self._donate != "off" and _compat.trace_state_clean():
                 try:
                     frame = sys._getframe(1) if self._donate == "safe" else None
@@ -395,6 +425,7 @@ class EquinoxJit:
                         if proof.check(frame, self, args, kwargs):
                             positions = self._bound_positions(proof, args, kwargs)
                             bind = frame  # (its statement's names: ``call_holding_signals``)
+                            outcomes = site.outcomes
                         else:  # another callee, or a thread could read a name: no donation
                             plans = entry.withheld
                     del frame
@@ -415,7 +446,11 @@ class EquinoxJit:
                 donated = positions
                 if donated and self._donate == "safe":
                     # On the user's own objects, before anything holds their leaves.
-                    donated = _donatable_now(args, kwargs, donated)
+                    refused: list = []
+                    donated = _donatable_now(args, kwargs, donated, refused)
+                    if outcomes is not None:
+                        # (a plan's calls are not observed: those between refusals uncounted)
+                        outcomes.record(donated, refused, observed=False)
                 parts = self._parts(args, kwargs)
                 out, decided = self._run(parts, donated, proof, __equinox_jit_id__)
                 if key is not None and plans is not None and len(plans) < FAST_ENTRIES:
@@ -639,6 +674,9 @@ class EquinoxJit:
         self._sites[(id(frame.f_code), frame.f_lasti)] = entry
         if proof.location:
             self._inner._caches.site_proofs[proof.location] = proof
+            # (also among the inner function's sites, under a key no call of its own looks
+            # up, for ``inspect``'s record of what the calls here did: ``site_calls``)
+            self._inner._caches.sites[("equinox", id(frame.f_code), frame.f_lasti)] = entry.site
         return entry
 
     # --- equinox's other entry points ------------------------------------------------------

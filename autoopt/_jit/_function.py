@@ -38,7 +38,7 @@ from autoopt._errors import AutooptWarning, FitCheck, PassError, ProcessMismatch
 from autoopt._finding import Finding
 from autoopt._jit import _fit, _mutations, _plans, _reuse, _static_leaves
 from autoopt._jit._dispatch import Caches, CallPlan, Policy, make_dispatch, with_copies
-from autoopt._jit._inspect import Inspection
+from autoopt._jit._inspect import Inspection, site_calls
 from autoopt._jit._plans import MISS, flat_key, lookup_nested, lookup_static
 from autoopt._jit._program import (
     Program,
@@ -1660,8 +1660,15 @@ class OptimizedFunction(_CallBase):
         as a jax.jit object does (``_release``)."""
         own = tuple(self._caches.site_proofs.values())
         if inspection.call_sites != own and own:
-            inspection = dataclasses.replace(inspection, call_sites=inspection.call_sites + own)
-        return dataclasses.replace(inspection, keeps=self._handle())
+            calls = site_calls(list(self._caches.sites.values()))
+            inspection = dataclasses.replace(
+                inspection,
+                call_sites=inspection.call_sites + own,
+                site_calls={**inspection.site_calls, **calls},
+            )
+        # (where this function's call sites' positions are its caller's: equinox's route)
+        shift = getattr(self, "_site_shift", inspection.site_shift)
+        return dataclasses.replace(inspection, keeps=self._handle(), site_shift=shift)
 
     def _reporter(self) -> OptimizedFunction:
         """The function a report traces, optimizes and compiles through when no call has built
@@ -1794,6 +1801,9 @@ class OptimizedFunction(_CallBase):
             placement=calls._placer.figures() if calls._placer is not None else None,
             eager_autodiff_watched=caches.watch_autodiff,
             eager_autodiff_jit=caches.eager_ad_jit,
+            site_calls=site_calls(list(caches.sites.values())),
+            # (the equinox route's inner function: its call sites' positions are the user's)
+            site_shift=getattr(calls, "_site_shift", 0),
         )
 
     def __repr__(self) -> str:

@@ -13,6 +13,8 @@ from typing import Any
 
 from jax.extend.core import ClosedJaxpr
 
+from autoopt._jit._dispatch import REFUSALS_BEFORE_NARROWING
+
 
 @dataclasses.dataclass(frozen=True)
 class Inspection:
@@ -43,6 +45,11 @@ class Inspection:
     placer), ``eager_autodiff_watched`` (calls still check for eager ``jax.grad``) and
     ``eager_autodiff_jit`` (the jit object made for such a call, or None).
 
+    What the calls did at each call site (``"safe"``): ``site_calls``, ``file:line`` ->
+    ``SiteCalls``, the run-time checks' record. ``site_shift``: a call site's argument ``k``
+    is the program's argument ``k + site_shift`` (an equinox function's inner program takes
+    three arguments of its own first).
+
     Arguments holding non-array leaves are described by the function made for those static
     leaves (its own programs and jit objects).
     """
@@ -66,6 +73,8 @@ class Inspection:
     placement: Any  # autoopt.passes.placement._placer.PlacementFigures | None
     eager_autodiff_watched: bool
     eager_autodiff_jit: Any
+    site_calls: Mapping[str, SiteCalls] = dataclasses.field(default_factory=dict)
+    site_shift: int = 0
     # a wrapper of the optimized function, so that ``jit`` keeps its programs while this lives
     keeps: Any = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -75,6 +84,59 @@ class Inspection:
         key = getattr(self.function, "static_key", None)
         if key is not None and not isinstance(self.jit, StaticLeafJit):
             object.__setattr__(self, "jit", StaticLeafJit(self.jit, key, self.options))
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteCalls:
+    """What the run-time checks did at one call site's calls (under ``"safe"``), as recorded
+    so far; keys are the site's arguments (positions as the caller wrote them, or names).
+
+    Recorded only where a call takes the general path, never by a cached plan that runs (the
+    calls that repeat pay nothing for it): ``refused`` counts every call whose check refused an
+    argument (another reference held it, ...: ``why``, the last reason); ``donated`` counts the
+    calls seen to donate it, a lower bound. ``exact``: every call between two refusals was
+    observed, so no ``donated`` and some ``refused`` means every call so far refused.
+    ``narrowed``: the arguments the site's calls were refused so many times in a row that it
+    now runs an executable not donating them, after ``narrowed_after`` in a row
+    (``REFUSALS_BEFORE_NARROWING``)."""
+
+    location: str
+    refused: Mapping[Any, int]
+    why: Mapping[Any, str]
+    donated: Mapping[Any, int]
+    exact: bool
+    narrowed: frozenset
+    narrowed_after: int = 0
+
+
+def site_calls(sites) -> dict[str, SiteCalls]:
+    """``file:line`` -> ``SiteCalls`` of the ``_program.Site`` objects ``sites`` (those
+    recorded at one line added up)."""
+    out: dict[str, SiteCalls] = {}
+    for site in sites:
+        location = site.proof.location
+        outcomes = getattr(site, "outcomes", None)
+        if not location or outcomes is None:
+            continue
+        narrowed = frozenset(
+            p for row in list(site.refusals.values()) if row.narrowed for p in row.positions
+        )
+        refused, why, donated = dict(outcomes.refused), dict(outcomes.why), dict(outcomes.donated)
+        exact = not outcomes.unobserved
+        if not (refused or donated or narrowed):
+            continue
+        had = out.get(location)
+        if had is not None:
+            for mine, theirs in ((refused, had.refused), (donated, had.donated)):
+                for k, n in theirs.items():
+                    mine[k] = mine.get(k, 0) + n
+            why = {**had.why, **why}
+            exact = exact and had.exact
+            narrowed = narrowed | had.narrowed
+        out[location] = SiteCalls(
+            location, refused, why, donated, exact, narrowed, REFUSALS_BEFORE_NARROWING
+        )
+    return out
 
 
 class StaticLeafJit:

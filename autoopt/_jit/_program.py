@@ -315,7 +315,7 @@ class Site:
     that donates nothing keeps the plan of each signature whose call runs its executable as it
     is (no copies)."""
 
-    __slots__ = ("proof", "donates", "plans", "refusals", "_withheld")
+    __slots__ = ("proof", "donates", "plans", "refusals", "outcomes", "_withheld")
 
     def __init__(self, proof: callsite.CallSiteProof, plans_ok: bool):
         self.proof = proof
@@ -323,6 +323,8 @@ class Site:
         self.plans: dict | None = {} if plans_ok or not self.donates else None
         # signature -> the run-time check's refusals at this site (``_dispatch.Refusals``)
         self.refusals: dict = {}
+        # what the run-time checks did at this site's calls, for the report (``Outcomes``)
+        self.outcomes = Outcomes()
         self._withheld: Site | None = None
 
     def withheld(self) -> Site:
@@ -335,6 +337,39 @@ class Site:
             w.donates = False
             self._withheld = w
         return w
+
+
+class Outcomes:
+    """What the run-time checks did at one call site, for the report (``Inspection.site_calls``)
+    and the run summary: written only where a call already takes the general path (a
+    signature's first call, a cached plan's refusal, the call observed after one), never by a
+    cached plan that runs, so the calls that repeat pay nothing for it. Hence ``donated`` is a
+    lower bound (the calls a cached plan ran are not counted), and ``refused`` exact where a
+    refusal can only be made on the general path (every cached plan's refusal comes there).
+
+    ``refused``/``why``: per argument (position or name), the calls whose check refused it and
+    the last reason. ``donated``: the calls seen to donate it. ``unobserved``: some refused
+    signature's next calls were not observed (no ``_plans.observing`` for it: keyword, static,
+    pytree or static-leaf calls), so calls between refusals may have donated uncounted."""
+
+    __slots__ = ("refused", "why", "donated", "unobserved")
+
+    def __init__(self):
+        self.refused: dict = {}
+        self.why: dict = {}
+        self.donated: dict = {}
+        self.unobserved = False
+
+    def record(self, donated, reasons, observed: bool = True) -> None:
+        """One general-path call: the arguments it donated, ``(argument, why)`` of those the
+        checks refused; ``observed``: a refusal whose signature's next call is observed."""
+        for key in donated:
+            self.donated[key] = self.donated.get(key, 0) + 1
+        for key, why in reasons:
+            self.refused[key] = self.refused.get(key, 0) + 1
+            self.why[key] = why
+        if reasons and not observed:
+            self.unobserved = True
 
 
 _HOST_BYTES_LOCK = threading.Lock()

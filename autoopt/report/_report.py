@@ -325,11 +325,20 @@ _HANDLER_LOCK = threading.Lock()
 
 
 def _with_call_sites(findings: list[Finding], inspection) -> list[Finding]:
-    """Add what the recorded call sites proved (donation under ``"safe"``)."""
+    """Add what the recorded call sites proved (donation under ``"safe"``), and what their
+    calls' run-time checks then did (``Inspection.site_calls``)."""
     sites = list(inspection.call_sites)
     if not sites:
         return findings
     out = list(findings)
+    # A call site's argument k is the program's argument k + shift (equinox's inner program
+    # takes arguments of its own first): the pass's findings are keyed by the program's.
+    shift = getattr(inspection, "site_shift", 0)
+    calls_at = getattr(inspection, "site_calls", None) or {}
+
+    def arg_of(key):
+        return key + shift if isinstance(key, int) else key
+
     # What the donation pass knows per argument: its name, and whether any output could reuse
     # it (a call site's reasons about an argument nothing can reuse are noise).
     names = {
@@ -356,30 +365,18 @@ def _with_call_sites(findings: list[Finding], inspection) -> list[Finding]:
         donatable = set(positions) | set(names_donated)
 
     def label(key) -> str:
-        name = names.get(key)
+        name = names.get(arg_of(key))
         return f"argument {key!r}" + (f" (`{name}`)" if name and name != key else "")
 
     for proof in sites:
+        calls = calls_at.get(proof.location)
         for key in list(proof.positions) + list(proof.names):
-            if key in useless or (donatable is not None and key not in donatable):
+            arg = arg_of(key)
+            if arg in useless or (donatable is not None and arg not in donatable):
                 continue
-            out.append(
-                Finding(
-                    kind="donate",
-                    applied=True,
-                    location=proof.location,
-                    pass_name="donation",
-                    message=(
-                        f"{label(key)} donated at this call site: `{proof.statement}` rebinds "
-                        "it, so its buffers are dead after the call (when an output can reuse "
-                        "them and nothing else refers to them)."
-                    ),
-                    details={"arg": key, "site": proof.location},
-                    bytes_saved=nbytes.get(key),
-                )
-            )
+            out.append(_site_donation(proof, key, arg, label(key), nbytes.get(arg), calls))
         for key, why in proof.reasons:
-            if key in useless:
+            if arg_of(key) in useless:
                 continue
             out.append(
                 Finding(
@@ -388,10 +385,76 @@ def _with_call_sites(findings: list[Finding], inspection) -> list[Finding]:
                     location=proof.location,
                     pass_name="donation",
                     message=f"{label(key)} not donated at this call site: {why}.",
-                    details={"arg": key, "site": proof.location},
+                    details={"arg": arg_of(key), "site": proof.location},
                 )
             )
     return out
+
+
+def _site_donation(proof, key, arg, label: str, nbytes: int | None, calls) -> Finding:
+    """The row of an argument a call site proves dead, as its calls' run-time checks left it
+    (``SiteCalls``: recorded where a call takes the general path, so ``donated`` is a lower
+    bound and a refusal is always counted)."""
+    refused = calls.refused.get(key, 0) if calls is not None else 0
+    donated = calls.donated.get(key, 0) if calls is not None else 0
+    narrowed = calls is not None and key in calls.narrowed
+    after = calls.narrowed_after if calls is not None else 0
+    details = {"arg": arg, "site": proof.location}
+    rebinds = f"`{proof.statement}` rebinds it"
+    if not (refused or narrowed):
+        return Finding(
+            kind="donate",
+            applied=True,
+            location=proof.location,
+            pass_name="donation",
+            message=(
+                f"{label} donated at this call site: {rebinds}, so its buffers are dead after "
+                "the call (when an output can reuse them and nothing else refers to them)."
+            ),
+            details=details,
+            bytes_saved=nbytes,
+        )
+    details.update(refused_calls=refused, donated_calls=donated, narrowed=narrowed)
+    why = calls.why.get(key) if calls is not None else None
+    because = f": {why}" if why else ""
+    times = f"{refused} call{'s' if refused != 1 else ''}"
+    applied = False
+    if narrowed:
+        message = (
+            f"{label} not donated at this call site now: {rebinds}, but the run-time check "
+            f"refused it at {times}{because}; after {after} refused calls "
+            "in a row the site runs an executable that does not donate it (no device copies), "
+            "checking again now and then."
+        )
+    elif donated == 0 and calls is not None and calls.exact:
+        message = (
+            f"{label} not donated at this call site: {rebinds}, but the run-time check refused "
+            f"it at every call so far ({times}){because}; each call passed a device copy of it "
+            "to the executable that donates it."
+        )
+    elif donated == 0:
+        message = (
+            f"{label} donated at this call site only where the run-time check passed: "
+            f"{rebinds}, but the check refused it at {times}{because} (each passed a device "
+            "copy of it); the calls in between are not counted (counting them would cost "
+            "every call)."
+        )
+    else:
+        applied = True
+        message = (
+            f"{label} donated at this call site: {rebinds}, so its buffers are dead after the "
+            f"call; except at {times} refused by the run-time check{because} (each passed a "
+            "device copy of it)."
+        )
+    return Finding(
+        kind="donate",
+        applied=applied,
+        location=proof.location,
+        pass_name="donation",
+        message=message,
+        details=details,
+        bytes_saved=nbytes if applied else None,
+    )
 
 
 def _replay_original(inspection):
