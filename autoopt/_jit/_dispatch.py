@@ -803,7 +803,7 @@ def _copies_paid_for(
     if kwargs or of._policy.has_static or _multiprocess.several() or program.lost_updates:
         return False
     found = _plan_key(of._policy, args, kwargs)
-    if found is None or found[1] == "tree":
+    if found is None:
         return False
     sig = found[0]
     row = site.refusals.get(sig)
