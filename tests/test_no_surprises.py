@@ -15,6 +15,7 @@ import enum
 import functools
 import gc
 import operator
+import os
 import signal
 import sys
 import time
@@ -1223,3 +1224,50 @@ def test_a_call_refused_a_positional_and_a_keyword_argument_runs_as_under_jax_ji
     for a, b in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)):
         assert not b.is_deleted()
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+_ping_during_trace = [False]
+
+
+def _pinging_step(x):
+    if _ping_during_trace[0]:  # (in the trace: a signal lands while the function is traced)
+        os.kill(os.getpid(), signal.SIGUSR1)
+    return x * 2 + 1
+
+
+_pinging_step_opt = autoopt.optimize(_pinging_step)
+
+
+def _step_global_x() -> bool:
+    """``x_global = _pinging_step_opt(x_global)``: whether the call donated (buffer reused)."""
+    global x_global
+    before = x_global.unsafe_buffer_pointer()
+    x_global = _pinging_step_opt(x_global)
+    return x_global.unsafe_buffer_pointer() == before
+
+
+def test_a_handler_run_by_a_trace_inside_a_donating_call_never_keeps_a_deleted_array():
+    # (a review of the C path's unread handlers: a warm call under a new jax config context
+    # misses its jit object's cache and traces again, after the reference counts were checked;
+    # a handler run in that trace kept the global, which the executable then donated)
+    global x_global
+    kept: list = []
+    x_global = jnp.arange(4.0) + 0
+    for _ in range(3):
+        _step_global_x()  # the site's plan made before the handler
+    old = signal.signal(signal.SIGUSR1, lambda signum, frame: kept.append(x_global))
+    try:
+        _step_global_x()
+        start = np.asarray(x_global + 0)  # (a NumPy view of x_global itself would pin it)
+        _ping_during_trace[0] = True
+        try:
+            with jax.numpy_rank_promotion("raise"):  # a new context: jax traces again
+                _step_global_x()
+        finally:
+            _ping_during_trace[0] = False
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+    assert len(kept) == 1 and not kept[0].is_deleted()
+    # the state before the statement or after it, as a handler finds under jax.jit
+    assert np.asarray(kept[0]).tolist() in (start.tolist(), (2 * start + 1).tolist())
+    np.testing.assert_array_equal(np.asarray(x_global), 2 * start + 1)

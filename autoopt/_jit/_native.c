@@ -646,6 +646,12 @@ filter_error(void)
  * (``OptimizedFunction._fit_escaped``). */
 static PyObject *hs_target(PyObject *jit);
 static PyTypeObject HoldsSignalsType;
+static int held_depth;
+/* The depth of the hold of a call whose plan left the signal handlers unread (``run_spec``),
+ * while its executable's jit object is called; 0: none. Such a call checked the reference
+ * counts with no handler able to run until its names are bound, and a trace its jit object
+ * starts (a new jax config context: a cache miss) must not let one run in between. */
+static int sealed_at;
 
 static PyObject *
 run_jit(CallPath *self, PyObject *site, PyObject *jit, PyObject *args)
@@ -810,7 +816,13 @@ run_plan(CallPath *self, PyObject *site, PyObject *plan, PyObject *args, PyObjec
             return refused < 0 ? -1 : 0;
         }
         if (runner == Py_None) {
+            /* (a call that left the handlers unread keeps them held through a trace its jit
+             * object may start: ``suspend_deep``) */
+            int outer_sealed = sealed_at;
+            if (handlers_unread)
+                sealed_at = held_depth;
             *out = run_jit(self, site, jit, args);
+            sealed_at = outer_sealed;
         } else { /* the plan's ``run(args)``: the placer, and its own catcher of FitCheck */
             PyObject *copy = copy_args(args);
             *out = copy == NULL ? NULL : PyObject_CallOneArg(runner, copy);
@@ -1124,7 +1136,7 @@ done:
  * the passes, which jax traces inside a first call, run with handlers as under jax.jit
  * (``suspend_deep``, called by the traced wrapper), so Ctrl-C interrupts a long trace at once. */
 
-static int held_depth;              /* the calls of the main thread holding signals */
+/* held_depth: the calls of the main thread holding signals (declared above) */
 static PyThreadState *held_tstate;  /* the main thread's, while ``held_depth > 0`` */
 static PyObject *held_type, *held_value, *held_tb;
 static int held_at; /* the depth of the holder that was innermost when it was held */
@@ -1270,6 +1282,8 @@ suspend_deep(PyObject *module, PyObject *unused)
 {
     if (!deep_on || PyThreadState_GET() != held_tstate)
         Py_RETURN_FALSE;
+    if (sealed_at > 0 && sealed_at == held_depth)
+        Py_RETURN_FALSE; /* (the handlers wait for the names: see ``sealed_at``) */
     int at = deep_at;
     if (deep_end() < 0) {
         /* (Ctrl-C during the call, before the trace: nothing ran yet; raised from here, and
@@ -1816,6 +1830,7 @@ static PyObject *
 after_fork(PyObject *module, PyObject *unused)
 {
     held_depth = 0;
+    sealed_at = 0;
     held_tstate = NULL;
     deep_on = 0;
     Py_CLEAR(held_type);
