@@ -117,3 +117,38 @@ def test_a_narrowed_site_says_it_runs_an_executable_not_donating_the_argument():
         "the site runs an executable that does not donate it (no device copies), checking "
         "again now and then."
     )
+
+
+_global_state = jnp.ones(8)
+
+
+def _loop_on_the_global(step, n: int) -> int:
+    """``n`` calls of ``_global_state = step(_global_state, y)``: how many donated."""
+    global _global_state
+    y, donated = jnp.ones(8) + 0, 0
+    for _ in range(n):
+        before = _global_state.unsafe_buffer_pointer()
+        _global_state = step(_global_state, y)
+        donated += _global_state.unsafe_buffer_pointer() == before
+    return donated
+
+
+def test_a_global_refused_by_the_sites_check_while_a_thread_runs_is_not_called_donated():
+    # (a review: refusals by the proof's check, another thread holding a Python frame here,
+    # were never recorded, and the row read "applied yes ... donated at this call site")
+    import threading
+
+    global _global_state
+    step = autoopt.optimize(_halve)
+    _global_state = jnp.ones(8) + 0
+    stop = threading.Event()
+    reader = threading.Thread(target=stop.wait, daemon=True)
+    reader.start()
+    try:
+        assert _loop_on_the_global(step, 5) == 0  # the premise: nothing was donated
+    finally:
+        stop.set()
+        reader.join()
+    (row,) = _site_rows(step.explain(_global_state, jnp.ones(8)))
+    assert not row.applied, row.message
+    assert "another thread, a signal handler or a tracer" in row.message, row.message

@@ -1092,7 +1092,8 @@ class OptimizedFunction(_CallBase):
                     if site is None:
                         site = self._prove(frame)
                     if site.donates and not site.proof.check(frame, self, args, kwargs):
-                        site = site.withheld()  # another callee, or a thread could read a name
+                        # another callee, or a thread could read a name
+                        site = site.refused_by_check()
                     del frame
                     if site.donates or self._caches.lookup_plain:
                         # (a site that donates nothing: the signature's executable may donate)
@@ -1845,7 +1846,7 @@ class _BoundOptimized:
                 if site is None:
                     site = owner._prove(frame, shift=1, key=key)
                 if site.donates and not site.proof.check(frame, owner, args, kwargs):
-                    site = site.withheld()
+                    site = site.refused_by_check()
                 if site.donates:  # (the statement's names bound before a signal's exception)
                     plan = owner._dispatch(site, full, kwargs, 1)
                     return call_holding_signals(

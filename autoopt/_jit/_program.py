@@ -338,6 +338,23 @@ class Site:
             self._withheld = w
         return w
 
+    def refused_by_check(self) -> Site:
+        """``withheld()``, for a call whose proof's run-time check refused: recorded in this
+        site's ``outcomes`` (every such call comes through the Python path), so that the report
+        does not call the site's donation applied."""
+        self.outcomes.record(
+            (), tuple((k, _CHECK_REFUSED) for k in (*self.proof.positions, *self.proof.names))
+        )
+        return self.withheld()
+
+
+# Why a call's run-time check of its call site's proof refused (``CallSiteProof.check``).
+_CHECK_REFUSED = (
+    "the call site's run-time check refused: another thread, a signal handler or a tracer "
+    "could read the name during the call, or the callee or a name no longer holds what the "
+    "call received"
+)
+
 
 class Outcomes:
     """What the run-time checks did at one call site, for the report (``Inspection.site_calls``)
