@@ -251,3 +251,39 @@ def test_a_repeating_layout_is_compiled_once_and_pooled():
         assert_trees_equivalent(expected, b, exact=True)
     assert len(compiles) <= 1  # the layout's identity, from its second batch on
     assert autoopt.prefetch([]).cache_sizes()["pooled_bytes"] > 0
+
+
+@pytest.mark.parametrize("close", [True, False])
+def test_a_loop_left_early_lets_the_process_exit_cleanly(close):
+    # (a review: the worker was still inside jax when the interpreter finalized, and the
+    # process aborted at exit, "terminate called after throwing an instance of ...", in 3 of
+    # 6 runs; now close() and exit join it)
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        f"""
+        import numpy as np
+        import autoopt
+
+        def batches():
+            for i in range(5):
+                yield {{"img": np.ones((8, 4), np.float32) + i}}
+
+        it = autoopt.prefetch(batches())
+        for b in it:
+            break
+        if {close!r}:
+            it.close()
+        print("done", flush=True)
+        """
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    for _ in range(4):
+        done = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert (done.returncode, done.stdout.strip()) == (0, "done"), done.stderr[-2000:]

@@ -28,8 +28,10 @@ double-buffered input pipeline.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -303,6 +305,26 @@ class _Failure:
 _END = _End()
 
 
+# The running workers and their stop events. At exit each is stopped and joined: a daemon
+# thread still inside jax's runtime when the interpreter finalizes aborts the process
+# ("terminate called after throwing an instance of ..."), which a loop left with ``break``
+# met on every exit (a review).
+_WORKERS: dict[threading.Thread, threading.Event] = {}
+_JOIN_AT_EXIT_S = 10.0
+_JOIN_AT_CLOSE_S = 5.0
+
+
+def _stop_workers_at_exit() -> None:
+    for stop in list(_WORKERS.values()):
+        stop.set()
+    deadline = time.monotonic() + _JOIN_AT_EXIT_S
+    for thread in list(_WORKERS):
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+atexit.register(_stop_workers_at_exit)
+
+
 def _prefetch_worker(
     source: Iterator, q: queue.Queue, stop: threading.Event, sharding, process_local: bool
 ) -> None:
@@ -336,6 +358,7 @@ def _prefetch_worker(
                 close()
             except Exception:  # noqa: BLE001 - the consumer is gone; nothing to report to
                 pass
+        _WORKERS.pop(threading.current_thread(), None)
 
 
 class Prefetch(Iterator):
@@ -352,6 +375,7 @@ class Prefetch(Iterator):
             name="autoopt-prefetch",
             daemon=True,
         )
+        _WORKERS[self.thread] = self._stop
         self.thread.start()
 
     def __iter__(self):
@@ -379,7 +403,8 @@ class Prefetch(Iterator):
         return cache_sizes()
 
     def close(self) -> None:
-        """Stop the background thread; pending placed batches are dropped."""
+        """Stop the background thread, and wait for it (up to 5 s: a source blocked in its own
+        ``next`` is left to end by itself); pending placed batches are dropped."""
         self._done = True
         self._stop.set()
         try:
@@ -387,6 +412,8 @@ class Prefetch(Iterator):
                 self._queue.get_nowait()
         except queue.Empty:
             pass
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout=_JOIN_AT_CLOSE_S)
 
     def __enter__(self):
         return self
