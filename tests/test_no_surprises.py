@@ -1271,3 +1271,70 @@ def test_a_handler_run_by_a_trace_inside_a_donating_call_never_keeps_a_deleted_a
     # the state before the statement or after it, as a handler finds under jax.jit
     assert np.asarray(kept[0]).tolist() in (start.tolist(), (2 * start + 1).tolist())
     np.testing.assert_array_equal(np.asarray(x_global), 2 * start + 1)
+
+
+_trace_action: list = [None]
+_handler_runs: list = []
+
+
+@autoopt.optimize
+def _inner_opt(y):
+    return y + 0
+
+
+def _acting_step(x):
+    action = _trace_action[0]
+    if action in ("nested", "handler in trace"):
+        os.kill(os.getpid(), signal.SIGUSR1)
+        _handler_runs.append(len(_kept_by_handler))  # (1: it ran here, in the trace)
+        if action == "nested":
+            x = _inner_opt(x)  # a nested optimized call, which holds signals of its own
+    elif action == "signal.signal":
+        signal.signal(signal.SIGUSR2, signal.SIG_DFL)  # CPython asks for the main thread
+    return x * 2 + 1
+
+
+_acting_step_opt = autoopt.optimize(_acting_step)
+_kept_by_handler: list = []
+
+
+def _act_on_global_x() -> None:
+    global x_global
+    x_global = _acting_step_opt(x_global)
+
+
+_NEW_CONTEXT = {
+    "nested": lambda: jax.numpy_rank_promotion("raise"),
+    "signal.signal": lambda: jax.default_matmul_precision("highest"),
+    "handler in trace": lambda: jax.numpy_rank_promotion("warn"),
+}
+
+
+@pytest.mark.parametrize("action", list(_NEW_CONTEXT))
+def test_a_warm_donating_call_that_traces_again_traces_as_jax_jit_does(action):
+    # (a review of the handlers held through such a trace: a nested function's hold let them
+    # run, and a kept global was deleted; signal.signal in the traced function raised
+    # "signal only works in main thread"; a handler waited for the trace to end. The trace is
+    # now taken on the Python path, as without a cached plan.)
+    global x_global
+    _kept_by_handler.clear()
+    _handler_runs.clear()
+    x_global = jnp.arange(4.0) + 0
+    for _ in range(3):
+        _act_on_global_x()  # the site's plan made before the handler
+    old = signal.signal(signal.SIGUSR1, lambda signum, frame: _kept_by_handler.append(x_global))
+    try:
+        _act_on_global_x()
+        start = np.asarray(x_global + 0)
+        _trace_action[0] = action
+        try:
+            with _NEW_CONTEXT[action]():  # a context new to the function: jax traces again
+                _act_on_global_x()
+        finally:
+            _trace_action[0] = None
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+    assert all(not k.is_deleted() for k in _kept_by_handler)
+    np.testing.assert_array_equal(np.asarray(x_global), 2 * start + 1)
+    if action != "signal.signal":
+        assert _handler_runs == [1]  # the handler ran in the trace, as under jax.jit

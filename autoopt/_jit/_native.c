@@ -649,9 +649,16 @@ static PyTypeObject HoldsSignalsType;
 static int held_depth;
 /* The depth of the hold of a call whose plan left the signal handlers unread (``run_spec``),
  * while its executable's jit object is called; 0: none. Such a call checked the reference
- * counts with no handler able to run until its names are bound, and a trace its jit object
- * starts (a new jax config context: a cache miss) must not let one run in between. */
+ * counts with no handler able to run until its names are bound. A trace its jit object starts
+ * (a cache miss: a new jax config context) would run handlers and the user's code in between,
+ * so it is stopped at once (``suspend_deep`` raises ``SealedRetrace``) and the call goes to the
+ * Python path, which reads the handlers, as if no plan were cached. (Keeping handlers held
+ * through the trace instead was tried: a nested function's hold let them run, ``signal.signal``
+ * in the traced function raised, and a trace could not be interrupted.) */
 static int sealed_at;
+static PyObject *sealed_retrace; /* the exception type (a BaseException: nothing catches it) */
+static int deep_end(void);
+static int deep_on, deep_at;
 
 static PyObject *
 run_jit(CallPath *self, PyObject *site, PyObject *jit, PyObject *args)
@@ -823,6 +830,16 @@ run_plan(CallPath *self, PyObject *site, PyObject *plan, PyObject *args, PyObjec
                 sealed_at = held_depth;
             *out = run_jit(self, site, jit, args);
             sealed_at = outer_sealed;
+            if (*out == NULL && handlers_unread && PyErr_ExceptionMatches(sealed_retrace)) {
+                /* nothing ran: handlers run again (those pending now), and the Python path
+                 * plans the call */
+                PyErr_Clear();
+                Py_DECREF(jit);
+                Py_DECREF(runner);
+                if (deep_on && deep_at >= held_depth && deep_end() < 0)
+                    return -1;
+                return 0;
+            }
         } else { /* the plan's ``run(args)``: the placer, and its own catcher of FitCheck */
             PyObject *copy = copy_args(args);
             *out = copy == NULL ? NULL : PyObject_CallOneArg(runner, copy);
@@ -1141,8 +1158,8 @@ static PyThreadState *held_tstate;  /* the main thread's, while ``held_depth > 0
 static PyObject *held_type, *held_value, *held_tb;
 static int held_at; /* the depth of the holder that was innermost when it was held */
 
-static int deep_on;             /* handlers cannot run: ``main_thread`` cleared */
-static int deep_at;             /* the depth of the holder that cleared it */
+/* deep_on: handlers cannot run (``main_thread`` cleared); deep_at: the depth of the holder
+ * that cleared it (declared above) */
 static unsigned long deep_main; /* the main thread's ident, restored after it */
 
 /* Keep the exception set now for the innermost holder (a later one is dropped: the first
@@ -1280,10 +1297,13 @@ hs_vectorcall(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwna
 static PyObject *
 suspend_deep(PyObject *module, PyObject *unused)
 {
+    if (sealed_at > 0 && held_depth >= sealed_at && PyThreadState_GET() == held_tstate) {
+        PyErr_SetString(sealed_retrace, "autoopt: a cached call's trace, taken again on the "
+                                        "Python path (never reaches the caller)");
+        return NULL; /* (see ``sealed_at``) */
+    }
     if (!deep_on || PyThreadState_GET() != held_tstate)
         Py_RETURN_FALSE;
-    if (sealed_at > 0 && sealed_at == held_depth)
-        Py_RETURN_FALSE; /* (the handlers wait for the names: see ``sealed_at``) */
     int at = deep_at;
     if (deep_end() < 0) {
         /* (Ctrl-C during the call, before the trace: nothing ran yet; raised from here, and
@@ -1926,7 +1946,9 @@ PyInit__native(void)
     s_shape = PyUnicode_InternFromString("shape");
     s_dtype = PyUnicode_InternFromString("dtype");
     empty_dict = PyDict_New();
-    if (!s_value || !s_donates || !s_plans || !s_proof || !s_slot_spec || !s_binding ||
+    sealed_retrace = PyErr_NewException("autoopt._jit._native.SealedRetrace", PyExc_BaseException,
+                                        NULL);
+    if (!sealed_retrace || !s_value || !s_donates || !s_plans || !s_proof || !s_slot_spec || !s_binding ||
         !s_same_call || !s_lookup_plain ||
         !s_native || !s_is_deleted || !s_fit_escaped || !s_aval || !s_shape || !s_dtype ||
         !empty_dict)
