@@ -287,3 +287,31 @@ def test_a_loop_left_early_lets_the_process_exit_cleanly(close):
             [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
         )
         assert (done.returncode, done.stdout.strip()) == (0, "done"), done.stderr[-2000:]
+
+
+def test_close_does_not_wait_for_a_source_blocked_in_next_and_a_stopped_worker_places_nothing(
+    monkeypatch,
+):
+    # (a review: close() and exit waited 5 s and 10 s for a loader blocked on a socket; the
+    # worker is waited for only while it places a batch, inside jax)
+    from autoopt.passes.placement import _prefetch
+
+    placed: list = []
+    real = _prefetch.place_batch
+    monkeypatch.setattr(_prefetch, "place_batch", lambda *a, **k: placed.append(1) or real(*a, **k))
+    release = threading.Event()
+
+    def source():
+        yield np.zeros(3, np.float32)
+        release.wait()  # blocked until the test lets it go
+        yield np.ones(3, np.float32)
+
+    pf = autoopt.prefetch(source())
+    for _ in pf:
+        break
+    pf.close()
+    assert pf.thread.is_alive()  # close() returned with the worker still blocked in next()
+    release.set()
+    pf.thread.join(timeout=30)
+    assert not pf.thread.is_alive()
+    assert placed == [1]  # the batch its source gave after the stop was not placed

@@ -305,24 +305,48 @@ class _Failure:
 _END = _End()
 
 
-# The running workers and their stop events. At exit each is stopped and joined: a daemon
-# thread still inside jax's runtime when the interpreter finalizes aborts the process
-# ("terminate called after throwing an instance of ..."), which a loop left with ``break``
-# met on every exit (a review).
+# The running workers and their stop events, and those placing a batch (inside jax) now. At
+# exit, and at ``close()``, each is stopped, and those placing are waited for: a daemon thread
+# still inside jax's runtime when the interpreter finalizes aborts the process ("terminate
+# called after throwing an instance of ..."), which a loop left with ``break`` met on 3 of 6
+# exits (a review). One blocked in its source's ``next`` is not waited for (a loader blocked on
+# a socket would stall every exit): once stopped, it places nothing more (``_PLACING_LOCK``).
 _WORKERS: dict[threading.Thread, threading.Event] = {}
+_PLACING: set[threading.Thread] = set()
+_PLACING_LOCK = threading.Lock()
 _JOIN_AT_EXIT_S = 10.0
 _JOIN_AT_CLOSE_S = 5.0
 
 
-def _stop_workers_at_exit() -> None:
-    for stop in list(_WORKERS.values()):
-        stop.set()
-    deadline = time.monotonic() + _JOIN_AT_EXIT_S
-    for thread in list(_WORKERS):
+def _stop_and_wait(workers: dict[threading.Thread, threading.Event], seconds: float) -> None:
+    """Stop ``workers``, and wait (up to ``seconds`` in all) for those placing a batch."""
+    with _PLACING_LOCK:
+        for stop in workers.values():
+            stop.set()
+        placing = [t for t in workers if t in _PLACING and t is not threading.current_thread()]
+    deadline = time.monotonic() + seconds
+    for thread in placing:
         thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
+def _stop_workers_at_exit() -> None:
+    _stop_and_wait(dict(_WORKERS), _JOIN_AT_EXIT_S)
+
+
 atexit.register(_stop_workers_at_exit)
+
+
+def _placed(batch, stop: threading.Event, sharding, process_local: bool):
+    """``place_batch(batch, ...)``, or None when the worker was stopped first."""
+    me = threading.current_thread()
+    with _PLACING_LOCK:
+        if stop.is_set():
+            return None
+        _PLACING.add(me)
+    try:
+        return place_batch(batch, sharding, process_local)
+    finally:
+        _PLACING.discard(me)
 
 
 def _prefetch_worker(
@@ -347,7 +371,8 @@ def _prefetch_worker(
             except StopIteration:
                 put(_END)
                 return
-            if not put(place_batch(batch, sharding, process_local)):
+            placed = _placed(batch, stop, sharding, process_local)
+            if placed is None or not put(placed):
                 return
     except BaseException as e:  # noqa: BLE001 - surfaces in the consumer, with its traceback
         put(_Failure(e))
@@ -403,8 +428,9 @@ class Prefetch(Iterator):
         return cache_sizes()
 
     def close(self) -> None:
-        """Stop the background thread, and wait for it (up to 5 s: a source blocked in its own
-        ``next`` is left to end by itself); pending placed batches are dropped."""
+        """Stop the background thread, and wait for it if it is placing a batch (up to 5 s;
+        one blocked in its source's ``next`` places nothing more); pending placed batches are
+        dropped."""
         self._done = True
         self._stop.set()
         try:
@@ -412,8 +438,7 @@ class Prefetch(Iterator):
                 self._queue.get_nowait()
         except queue.Empty:
             pass
-        if self.thread is not threading.current_thread():
-            self.thread.join(timeout=_JOIN_AT_CLOSE_S)
+        _stop_and_wait({self.thread: self._stop}, _JOIN_AT_CLOSE_S)
 
     def __enter__(self):
         return self
